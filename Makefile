@@ -1,0 +1,61 @@
+# MiniQLoRA-MoE Labs. Every target creates .venv first if it is missing or out of date.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+EXP ?= experiments/00-pretrain-base
+SUBMISSIONS ?= submissions
+LAB ?=
+
+.PHONY: venv lab test test-fast course grade reproduce run check-exercises lint lock clean
+
+venv: $(STAMP)
+
+# torch first and pinned, so that nothing later can pull a CUDA build onto a CPU machine.
+$(STAMP): pyproject.toml constraints.txt
+	@echo "== setting up $(VENV) =="
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	@touch $@
+
+lab: $(STAMP)  ## serve JupyterLab on labs/
+	$(PY) -m jupyter lab --notebook-dir=labs
+
+test: $(STAMP)  ## everything CI runs: lint, unit tests, notebooks pipeline, experiments
+	$(VENV)/bin/ruff check src tests solutions experiments
+	$(PY) -m pytest --durations=15
+
+test-fast: $(STAMP)  ## unit tests only (no notebooks, no experiment re-runs)
+	$(PY) -m pytest -m "not notebooks and not slow"
+
+course: $(STAMP)  ## build the nbgrader course in build/course and refresh labs/
+	$(PY) -m labkit course
+
+grade: $(STAMP)  ## autograde SUBMISSIONS=dir/<student>/<NN-name>.ipynb -> build/grades
+	$(PY) -m labkit grade $(SUBMISSIONS)
+
+run: $(STAMP)  ## run an experiment and write its manifest: make run EXP=experiments/NN-name
+	$(PY) -m labkit run $(EXP)
+
+reproduce: $(STAMP)  ## re-run and compare: make reproduce EXP=experiments/NN-name
+	$(PY) -m labkit reproduce $(EXP)/manifest.json
+
+check-exercises: $(STAMP)  ## blank each solution region alone; some test must fail (slow)
+	$(PY) -m labkit check-exercises $(LAB)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests solutions experiments
+
+lock: $(STAMP)  ## re-freeze constraints.txt from the current .venv
+	{ echo "# Exact versions the course is tested with (pip freeze of a fresh .venv, CPU machine)."; \
+	  echo "# Regenerate with: make lock"; \
+	  $(PY) -m pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; } > constraints.txt.tmp
+	mv constraints.txt.tmp constraints.txt
+
+clean:
+	rm -rf build .pytest_cache .ruff_cache

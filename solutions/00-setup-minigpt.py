@@ -1,0 +1,763 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lab 00 — Setup: MiniGPT, the task suite, and four building blocks
+#
+# Every later lab in this course quantizes, adapts or routes **one small model on one small
+# set of problems**. This lab shows you both before you change anything, and has you rebuild
+# four pieces that the rest of the course leans on:
+#
+# | # | you write | used again in |
+# |---|---|---|
+# | 1 | `causal_attention(q, k, v)`: masked attention | every forward pass; LoRA (Lab 04) |
+# | 2 | `encode(text)` / `decode(ids)`: the tokenizer | every prompt and every answer |
+# | 3 | `make_training_pair(...)`: prompt-masked pairs | fine-tuning (Labs 05, 06, 11) |
+# | 4 | `state_dict_sha256(sd)`: a weights fingerprint | every experiment manifest |
+#
+# **How to work.** Run the cells from top to bottom. Where you see
+# `raise NotImplementedError()`, replace it with your code. Each exercise is followed by a
+# test cell: run it, and if it fails, read the message — it says what was expected and what
+# your code returned. The test cells you see are not all of the tests: grading runs more
+# (hidden) checks of the same specification, so make your function right, not just green.
+#
+# Nothing here trains a model, and nothing needs a GPU: the whole notebook runs in well under
+# a minute on a laptop CPU.
+
+# %%
+# ruff: noqa: E501  (in the source file, each nbgrader cell header is one long line)
+import hashlib
+import tempfile
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+import labkit
+import minigpt
+from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks
+from minigpt.tokenizer import ALPHABET
+from minituner import SequenceData
+
+torch.manual_seed(0)
+print("torch", torch.__version__, "| threads:", torch.get_num_threads())
+
+# %% [markdown]
+# ## Part A — A tour
+#
+# ### A.1 The synthetic task suite
+#
+# Each task turns a random generator into a `(prompt, answer)` pair. The prompt names the task,
+# gives the input, and ends with `=`; the model must then write the answer and stop by writing
+# the end-of-sequence token `<eos>`. Answers are scored by **exact match**, so "did it work?" is
+# never a matter of taste.
+#
+# `tasks.TASKS` maps each task name to its generator, and `tasks.make_examples(task, n, seed,
+# split)` returns `n` examples. One task, `tasks.HELD_OUT`, was left out when the base model was
+# pretrained: it is the skill the fine-tuning labs will teach.
+
+# %%
+print("held-out task:", tasks.HELD_OUT)
+print("pretraining tasks:", tasks.PRETRAIN_TASKS)
+print()
+for name in tasks.TASKS:
+    for ex in tasks.make_examples(name, 2, seed=0):
+        print(f"{name:>6}   prompt {ex.prompt!r:<24} answer {ex.answer!r}")
+
+# %% [markdown]
+# ### A.2 The train / eval split is decided by a hash of the prompt
+#
+# The generators draw from small spaces (there are only 10 000 additions of two numbers below
+# 100), so a prompt used in training could easily turn up again at evaluation time, and a
+# model that memorised it would look cleverer than it is. To prevent that, `tasks.split_of`
+# hashes the prompt text with sha256 and sends a fixed 20 % of all possible prompts to `"eval"`
+# and the rest to `"train"`. `make_examples(..., split="eval")` keeps drawing until it has `n`
+# prompts of that split.
+#
+# Because the split depends only on the text, it does not matter which seed or which lab
+# generated a prompt: it always lands on the same side. The cell below checks that the two
+# sides never share a prompt, and that lists are reproducible from `(task, seed, split)`.
+
+# %%
+for name in tasks.TASKS:
+    train_prompts = {ex.prompt for ex in tasks.make_examples(name, 500, seed=0, split="train")}
+    eval_prompts = {ex.prompt for ex in tasks.make_examples(name, 200, seed=0, split="eval")}
+    shared = train_prompts & eval_prompts
+    print(f"{name:>6}: {len(train_prompts):3d} distinct train prompts, "
+          f"{len(eval_prompts):3d} distinct eval prompts, shared: {len(shared)}")
+    assert not shared
+
+assert tasks.make_examples("add", 5, seed=7) == tasks.make_examples("add", 5, seed=7)
+
+# All 10 000 possible addition prompts: which share goes to eval?
+every_add = [f"add:{a}+{b}=" for a in range(100) for b in range(100)]
+eval_adds = [p for p in every_add if tasks.split_of(p) == "eval"]
+print(f"\n{len(eval_adds)} of {len(every_add)} addition prompts are eval-only "
+      f"({len(eval_adds) / len(every_add):.1%}), e.g. {eval_adds[:3]}")
+
+# %% [markdown]
+# ### A.3 The character tokenizer
+#
+# MiniGPT reads characters. `CharTokenizer` gives id 0 to padding (`<pad>`), id 1 to
+# end-of-sequence (`<eos>`), and ids 2, 3, … to the characters of a fixed alphabet, in order.
+# A fixed alphabet means every checkpoint in the course shares one vocabulary. You will
+# rebuild this in Exercise 2.
+
+# %%
+tok = CharTokenizer()
+print("alphabet:", repr(ALPHABET), "| vocab_size:", tok.vocab_size)
+ids = tok.encode("add:12+7=")
+print("encode('add:12+7=') ->", ids)
+print("decode(...)         ->", repr(tok.decode(ids + [tok.eos_id] + tok.encode("ignored"))))
+
+# %% [markdown]
+# ### A.4 The model
+#
+# `MiniGPTConfig` is a dataclass; `MiniGPT(config)` builds a small Llama-style decoder:
+# token and position embeddings, `n_layer` blocks of (RMSNorm → causal self-attention →
+# residual, RMSNorm → SwiGLU MLP → residual), a final RMSNorm and a linear head over the
+# vocabulary. The projection names (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`,
+# `up_proj`, `down_proj`) are the same as in Hugging Face's Llama and Mixtral, so the
+# patterns you will write to pick LoRA targets here would work on those models too. Setting
+# `n_experts > 0` swaps every MLP for a Mixture-of-Experts layer (Labs 07–11).
+
+# %%
+cfg = MiniGPTConfig()
+print(cfg)
+model = MiniGPT(cfg)
+print(model)
+
+# %% [markdown]
+# Where are the parameters? With width $C$ = `n_embd`, MLP width $F$ = `d_ff` and vocabulary
+# $V$, each block holds $4C^2$ attention weights, $3CF$ MLP weights and two norm gains of size
+# $C$. The cell below counts them both ways.
+
+# %%
+C, Fw, V, L = cfg.n_embd, cfg.d_ff, cfg.vocab_size, cfg.n_layer
+groups = {"embeddings (tok + pos)": 0, "attention": 0, "mlp": 0, "norms": 0, "lm_head": 0}
+for name, p in model.named_parameters():
+    if name.startswith(("tok_emb", "pos_emb")):
+        groups["embeddings (tok + pos)"] += p.numel()
+    elif ".attn." in name:
+        groups["attention"] += p.numel()
+    elif ".mlp." in name:
+        groups["mlp"] += p.numel()
+    elif "norm" in name:
+        groups["norms"] += p.numel()
+    else:
+        groups["lm_head"] += p.numel()
+for group, count in groups.items():
+    print(f"{group:<24}{count:>10,d}")
+print(f"{'total':<24}{model.num_params():>10,d}")
+
+by_formula = (V * C + cfg.block_size * C) + L * (4 * C * C + 3 * C * Fw + 2 * C) + C + C * V
+assert by_formula == model.num_params(), (by_formula, model.num_params())
+
+logits = model(torch.tensor([tok.encode("add:12+7=")]))
+print("logits for one prompt of 9 characters:", tuple(logits.shape), "= [batch, time, vocab]")
+
+# %% [markdown]
+# ### A.5 The pretrained base model
+#
+# Experiment `experiments/00-pretrain-base` pretrained this model on every task except the
+# held-out one and saved it as safetensors. `minigpt.load_base("dense")` loads it. (If the
+# file is missing, the cell below says where it looked; run
+# `python -m labkit run experiments/00-pretrain-base` from the course folder to create it.)
+#
+# `minigpt.evaluate(model, task, n)` generates greedy answers for `n` eval-split prompts and
+# returns the fraction that match exactly. Expect high scores on the pretraining tasks and
+# a score near zero on the held-out task.
+
+# %%
+base = minigpt.load_base("dense").eval()
+print(f"base model: {base.num_params():,d} parameters, config {base.config}")
+
+scores = {name: minigpt.evaluate(base, name, n=50) for name in tasks.TASKS}
+for name, acc in scores.items():
+    print(f"{name:>6}: {acc:.2f}" + ("   <- held out of pretraining" if name == tasks.HELD_OUT
+                                     else ""))
+
+fig, ax = plt.subplots(figsize=(7, 3.5))
+colors = ["tab:red" if name == tasks.HELD_OUT else "tab:blue" for name in scores]
+bars = ax.bar(list(scores), list(scores.values()), color=colors)
+ax.bar_label(bars, fmt="%.2f")
+ax.set_ylim(0, 1.1)
+ax.set_ylabel("exact match (n = 50, eval split)")
+ax.set_title(f"Base MiniGPT per task (red: held-out '{tasks.HELD_OUT}')")
+plt.show()
+
+# %% [markdown]
+# A few greedy answers, to see what the failures look like:
+
+# %%
+for name in tasks.TASKS:
+    exs = tasks.make_examples(name, 3, seed=1, split="eval")
+    got = minigpt.answers(base, [ex.prompt for ex in exs])
+    for ex, g in zip(exs, got, strict=True):
+        mark = "ok " if g == ex.answer else "BAD"
+        print(f"{mark} {ex.prompt:<22} expected {ex.answer!r:<10} got {g!r}")
+
+
+# %% [markdown]
+# ## Part B — Exercise 1: causal self-attention
+#
+# For one head, with queries $Q$, keys $K$ and values $V$ of shape $[T, D]$, attention is
+#
+# $$\mathrm{Attn}(Q, K, V) = \mathrm{softmax}\!\left(\frac{Q K^\top}{\sqrt{D}} + M\right) V,
+# \qquad M_{ij} = \begin{cases} 0 & j \le i \\ -\infty & j > i \end{cases}$$
+#
+# The mask $M$ makes the model **causal**: position $i$ may look at itself and at earlier
+# positions, never at later ones. That is what lets one forward pass train on every next-token
+# prediction of a sequence at once, and what lets generation append one token at a time.
+#
+# Write `causal_attention(q, k, v)` for tensors of shape `[B, H, T, D]` (batch, heads, time,
+# head size), batched over `B` and `H`:
+#
+# * scale the scores by $1/\sqrt{D}$ with $D$ = `q.shape[-1]`; `v` may have a different last
+#   dimension (the output then has that last dimension);
+# * apply the mask **before** the softmax, so that masked weights come out exactly zero;
+# * use a numerically stable softmax (`torch.softmax` is fine; a hand-written `exp` must
+#   subtract the row maximum first);
+# * return a tensor of the dtype of `q`.
+#
+# Do **not** call `F.scaled_dot_product_attention`: the tests compare you against it.
+
+# %% nbgrader={"grade": false, "grade_id": "causal_attention", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ / sqrt(D) + causal mask) v for q, k [B, H, T, D] and v [B, H, T, Dv]."""
+    ### BEGIN SOLUTION
+    T, D = q.shape[-2], q.shape[-1]
+    scores = q @ k.transpose(-2, -1) / D**0.5                       # [B, H, T, T]
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(diagonal=1)
+    scores = scores.masked_fill(future, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return weights @ v
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_causal_attention_matches_sdpa", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _check_attention(B, H, T, D, Dv=None, dtype=torch.float32, scale=1.0, seed=0, tol=None):
+    g = torch.Generator().manual_seed(seed)
+    q = scale * torch.randn(B, H, T, D, generator=g, dtype=dtype)
+    k = scale * torch.randn(B, H, T, D, generator=g, dtype=dtype)
+    v = torch.randn(B, H, T, Dv or D, generator=g, dtype=dtype)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    got = causal_attention(q, k, v)
+    where = f"[B={B}, H={H}, T={T}, D={D}, Dv={Dv or D}, {dtype}]"
+    assert isinstance(got, torch.Tensor), f"{where} expected a tensor, got {type(got).__name__}"
+    assert got.shape == want.shape, \
+        f"{where} expected output shape {tuple(want.shape)}, got {tuple(got.shape)}"
+    assert got.dtype == want.dtype, f"{where} expected dtype {want.dtype}, got {got.dtype}"
+    assert not got.isnan().any(), \
+        f"{where} output has NaN at (b, h, t) = {got.isnan().any(-1).nonzero()[:3].tolist()}..."
+    atol, rtol = tol or (1e-5, 1e-4)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol,
+                               msg=lambda m: f"{where} differs from F.scaled_dot_product_attention"
+                                             f"(..., is_causal=True):\n{m}")
+
+
+_check_attention(2, 3, 5, 7)          # several heads, odd head size
+_check_attention(1, 1, 1, 4)          # a single token: it may only attend to itself
+_check_attention(1, 4, 16, 8)
+_check_attention(2, 2, 6, 5, Dv=3)    # values narrower than queries and keys
+print("causal_attention matches scaled_dot_product_attention on the visible shapes")
+
+### BEGIN HIDDEN TESTS
+_check_attention(3, 2, 32, 1)                                           # D = 1
+_check_attention(2, 3, 9, 6, dtype=torch.float64, tol=(1e-12, 1e-10))   # float64, tight
+_check_attention(1, 2, 12, 16, scale=10.0, tol=(1e-4, 1e-4))            # huge scores: stability
+_check_attention(2, 1, 7, 4, Dv=11, seed=3)
+
+# gradients agree with scaled_dot_product_attention's
+g = torch.Generator().manual_seed(5)
+qkv = [torch.randn(2, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+mine = [t.clone().requires_grad_() for t in qkv]
+ref = [t.clone().requires_grad_() for t in qkv]
+w = torch.randn(2, 2, 6, 4, generator=g, dtype=torch.float64)
+(causal_attention(*mine) * w).sum().backward()
+(F.scaled_dot_product_attention(*ref, is_causal=True) * w).sum().backward()
+for name, a, b in zip("qkv", mine, ref, strict=True):
+    torch.testing.assert_close(a.grad, b.grad, msg=lambda m, n=name: f"grad of {n}: {m}")
+
+# the model's own attention module, rebuilt from its projections
+torch.manual_seed(2)
+_m = MiniGPT(MiniGPTConfig(n_layer=1, n_head=4, n_embd=32, d_ff=64, block_size=16))
+_attn = _m.blocks[0].attn
+_x = torch.randn(2, 11, 32)
+_q, _k, _v = (p(_x).view(2, 11, 4, 8).transpose(1, 2)
+              for p in (_attn.q_proj, _attn.k_proj, _attn.v_proj))
+with torch.no_grad():
+    _y = _attn.o_proj(causal_attention(_q, _k, _v).transpose(1, 2).reshape(2, 11, 32))
+    torch.testing.assert_close(_y, _attn(_x), msg=lambda m: f"vs CausalSelfAttention: {m}")
+### END HIDDEN TESTS
+
+# %% nbgrader={"grade": true, "grade_id": "test_causal_attention_no_future", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+torch.manual_seed(1)
+B, H, T, D = 2, 2, 8, 4
+q, k, v = torch.randn(B, H, T, D), torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+out = causal_attention(q, k, v)
+for t in range(T - 1):
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    q2[:, :, t + 1:] += torch.randn(B, H, T - t - 1, D)   # change every future position
+    k2[:, :, t + 1:] += 5 * torch.randn(B, H, T - t - 1, D)
+    v2[:, :, t + 1:] += torch.randn(B, H, T - t - 1, D)
+    out2 = causal_attention(q2, k2, v2)
+    torch.testing.assert_close(
+        out2[:, :, :t + 1], out[:, :, :t + 1], atol=1e-6, rtol=1e-6,
+        msg=lambda m, t=t: f"outputs at positions 0..{t} changed when only positions "
+                           f"{t + 1}..{T - 1} changed (the future leaks in):\n{m}")
+print("positions never see the future")
+
+### BEGIN HIDDEN TESTS
+# position 0 can only attend to itself, so its output is exactly its own value
+torch.testing.assert_close(out[:, :, 0], v[:, :, 0], atol=1e-6, rtol=1e-6,
+                           msg=lambda m: f"output at position 0 should equal v[..., 0, :]:\n{m}")
+one = causal_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1])
+torch.testing.assert_close(one, v[:, :, :1], atol=1e-6, rtol=1e-6,
+                           msg=lambda m: f"T=1: output should equal v:\n{m}")
+# and the last position does see the past: changing position 0 must change it
+k3 = k.clone()
+k3[:, :, 0] += 3.0
+assert not torch.allclose(causal_attention(q, k3, v)[:, :, -1], out[:, :, -1]), \
+    "the last position ignored a change at position 0: is the mask hiding the past too?"
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### What a head of the base model looks at
+#
+# Your function returns $PV$, where $P$ is the matrix of attention weights. To see $P$ itself,
+# pass the identity matrix as the values: $P I = P$. (This is why `v` may have a different
+# last dimension from `q` and `k`.)
+#
+# Below we recompute the queries and keys of the base model's **first** block exactly as
+# `MiniGPT.forward` does — token embedding plus position embedding, then the block's
+# `attn_norm`, then `q_proj` / `k_proj` split into heads — and plot the weights of each head
+# on one `kv` prompt with its answer. Row $i$ is the query at position $i$; every row sums
+# to 1 and everything above the diagonal is zero. We also check that your function, fed the
+# block's projections, reproduces the block's own attention output.
+
+# %%
+ex = tasks.make_examples("kv", 1, seed=3, split="eval")[0]
+text = ex.prompt + ex.answer
+idx = torch.tensor([tok.encode(text)])
+T = idx.shape[1]
+H, C = base.config.n_head, base.config.n_embd
+block = base.blocks[0]
+with torch.no_grad():
+    h = block.attn_norm(base.tok_emb(idx) + base.pos_emb(torch.arange(T)))
+    q, k, v = (proj(h).view(1, T, H, C // H).transpose(1, 2)
+               for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj))
+    P = causal_attention(q, k, torch.eye(T).expand(1, H, T, T))[0]          # [H, T, T]
+    mine = block.attn.o_proj(causal_attention(q, k, v).transpose(1, 2).reshape(1, T, C))
+    print("largest difference from block.attn(h):", (mine - block.attn(h)).abs().max().item())
+
+print("rows sum to 1:", torch.allclose(P.sum(-1), torch.ones(H, T)),
+      "| above-diagonal weight:", P.triu(diagonal=1).abs().max().item())
+
+labels = list(text)
+fig, axes = plt.subplots(1, H, figsize=(4 * H, 4.6), layout="constrained")
+for head, ax in enumerate(axes):
+    ax.imshow(P[head], cmap="viridis", vmin=0, vmax=1)
+    ax.set_title(f"block 0, head {head}")
+    ax.set_xticks(range(T), labels, fontsize=7)
+    ax.set_yticks(range(T), labels, fontsize=7)
+    ax.set_xlabel("key position")
+axes[0].set_ylabel("query position")
+fig.suptitle(f"Attention weights on {text!r} (prompt {ex.prompt!r}, answer {ex.answer!r})")
+plt.show()
+
+# %% [markdown]
+# ## Part C — Exercise 2: the character tokenizer
+#
+# Rebuild the tokenizer as two functions over `ALPHABET` (imported above from
+# `minigpt.tokenizer`): id `PAD_ID = 0`, id `EOS_ID = 1`, and the character `ALPHABET[i]` has
+# id `i + 2`. Your ids must agree with `CharTokenizer` exactly.
+#
+# * `encode(text)` returns a `list` of Python `int`s, one per character. A character outside
+#   the alphabet (an upper-case letter, `!`, …) raises `ValueError`. `encode("")` is `[]`.
+# * `decode(ids)` takes a list of ints or a 1-D integer tensor and returns the text. It **stops
+#   at the first `EOS_ID`** (what follows an answer is not part of it), **skips `PAD_ID`**,
+#   and raises `ValueError` for an id outside `0 … VOCAB_SIZE - 1` (negative ids included:
+#   beware Python's negative indexing).
+
+# %%
+PAD_ID, EOS_ID = 0, 1
+VOCAB_SIZE = 2 + len(ALPHABET)
+print(f"{VOCAB_SIZE} ids: 0 = <pad>, 1 = <eos>, 2..{VOCAB_SIZE - 1} = {ALPHABET!r}")
+
+
+# %% nbgrader={"grade": false, "grade_id": "tokenizer", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def encode(text: str) -> list[int]:
+    """Character ids of `text`: ALPHABET[i] -> i + 2; ValueError on an unknown character."""
+    ### BEGIN SOLUTION
+    ids = []
+    for ch in text:
+        i = ALPHABET.find(ch)
+        if i < 0:
+            raise ValueError(f"character {ch!r} is not in the alphabet {ALPHABET!r}")
+        ids.append(i + 2)
+    return ids
+    ### END SOLUTION
+
+
+def decode(ids) -> str:
+    """Text of `ids`: stop at EOS_ID, skip PAD_ID, ValueError on an id out of range."""
+    ### BEGIN SOLUTION
+    chars = []
+    for i in ids:
+        i = int(i)
+        if not 0 <= i < VOCAB_SIZE:
+            raise ValueError(f"token id {i} is outside the vocabulary 0..{VOCAB_SIZE - 1}")
+        if i == EOS_ID:
+            break
+        if i == PAD_ID:
+            continue
+        chars.append(ALPHABET[i - 2])
+    return "".join(chars)
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_encode", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+_ref = CharTokenizer()
+for text in ["add:12+7=", "kv:a1,b2?b=", "count:abca?c=", " ", ""]:
+    got, want = encode(text), _ref.encode(text)
+    assert got == want, f"encode({text!r}): expected {want}, got {got}"
+assert all(type(i) is int for i in encode("sort:zyx=")), \
+    f"encode should return Python ints, got {[type(i).__name__ for i in encode('sort:zyx=')]}"
+try:
+    encode("Hello!")
+except ValueError:
+    pass
+else:
+    raise AssertionError("encode('Hello!') should raise ValueError ('H' and '!' are unknown)")
+print("encode agrees with CharTokenizer")
+
+### BEGIN HIDDEN TESTS
+got = encode(ALPHABET)
+assert got == list(range(2, VOCAB_SIZE)), \
+    f"encode(ALPHABET): expected 2..{VOCAB_SIZE - 1}, got {got}"
+for name in tasks.TASKS:
+    for ex in tasks.make_examples(name, 30, seed=4):
+        for text in (ex.prompt, ex.answer):
+            assert encode(text) == _ref.encode(text), \
+                f"encode({text!r}): expected {_ref.encode(text)}, got {encode(text)}"
+for bad in ["abc!", "\n", "é", "ADD:1+1="]:
+    try:
+        encode(bad)
+    except ValueError:
+        continue
+    raise AssertionError(f"encode({bad!r}) should raise ValueError")
+### END HIDDEN TESTS
+
+# %% nbgrader={"grade": true, "grade_id": "test_decode", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+_ref = CharTokenizer()
+for text in ["add:12+7=", "rev:hello=", ""]:
+    got = decode(_ref.encode(text))
+    assert got == text, f"decode(CharTokenizer().encode({text!r})): expected {text!r}, got {got!r}"
+ids = _ref.encode("ab") + [EOS_ID] + _ref.encode("cd")
+assert decode(ids) == "ab", \
+    f"decode({ids}) should stop at <eos>: expected 'ab', got {decode(ids)!r}"
+ids = [PAD_ID] + _ref.encode("ab") + [PAD_ID, PAD_ID]
+assert decode(ids) == "ab", \
+    f"decode({ids}) should skip <pad>: expected 'ab', got {decode(ids)!r}"
+assert decode([]) == "", f"decode([]): expected '', got {decode([])!r}"
+assert decode(encode("kv:a1,b2?a=")) == "kv:a1,b2?a=", "decode(encode(text)) is not text"
+print("decode inverts encode, stops at <eos>, skips <pad>")
+
+### BEGIN HIDDEN TESTS
+for name in tasks.TASKS:
+    for ex in tasks.make_examples(name, 30, seed=5):
+        ids = _ref.encode(ex.answer) + [EOS_ID, PAD_ID] + _ref.encode(ex.prompt)
+        assert decode(ids) == _ref.decode(ids), \
+            f"decode({ids}): expected {_ref.decode(ids)!r}, got {decode(ids)!r}"
+t = torch.tensor(_ref.encode("copy:abc=") + [EOS_ID, 5])
+assert decode(t) == "copy:abc=", \
+    f"decode(tensor {t.tolist()}): expected 'copy:abc=', got {decode(t)!r}"
+assert decode([EOS_ID] + _ref.encode("x")) == "", "decode should return '' when <eos> comes first"
+assert decode([PAD_ID, PAD_ID]) == "", "decode of padding only should be ''"
+for bad in ([VOCAB_SIZE], [2, 3, 99], [-1], [5, -3]):
+    try:
+        decode(bad)
+    except ValueError:
+        continue
+    raise AssertionError(f"decode({bad}) should raise ValueError (id outside 0..{VOCAB_SIZE - 1})")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Part D — Exercise 3: next-token training pairs with prompt masking
+#
+# A language model learns by predicting, at every position, the next token. For a fine-tuning
+# example the sequence is `prompt + answer + [eos]`, and the model is fed the sequence without
+# its last token and asked for the sequence without its first:
+#
+# ```
+# seq        p0  p1  p2  a0  a1  eos
+# x          p0  p1  p2  a0  a1          (seq[:-1], what the model reads)
+# y          p1  p2  a0  a1  eos         (seq[1:],  what it must predict at each position)
+# loss_mask  F   F   T   T   T           (True where y is an answer token or the eos)
+# ```
+#
+# We do not want the loss to reward predicting the *prompt* — the prompt is given, the answer
+# is the skill — so the loss is averaged only where `loss_mask` is True. The `eos` must be in
+# the mask: it is how the model learns to **stop**.
+#
+# Write `make_training_pair(prompt_ids, answer_ids, eos_id)` returning `(x, y, loss_mask)` as
+# 1-D tensors of length `len(prompt_ids) + len(answer_ids)`: `x` and `y` of dtype `torch.long`,
+# `loss_mask` of dtype `torch.bool`. The prompt has at least one token; the answer may be
+# empty (then only the `eos` is learned). Do not modify the caller's lists.
+#
+# The course's data pipeline, `minituner.SequenceData`, does the same for a whole batch
+# (see `src/minituner/data.py`); the tests compare you with it.
+
+# %% nbgrader={"grade": false, "grade_id": "make_training_pair", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def make_training_pair(prompt_ids: list[int], answer_ids: list[int], eos_id: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, y, loss_mask) for next-token training on prompt + answer + [eos], answer-only loss."""
+    ### BEGIN SOLUTION
+    seq = torch.tensor([*prompt_ids, *answer_ids, eos_id], dtype=torch.long)
+    is_answer = torch.zeros(len(seq), dtype=torch.bool)
+    is_answer[len(prompt_ids):] = True            # the answer tokens and the eos
+    return seq[:-1], seq[1:], is_answer[1:]
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_make_training_pair", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _check_pair(prompt, answer, eos, want_x, want_y, want_mask):
+    got = make_training_pair(prompt, answer, eos)
+    assert isinstance(got, tuple) and len(got) == 3, \
+        f"expected a tuple (x, y, loss_mask), got {type(got).__name__} of length {len(got)}"
+    x, y, mask = got
+    call = f"make_training_pair({prompt}, {answer}, eos_id={eos})"
+    for name, t, dtype in (("x", x, torch.long), ("y", y, torch.long),
+                           ("loss_mask", mask, torch.bool)):
+        came = getattr(t, "dtype", type(t).__name__)
+        assert isinstance(t, torch.Tensor) and t.dtype == dtype, \
+            f"{call}: {name} should be a {dtype} tensor, got {came}"
+    for name, t, want in (("x", x, want_x), ("y", y, want_y), ("loss_mask", mask, want_mask)):
+        assert t.tolist() == want, f"{call}: {name} expected {want}, got {t.tolist()}"
+
+
+# worked by hand: seq = [5, 6, 7, 8, 9, 1]
+_check_pair([5, 6, 7], [8, 9], 1,
+            [5, 6, 7, 8, 9], [6, 7, 8, 9, 1], [False, False, True, True, True])
+# a one-token prompt: every target is an answer token or the eos
+_check_pair([5], [8], 1, [5, 8], [8, 1], [True, True])
+
+# the same as minituner.SequenceData for a real example
+_tok = CharTokenizer()
+_ex = tasks.make_examples("add", 1, seed=0)[0]
+_p, _a = _tok.encode(_ex.prompt), _tok.encode(_ex.answer)
+_want = SequenceData.from_pairs([(_p, _a + [_tok.eos_id])]).batch(torch.tensor([0]))
+_got = make_training_pair(_p, _a, _tok.eos_id)
+for _name, _g, _w in zip(("x", "y", "loss_mask"), _got, _want, strict=True):
+    assert _g.tolist() == _w[0].tolist(), \
+        f"{_ex.prompt!r} -> {_ex.answer!r}: {_name} expected {_w[0].tolist()}, got {_g.tolist()}"
+print("make_training_pair matches the hand-worked cases and SequenceData")
+
+### BEGIN HIDDEN TESTS
+# an empty answer: only the eos is learned
+_check_pair([4, 5, 6], [], 1, [4, 5, 6], [5, 6, 1], [False, False, True])
+# a different eos id, and a long answer
+_check_pair([9, 9], [3, 4, 5, 6], 0, [9, 9, 3, 4, 5, 6], [9, 3, 4, 5, 6, 0],
+            [False, True, True, True, True, True])
+# many real examples of every task against SequenceData, row by row
+_pairs = [(_tok.encode(ex.prompt), _tok.encode(ex.answer))
+          for ex in tasks.make_mixture(list(tasks.TASKS), 8, seed=2)]
+_data = SequenceData.from_pairs([(p, a + [_tok.eos_id]) for p, a in _pairs])
+for _i, (_p, _a) in enumerate(_pairs):
+    _want = [t[0].tolist() for t in _data.batch(torch.tensor([_i]))]
+    _got = [t.tolist() for t in make_training_pair(_p, _a, _tok.eos_id)]
+    assert _got == _want, f"pair {_i} ({_tok.decode(_p)!r}): expected {_want}, got {_got}"
+# the caller's lists are left alone
+_p, _a = [7, 8], [9]
+make_training_pair(_p, _a, 1)
+assert _p == [7, 8] and _a == [9], f"inputs were modified: prompt {_p}, answer {_a}"
+### END HIDDEN TESTS
+
+# %% [markdown]
+# With your function, the loss a fine-tuning run minimises is one line: the cross-entropy of
+# the logits at the masked positions. Here it is for the base model, averaged over a few
+# eval prompts of each task. The held-out task should stand out; Labs 05, 06 and 11 will
+# bring that number down.
+
+# %%
+@torch.no_grad()
+def answer_loss(model, task, n=20):
+    losses = []
+    for ex in tasks.make_examples(task, n, seed=0, split="eval"):
+        x, y, mask = make_training_pair(tok.encode(ex.prompt), tok.encode(ex.answer), tok.eos_id)
+        logits = model(x[None])[0]                          # [T, vocab]
+        losses.append(F.cross_entropy(logits[mask], y[mask]))
+    return torch.stack(losses).mean().item()
+
+
+for name in tasks.TASKS:
+    print(f"{name:>6}: answer loss {answer_loss(base, name):.3f}"
+          + ("   <- held out" if name == tasks.HELD_OUT else ""))
+
+
+# %% [markdown]
+# ## Part E — Exercise 4: a fingerprint of a model's weights
+#
+# Every experiment in this course writes a **manifest** (`experiments/*/manifest.json`): the
+# config, the seed, the library versions, the metrics — and sha256 digests of the weights it
+# read and wrote. The digests are what make a manifest trustworthy: if someone retrains the
+# base model, edits a checkpoint, or loads the wrong adapter, the digest changes and
+# `python -m labkit reproduce` refuses to compare numbers produced from different weights.
+#
+# A digest of a *file* (`labkit.sha256_file`) is easy, but it changes when nothing that matters
+# changed (the same weights saved with another key order or other metadata). A digest of the
+# *state dict* itself should depend only on what the weights are. Write
+# `state_dict_sha256(sd)` returning a 64-character lower-case hex sha256 digest such that:
+#
+# * it does **not** depend on the order of the keys;
+# * it **does** change if any value changes (even by one unit in the last place), if a tensor's
+#   dtype changes (float32 vs float64 of the same values), if its shape changes (`[6]` vs
+#   `[2, 3]` holding the same bytes), or if a key is renamed;
+# * it works for any dtype (including `torch.bfloat16`, which NumPy cannot represent), any
+#   shape (including 0-d and empty tensors), non-contiguous tensors (which hash like their
+#   contiguous copy) and tensors that require grad.
+#
+# Use `hashlib.sha256()` and feed it, for each key in a fixed order, the key, the dtype, the
+# shape and the raw bytes. Two traps: `str(tensor)` abbreviates large tensors with `...` and
+# rounds the printed values, so it is not the data; and a stream of fields glued together
+# without separators or lengths can read the same for two different state dicts.
+#
+# The reference is `labkit.sha256_state_dict` (in `src/labkit/hashing.py`); yours does not
+# have to produce the same hex string, only to have the properties above.
+
+# %% nbgrader={"grade": false, "grade_id": "state_dict_sha256", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def state_dict_sha256(sd) -> str:
+    """sha256 hex digest of a {name: tensor} mapping: order-free, sensitive to everything else."""
+    ### BEGIN SOLUTION
+    h = hashlib.sha256()
+    for name in sorted(sd):
+        t = sd[name].detach().to("cpu").contiguous()
+        header = f"{name}|{t.dtype}|{tuple(t.shape)}".encode()
+        h.update(len(header).to_bytes(8, "little"))
+        h.update(header)
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_state_dict_sha256", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+def _differ(sd1, sd2, what):
+    d1, d2 = state_dict_sha256(sd1), state_dict_sha256(sd2)
+    assert d1 != d2, f"{what}: expected two different digests, got the same one twice ({d1})"
+
+
+torch.manual_seed(0)
+a, b = torch.randn(2, 3), torch.arange(4)
+digest = state_dict_sha256({"a": a, "b": b})
+assert isinstance(digest, str) and len(digest) == 64 and set(digest) <= set("0123456789abcdef"), \
+    f"expected a 64-character lower-case hex string, got {digest!r}"
+again = state_dict_sha256({"b": b, "a": a})
+assert again == digest, f"reordering the keys changed the digest: expected {digest}, got {again}"
+
+a_ulp = a.clone()
+a_ulp[1, 2] = torch.nextafter(a[1, 2], torch.tensor(float("inf")))
+_differ({"a": a, "b": b}, {"a": a_ulp, "b": b}, "one element moved by one ulp")
+_differ({"a": a}, {"a": a.double()}, "float32 vs float64 of the same values")
+_differ({"a": a, "b": b}, {"a": a, "c": b}, "key 'b' renamed to 'c'")
+six = torch.arange(6, dtype=torch.float32)
+_differ({"w": six}, {"w": six.reshape(2, 3)}, "shape [6] vs [2, 3] with the same bytes")
+print("state_dict_sha256 has the visible properties")
+
+### BEGIN HIDDEN TESTS
+# deterministic, and equal for equal content held in different tensors
+assert state_dict_sha256({"a": a.clone(), "b": b.clone()}) == digest, "equal content, other digest"
+# same bytes, different dtype
+half_bits = torch.randn(8).to(torch.bfloat16)
+_differ({"h": half_bits}, {"h": half_bits.view(torch.float16)}, "bfloat16 vs float16, same bits")
+# 0-d vs 1-element, empty tensors, and where one tensor's bytes end and the next one's begin
+_differ({"s": torch.tensor(1.5)}, {"s": torch.tensor([1.5])}, "shape () vs (1,)")
+_differ({"e": torch.zeros(0)}, {"e": torch.zeros(0, 3)}, "empty tensors of shapes (0,) and (0, 3)")
+_differ({"w": torch.tensor([1.0, 2.0, 3.0]), "x": torch.tensor([4.0])},
+        {"w": torch.tensor([1.0, 2.0]), "x": torch.tensor([3.0, 4.0])},
+        "the same concatenated bytes split differently between two keys")
+_differ({"w": six}, {"w": six.view(torch.int32)}, "float32 vs int32 holding the same bytes")
+# non-contiguous tensors hash like their contiguous copies; requires_grad does not matter
+m = torch.randn(4, 5)
+assert state_dict_sha256({"m": m.T}) == state_dict_sha256({"m": m.T.contiguous()}), \
+    "a transposed (non-contiguous) tensor should hash like its contiguous copy"
+p = torch.nn.Parameter(torch.randn(3, 3))
+assert state_dict_sha256({"p": p}) == state_dict_sha256({"p": p.detach().clone()}), \
+    "a tensor that requires grad should hash like its detached copy"
+# a whole model: a safetensors round trip keeps the digest, one changed weight does not
+torch.manual_seed(3)
+_small = MiniGPT(MiniGPTConfig(n_layer=2, n_embd=32, n_head=2, d_ff=64, block_size=16))
+_sd = _small.state_dict()
+with tempfile.TemporaryDirectory() as _tmp:
+    save_file({k: t.contiguous() for k, t in _sd.items()}, Path(_tmp) / "w.safetensors")
+    _loaded = load_file(Path(_tmp) / "w.safetensors")
+assert state_dict_sha256(_loaded) == state_dict_sha256(_sd), "safetensors round trip changed it"
+_edited = dict(_sd)
+_edited["blocks.1.mlp.up_proj.weight"] = _sd["blocks.1.mlp.up_proj.weight"].clone()
+_edited["blocks.1.mlp.up_proj.weight"][3, 4] += 1e-3
+_differ(_sd, _edited, "one weight of a model changed")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# Now the reference. `labkit.sha256_state_dict` follows the same recipe (sorted keys; a
+# length-prefixed header of name, dtype and shape; the raw bytes). The digest of a tensor dict
+# is not the digest of the file that stores it: the file also holds its own header and
+# metadata (here, the model's config). Manifests record file digests of the inputs and
+# artifacts of a run (`labkit.sha256_file`); a state-dict digest says "same weights" whatever
+# file they came from.
+
+# %%
+base_sd = base.state_dict()
+print("yours  :", state_dict_sha256(base_sd))
+print("labkit :", labkit.sha256_state_dict(base_sd))
+file_digest = labkit.sha256_file(minigpt.base_path("dense"))
+print("file   :", file_digest, "(the .safetensors file)")
+
+reordered = dict(reversed(list(base_sd.items())))
+assert labkit.sha256_state_dict(reordered) == labkit.sha256_state_dict(base_sd)
+assert state_dict_sha256(reordered) == state_dict_sha256(base_sd)
+print("both digests ignore key order; both change if any weight moves")
+
+# The manifest of experiment 00 recorded the file digest of the checkpoint it wrote.
+manifest_path = minigpt.base_path("dense").parent / "manifest.json"
+if manifest_path.is_file():
+    recorded = labkit.read_manifest(manifest_path)["artifacts"].get("base_dense.safetensors")
+    print(f"manifest.json records {recorded}; the file on disk matches: {recorded == file_digest}")
+else:
+    print(f"(no {manifest_path} yet: `make run EXP=experiments/00-pretrain-base` writes it)")
+
+# %% [markdown]
+# ## Where this goes next
+#
+# You have seen the model and the goal every later lab measures against: high exact match on
+# five tasks, close to none on `rev`. Lab 01 starts shrinking the model: you will quantize its
+# weight matrices to 8 bits (absmax, then symmetric per-group), measure the error as a function
+# of the group size, and see what a single outlier weight does to a whole group. Lab 02 moves
+# to NF4, the 4-bit format QLoRA uses. Your `make_training_pair` is the data side of the
+# fine-tuning in Lab 05, and `state_dict_sha256` is what every experiment's manifest records.
+#
+# ### Reflection
+#
+# 1. The split between train and eval is decided by hashing the prompt, not by drawing from
+#    different seeds. What would go wrong, for the `add` task in particular, if eval examples
+#    were simply generated with another seed?
+# 2. In the heatmap, what do the heads of the first block attend to when the query is the
+#    final `=`? Why might a key-value lookup need more than one layer?
+# 3. If the `eos` were left out of `loss_mask`, the loss on answers would still fall during
+#    training. What would you see at generation time, and with which metric would you catch it?
+# 4. Why does a manifest hash the weights instead of trusting a file name such as
+#    `base_dense.safetensors`? Give a way two runs could read "the same" file name and still
+#    disagree.

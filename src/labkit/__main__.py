@@ -1,0 +1,90 @@
+"""python -m labkit run|reproduce|course|grade|check-exercises — see README.md.
+
+Exit codes: 0 success; 1 a reproduce that did not reproduce, or failing checks;
+2 bad input (missing, malformed or edited manifest, changed files, unknown lab).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .course import CELL_TIMEOUT_S
+from .errors import InputError
+
+
+def _run(args) -> int:
+    from .experiment import run_experiment
+
+    manifest = run_experiment(args.experiment)
+    print(f"wrote {Path(args.experiment) / 'manifest.json'} "
+          f"({manifest['wall_time_s']:.1f} s, peak {manifest['peak_memory_mb']:.0f} MB)")
+    return 0
+
+
+def _reproduce(args) -> int:
+    from .experiment import reproduce
+
+    report = reproduce(args.manifest)
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
+def _course(args) -> int:
+    from .course import build_course
+
+    build_course(Path(args.root), check=args.check)
+    return 0
+
+
+def _grade(args) -> int:
+    from .grading import grade
+
+    grade(Path(args.submissions), Path(args.root), Path(args.out) if args.out else None,
+          timeout=args.timeout)
+    return 0
+
+
+def _check_exercises(args) -> int:
+    from .exercises import check_exercises
+
+    return 0 if check_exercises(Path(args.root), labs=args.labs) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run experiments/NN-name and write its manifest")
+    p.add_argument("experiment")
+    p.set_defaults(func=_run)
+    p = sub.add_parser("reproduce", help="re-run a manifest's experiment and compare")
+    p.add_argument("manifest")
+    p.set_defaults(func=_reproduce)
+    p = sub.add_parser("course", help="build the nbgrader course and refresh labs/")
+    p.add_argument("--root", default=".", help="the course checkout")
+    p.add_argument("--check", action="store_true",
+                   help="do not write labs/; fail if it differs from a fresh build")
+    p.set_defaults(func=_course)
+    p = sub.add_parser("grade", help="autograde SUBMISSIONS/<student>/<NN-name>.ipynb")
+    p.add_argument("submissions")
+    p.add_argument("--root", default=".", help="the course checkout")
+    p.add_argument("--out", help="where grades.csv and feedback/ go (default build/grades)")
+    p.add_argument("--timeout", type=int, default=CELL_TIMEOUT_S,
+                   help="seconds a cell may run before it is stopped (default %(default)s)")
+    p.set_defaults(func=_grade)
+    p = sub.add_parser("check-exercises", help="prove every solution region is graded")
+    p.add_argument("--root", default=".")
+    p.add_argument("labs", nargs="*", help="lab names (default: all)")
+    p.set_defaults(func=_check_exercises)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

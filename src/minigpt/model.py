@@ -1,0 +1,131 @@
+"""MiniGPT: a small decoder-only transformer, dense or Mixture-of-Experts, from one config.
+
+Llama-style blocks (RMSNorm, bias-free projections, SwiGLU MLP) with learned absolute
+positions. The projection names (q_proj … down_proj) match Hugging Face Llama/Mixtral, so
+the LoRA and quantization target patterns a learner writes here work on real models too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minimoe import MoEMLP
+
+
+@dataclass
+class MiniGPTConfig:
+    vocab_size: int = 45       # tokens in the vocabulary (CharTokenizer().vocab_size)
+    block_size: int = 32       # longest sequence the model attends over (positions 0..block-1)
+    n_layer: int = 4           # transformer blocks
+    n_head: int = 4            # attention heads; n_embd must be divisible by n_head
+    n_embd: int = 128          # residual stream width
+    d_ff: int = 384            # SwiGLU hidden width (of each expert when n_experts > 0)
+    n_experts: int = 0         # 0 = dense MLP in every block; > 0 = MoE MLP with this many experts
+    top_k: int = 2             # experts per token (MoE only)
+    norm_eps: float = 1e-5     # RMSNorm epsilon
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "d_ff"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_experts < 0:
+            raise ValueError(f"n_experts must be >= 0 (0 = dense), got {self.n_experts}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: MiniGPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        # [B, T, C] -> [B, n_head, T, head_dim]
+        q, k, v = (proj(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)): the gated MLP of Llama and of each Mixtral expert."""
+
+    def __init__(self, n_embd: int, d_ff: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(n_embd, d_ff, bias=False)
+        self.up_proj = nn.Linear(n_embd, d_ff, bias=False)
+        self.down_proj = nn.Linear(d_ff, n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: MiniGPTConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.mlp = (MoEMLP(cfg.n_embd, cfg.d_ff, cfg.n_experts, cfg.top_k) if cfg.n_experts
+                    else SwiGLU(cfg.n_embd, cfg.d_ff))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class MiniGPT(nn.Module):
+    def __init__(self, cfg: MiniGPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02), residual-writing projections scaled by 1/sqrt(2·n_layer)."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)        # RMSNorm gains
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "w_down")):
+                nn.init.normal_(p, std=residual_std)
+            else:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx [B, T] token ids -> logits [B, T, vocab_size]."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)                          # [B, T, C]
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of the MoE load-balancing losses of the last forward (0 for a dense model)."""
+        losses = [b.mlp.aux_loss for b in self.blocks if isinstance(b.mlp, MoEMLP)]
+        return torch.stack(losses).sum() if losses else torch.zeros(())
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

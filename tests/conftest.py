@@ -1,0 +1,72 @@
+"""Shared fixtures for the package tests: tiny model configs, seeding, and the `gpu` marker."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from minigpt import MiniGPT, MiniGPTConfig
+
+# Small enough that a forward pass costs well under a millisecond on a 2-core CPU; odd-ish
+# sizes (n_embd 24 over 3 heads, d_ff 40) so that nothing only works for powers of two.
+TINY = dict(block_size=16, n_layer=2, n_head=3, n_embd=24, d_ff=40)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def tiny_cfg() -> MiniGPTConfig:
+    """A dense MiniGPT config with the tokenizer's vocabulary."""
+    return MiniGPTConfig(**TINY)
+
+
+@pytest.fixture
+def tiny_moe_cfg() -> MiniGPTConfig:
+    """The MoE twin of `tiny_cfg`: 5 experts, top-2."""
+    return MiniGPTConfig(**TINY, n_experts=5, top_k=2)
+
+
+@pytest.fixture(params=["dense", "moe"])
+def tiny_model(request, tiny_cfg, tiny_moe_cfg) -> MiniGPT:
+    """A freshly initialised tiny MiniGPT, dense or MoE, in eval mode, from a fixed seed."""
+    torch.manual_seed(0)
+    model = MiniGPT(tiny_cfg if request.param == "dense" else tiny_moe_cfg)
+    return model.eval()
+
+
+@pytest.fixture
+def restore_torch_determinism(monkeypatch):
+    """Undo the process-wide switches seed_everything flips."""
+    # Registered with monkeypatch so the variable is restored (or removed) afterwards.
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    if not os.environ["CUBLAS_WORKSPACE_CONFIG"]:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    threads = torch.get_num_threads()
+    yield
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def single_thread():
+    """Run a test on one intra-op thread, then restore the count.
+
+    The models here are tiny: a second thread buys nothing and, on a busy 2-core machine,
+    OpenMP oversubscription makes a training test several times slower. The package test
+    modules opt in with `pytestmark = pytest.mark.usefixtures("single_thread")`.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
