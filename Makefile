@@ -10,6 +10,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 EXP ?= experiments/00-pretrain-base
 SUBMISSIONS ?= submissions
 LAB ?=
+LAB_ARGS ?=    # e.g. LAB_ARGS="--no-browser --port 8890" (add --allow-root when running as root)
 
 .PHONY: venv lab test test-fast course grade reproduce run check-exercises lint lock clean
 
@@ -24,7 +25,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $@
 
 lab: $(STAMP)  ## serve JupyterLab on labs/
-	$(PY) -m jupyter lab --notebook-dir=labs
+	$(PY) -m jupyter lab --notebook-dir=labs $(LAB_ARGS)
 
 test: $(STAMP)  ## everything CI runs: lint, unit tests, notebooks pipeline, experiments
 	$(VENV)/bin/ruff check src tests solutions experiments

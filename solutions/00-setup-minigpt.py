@@ -34,7 +34,6 @@
 # a minute on a laptop CPU.
 
 # %%
-# ruff: noqa: E501  (in the source file, each nbgrader cell header is one long line)
 import hashlib
 import tempfile
 from pathlib import Path
@@ -50,6 +49,9 @@ from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks
 from minigpt.tokenizer import ALPHABET
 from minituner import SequenceData
 
+# MiniGPT is tiny: its matrix products are too small to gain from several CPU threads, and on a
+# busy machine the threads mostly wait for each other (we measured 10-20x slower). One is enough.
+torch.set_num_threads(1)
 torch.manual_seed(0)
 print("torch", torch.__version__, "| threads:", torch.get_num_threads())
 
@@ -173,7 +175,7 @@ print("logits for one prompt of 9 characters:", tuple(logits.shape), "= [batch, 
 # Experiment `experiments/00-pretrain-base` pretrained this model on every task except the
 # held-out one and saved it as safetensors. `minigpt.load_base("dense")` loads it. (If the
 # file is missing, the cell below says where it looked; run
-# `python -m labkit run experiments/00-pretrain-base` from the course folder to create it.)
+# `make run EXP=experiments/00-pretrain-base` from the course folder to create it.)
 #
 # `minigpt.evaluate(model, task, n)` generates greedy answers for `n` eval-split prompts and
 # returns the fraction that match exactly. Expect high scores on the pretraining tasks and

@@ -63,7 +63,8 @@ def check_exercises(root: Path, labs: list[str] | None = None) -> bool:
     print(f"{'lab':<24} {'exercise (cell:region)':<32} {'tests failing when blanked'}")
     for name in labs or known:
         nb = source_notebook(root / "solutions" / f"{name}.py")
-        baseline = test_results(nbformat.from_dict(nb), root)
+        cwd = root / "labs" / name      # where a learner runs the notebook
+        baseline = test_results(nbformat.from_dict(nb), cwd)
         if not all(baseline.values()):
             failing = [k for k, v in baseline.items() if not v]
             print(f"{name:<24} {'(solution)':<32} FAILS ON THE SOLUTION: {failing}")
@@ -71,7 +72,7 @@ def check_exercises(root: Path, labs: list[str] | None = None) -> bool:
             continue
         for cell, region in regions(nb):
             grade_id = nb.cells[cell].metadata.get("nbgrader", {}).get("grade_id", "?")
-            failing = [k for k, v in test_results(blank(nb, cell, region), root).items()
+            failing = [k for k, v in test_results(blank(nb, cell, region), cwd).items()
                        if not v]
             label = f"{grade_id} ({cell}:{region})"
             print(f"{name:<24} {label:<32} {', '.join(failing) or 'NONE: UNGRADED'}")
