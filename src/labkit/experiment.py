@@ -104,6 +104,7 @@ def run_experiment(exp_dir: str | Path, cfg: dict | None = None) -> dict:
     """Run `exp_dir` with its config.json (or `cfg`) and write its outputs and manifest."""
     exp_dir = Path(exp_dir).resolve()
     cfg = read_config(exp_dir) if cfg is None else cfg
+    git = git_state(exp_dir)    # the code that runs, before this run's outputs appear
     with tempfile.TemporaryDirectory(prefix=".run-", dir=exp_dir) as tmp:
         metrics, ctx, measured = _execute(exp_dir, cfg, Path(tmp))
         atomic_write_text(Path(tmp) / "metrics.json", json.dumps(metrics, indent=2) + "\n")
@@ -115,7 +116,7 @@ def run_experiment(exp_dir: str | Path, cfg: dict | None = None) -> dict:
             os.replace(item, target)
     return write_manifest(exp_dir / "manifest.json", {
         "experiment": exp_dir.name, "config": cfg, "seed": cfg["seed"],
-        "git": git_state(exp_dir), "env": environment(), "data": ctx.data,
+        "git": git, "env": environment(), "data": ctx.data,
         "inputs": ctx.inputs, "artifacts": artifacts, "metrics": metrics,
         "timings": ctx.timings, **measured,
     })
