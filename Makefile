@@ -28,7 +28,7 @@ lab: $(STAMP)  ## serve JupyterLab on labs/
 	$(PY) -m jupyter lab --notebook-dir=labs $(LAB_ARGS)
 
 test: $(STAMP)  ## everything CI runs: lint, unit tests, notebooks pipeline, experiments
-	$(VENV)/bin/ruff check src tests solutions experiments
+	$(VENV)/bin/ruff check src tests solutions experiments benchmarks
 	$(PY) -m pytest --durations=15
 
 test-fast: $(STAMP)  ## unit tests only (no notebooks, no experiment re-runs)
@@ -50,7 +50,7 @@ check-exercises: $(STAMP)  ## blank each solution region alone; some test must f
 	$(PY) -m labkit check-exercises $(LAB)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests solutions experiments
+	$(VENV)/bin/ruff check src tests solutions experiments benchmarks
 
 lock: $(STAMP)  ## re-freeze constraints.txt from the current .venv
 	{ echo "# Exact versions the course is tested with (pip freeze of a fresh .venv, CPU machine)."; \

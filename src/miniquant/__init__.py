@@ -1,8 +1,27 @@
 """miniquant: 4-bit NF4 quantization, bit-for-bit with bitsandbytes (Labs 01–03).
 
-The package is importable from the start so that the course installs as one piece; its
-contents (absmax int8, per-group symmetric, NF4 with double quantization, QuantizedLinear,
-Triton dequantization) arrive with Labs 01–03. See BLUEPRINT.md for the plan.
+Absmax int8 and symmetric per-group quantization (intquant), NF4 with double quantization
+(nf4, on the 8-bit dynamic map of dynamic), and conversion to and from bitsandbytes (bnb;
+bitsandbytes itself is imported only when those two functions are called), QuantizedLinear
+and quantize_model (linear), and the Triton dequantization kernels, whole or per expert
+(triton_dequant; on a machine without CUDA it turns on Triton's interpreter). See BLUEPRINT.md.
 """
 
-__all__: list[str] = []
+from .bnb import from_bnb, to_bnb
+from .dynamic import DYNAMIC_CODE, dequantize_blockwise_8bit, dynamic_map, quantize_blockwise_8bit
+from .intquant import (
+    dequantize_absmax_int8,
+    dequantize_symmetric_per_group,
+    quantize_absmax_int8,
+    quantize_symmetric_per_group,
+)
+from .linear import QuantizedLinear, quantize_model
+from .nf4 import NF4_CODE, NF4Weight, dequantize_nf4, nf4_codebook, quantize_nf4
+from .triton_dequant import selective_dequantize_nf4, triton_dequantize_nf4
+
+__all__ = ["DYNAMIC_CODE", "NF4_CODE", "NF4Weight", "dequantize_absmax_int8",
+           "dequantize_blockwise_8bit", "dequantize_nf4", "dequantize_symmetric_per_group",
+           "dynamic_map", "from_bnb", "nf4_codebook", "quantize_absmax_int8",
+           "quantize_blockwise_8bit", "quantize_nf4", "quantize_symmetric_per_group", "to_bnb"]
+__all__ += ["QuantizedLinear", "quantize_model", "selective_dequantize_nf4",
+            "triton_dequantize_nf4"]

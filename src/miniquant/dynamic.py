@@ -1,0 +1,96 @@
+"""The signed 8-bit dynamic map and blockwise 8-bit quantization (used by NF4 double quant).
+
+The dynamic map (Dettmers, "8-Bit Approximations for Parallelism in Deep Learning") is a
+256-entry table of sorted values in [-1, 1]: for each decade 10^-6 … 10^0 it holds the
+midpoints of a linear grid on [0.1, 1] scaled by that decade, with more points in the larger
+decades, in both signs, plus 0 and 1. Small magnitudes keep their relative precision, which
+suits the centred absmax vector that double quantization stores.
+
+The arithmetic copies bitsandbytes' `create_dynamic_map(signed=True)` step for step (float32
+`linspace`, float32 midpoints, a Python-float decade times a float32 tensor) so that the table
+is bit-identical to theirs; blockwise quantization follows the rules of their PyTorch
+reference kernel (nearest code, a value on a midpoint goes to the lower code).
+"""
+
+from __future__ import annotations
+
+import torch
+
+EXPONENT_BITS = 7        # decades 10^-6 … 10^0 (bitsandbytes' default max_exponent_bits)
+ABSMAX_FLOOR = 1e-38     # a block's absmax is clamped to this before taking its reciprocal
+
+
+def dynamic_map() -> torch.Tensor:
+    """The signed dynamic map: float32 [256], sorted, from -1 to 1, containing 0.
+
+    Decade i (i = 0..6, scale 10^(i-6)) contributes the 2^i midpoints of a linspace of
+    2^i + 1 points on [0.1, 1], positive and negative: 2·(1 + 2 + … + 64) = 254 values,
+    plus 0 and 1 = 256.
+    """
+    values = []
+    for i in range(EXPONENT_BITS):
+        grid = torch.linspace(0.1, 1, 2**i + 1, dtype=torch.float32)
+        means = (grid[:-1] + grid[1:]) / 2.0
+        decade = 10 ** (i - (EXPONENT_BITS - 1))
+        values.append(decade * means)
+        values.append(-decade * means)
+    values.append(torch.tensor([0.0, 1.0]))
+    return torch.cat(values).sort().values
+
+
+DYNAMIC_CODE = dynamic_map()
+
+
+def quantize_blockwise_8bit(x: torch.Tensor, blocksize: int = 256,
+                            code: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a float tensor to 8-bit indices into `code`, one absmax per block.
+
+    x is flattened row-major and cut into blocks of `blocksize` consecutive values; the last
+    block may be partial. Returns (codes uint8 [x.numel()], absmax float32 [n_blocks]).
+    Full blocks are scaled by multiplying with 1/absmax, a partial last block by dividing by
+    its absmax (the two differ in the last bit, and bitsandbytes does exactly this); an
+    all-zero block keeps absmax 0 (full) or stores the floor 1e-38 (partial), as theirs does.
+    """
+    code = DYNAMIC_CODE if code is None else code
+    code = code.to(x.device)
+    flat = x.reshape(-1).float()
+    scaled, absmax = scale_blocks(flat, blocksize)
+    return nearest_code(scaled, code).to(torch.uint8), absmax
+
+
+def dequantize_blockwise_8bit(codes: torch.Tensor, absmax: torch.Tensor, blocksize: int = 256,
+                              code: torch.Tensor | None = None) -> torch.Tensor:
+    """code[codes] · absmax of each block, float32 [codes.numel()] (flat)."""
+    code = DYNAMIC_CODE if code is None else code
+    values = code.to(codes.device)[codes.reshape(-1).long()]
+    return values * absmax.repeat_interleave(blocksize)[: values.numel()]
+
+
+def scale_blocks(flat: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale each block of a flat float32 tensor into [-1, 1]; returns (scaled, absmax).
+
+    Full blocks: x · (1 / max(absmax, 1e-38)), clamped to [-1, 1]. A trailing partial block:
+    x / max(absmax, 1e-38), and it is the clamped absmax that is stored for it.
+    """
+    n = flat.numel()
+    full = n - n % blocksize
+    blocks = flat[:full].reshape(-1, blocksize)
+    absmax = blocks.abs().amax(dim=1)
+    inverse = 1.0 / absmax.clamp(min=ABSMAX_FLOOR)
+    scaled = (blocks * inverse[:, None]).clamp(-1, 1).reshape(-1)
+    if full < n:
+        tail = flat[full:]
+        tail_absmax = tail.abs().amax().clamp(min=ABSMAX_FLOOR)
+        absmax = torch.cat([absmax, tail_absmax[None]])
+        scaled = torch.cat([scaled, (tail / tail_absmax).clamp(-1, 1)])
+    return scaled, absmax
+
+
+def nearest_code(scaled: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest entry of a sorted `code`; a value on a midpoint takes the lower.
+
+    `bucketize` against the midpoints returns i with midpoint[i-1] < x <= midpoint[i], so a
+    value equal to midpoint[i] gets index i, the code below that midpoint. Returns int64.
+    """
+    midpoints = (code[:-1] + code[1:]) / 2
+    return torch.bucketize(scaled, midpoints)

@@ -1,0 +1,110 @@
+"""QuantizedLinear: a frozen linear layer whose weight is stored in NF4.
+
+The 4-bit codes and their scales are buffers, never parameters: they move with `.to()`,
+are saved in `state_dict()`, and no optimizer can see them. Each forward dequantizes the
+whole weight to the compute dtype, checks it is finite, and runs an ordinary matmul; LoRA
+adapters (minituner) add the trainable part on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .nf4 import NF4Weight, quantize_nf4
+
+
+class QuantizedLinear(nn.Module):
+    """y = x · dequant(W)ᵀ + b with W held as NF4 (optionally double-quantized) buffers.
+
+    `compute_dtype=None` computes in the dtype of the input.
+    """
+
+    def __init__(self, weight: NF4Weight, bias: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype | None = None):
+        super().__init__()
+        if len(weight.shape) != 2:
+            raise ValueError(f"weight must be a 2-D [out, in] NF4Weight, got shape "
+                             f"{tuple(weight.shape)}")
+        self.out_features, self.in_features = weight.shape
+        self.compute_dtype = compute_dtype
+        # NF4Weight's tensors become buffers under their field names; the rest (shape,
+        # dtype, blocksize, ...) are plain attributes needed to rebuild it.
+        self._tensor_fields, self._static_fields = [], {}
+        for f in dataclasses.fields(weight):
+            value = getattr(weight, f.name)
+            if isinstance(value, torch.Tensor):
+                self.register_buffer(f.name, value)
+                self._tensor_fields.append(f.name)
+            else:
+                self._static_fields[f.name] = value
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, blocksize: int = 64, double_quant: bool = True,
+                    compute_dtype: torch.dtype | None = None) -> QuantizedLinear:
+        """Quantize `linear.weight` to NF4; the bias (if any) is kept, frozen, as is."""
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        q = quantize_nf4(linear.weight.detach(), blocksize=blocksize, double_quant=double_quant)
+        return cls(q, linear.bias, compute_dtype=compute_dtype)
+
+    def _apply(self, fn, recurse=True):
+        # `.to(device)` moves the NF4 storage, but a dtype cast (`.half()`, `.to(bf16)`)
+        # must not round its float32 scales: re-move the originals instead.
+        originals = {name: self._buffers[name] for name in self._tensor_fields}
+        super()._apply(fn, recurse)
+        for name, t in originals.items():
+            if self._buffers[name].dtype != t.dtype:
+                self._buffers[name] = t.to(self._buffers[name].device)
+        return self
+
+    @property
+    def weight_nf4(self) -> NF4Weight:
+        return NF4Weight(**{name: getattr(self, name) for name in self._tensor_fields},
+                         **self._static_fields)
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float weight [out, in] this layer computes with; raises if it is not finite."""
+        w = self.weight_nf4.dequantize(dtype or self.compute_dtype)
+        if not torch.isfinite(w).all():
+            raise FloatingPointError(
+                f"dequantized weight of QuantizedLinear({self.in_features}, "
+                f"{self.out_features}) holds NaN or Inf: its NF4 scales are corrupt")
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.dequantized_weight(self.compute_dtype or x.dtype)
+        bias = None if self.bias is None else self.bias.to(w.dtype)
+        return F.linear(x.to(w.dtype), w, bias)
+
+    def extra_repr(self) -> str:
+        q = self._static_fields
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"nf4 blocksize={q.get('blocksize')}, compute_dtype={self.compute_dtype}")
+
+
+def quantize_model(model: nn.Module, target: str, blocksize: int = 64,
+                   double_quant: bool = True, compute_dtype: torch.dtype | None = None
+                   ) -> list[str]:
+    """Replace, in place, every nn.Linear whose full name matches the regex `target`.
+
+    Returns the names replaced; raises ValueError when `target` matches no nn.Linear.
+    """
+    pattern = re.compile(target)
+    names = [name for name, m in model.named_modules()
+             if isinstance(m, nn.Linear) and pattern.fullmatch(name)]
+    if not names:
+        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        raise ValueError(f"target {target!r} matches no nn.Linear (full match); the model's "
+                         f"linear layers are e.g. {linears[:6]}")
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, QuantizedLinear.from_linear(
+            getattr(parent, child), blocksize, double_quant, compute_dtype))
+    return names

@@ -1,0 +1,259 @@
+"""Triton NF4 dequantization: the whole weight, or only the experts a batch routed to (Lab 03).
+
+An `NF4Weight` of n elements holds `packed` (ceil(n/2) uint8, bitsandbytes' order: element 2i
+in the high nibble of byte i, element 2i+1 in the low nibble, an odd count padded) and one
+float32 scale (`absmax`) per block of `blocksize` consecutive row-major elements:
+
+    w[j] = NF4_CODE[code(j)] * absmax[j // blocksize]          (in float32, then cast)
+
+The kernel, one program per tile of BYTES packed bytes of one output row of M elements:
+
+    # grid = (cdiv(ceil(M / 2), BYTES), n_rows)
+    row   = program_id(1)
+    seg   = src[row] if GATHER else row             # which stored segment (expert) to read
+    k     = tile * BYTES + arange(BYTES)            # byte offsets inside the segment
+    b     = load(packed + seg * (M // 2) + k)       # BYTES bytes, one contiguous read
+    idx   = interleave(b >> 4, b & 15)              # 2*BYTES codes, in element order
+    j     = tile * 2*BYTES + arange(2*BYTES)        # element offsets inside the segment
+    sseg  = row if SCALES_BY_ROW else seg           # where this row's scales sit
+    s     = load(absmax + (sseg * M + j) // BLOCKSIZE)
+    out[row, j] = (code[idx] * s).to(out dtype)     # masked: j < M
+
+`triton_dequantize_nf4` is the one-row case (M = n, seg = 0). `selective_dequantize_nf4` of
+an `[E, out, in]` weight sets M = out * in and reads, for output row r, expert `active[r]`
+only: its M/2 packed bytes and its M/blocksize scales (M must be a multiple of blocksize, so
+no block belongs to two experts). Without double quantization the kernel reads those scales
+in place from `block_absmax`. With double quantization each scale is stored as an 8-bit code
+(plus one float32 per 256 codes and an offset); `_expert_scales` then dequantizes, in
+PyTorch, only the codes of the listed experts, into a compact vector ordered like `active`
+(SCALES_BY_ROW), instead of the whole `.absmax`. It reads the listed experts' codes, the
+float32 nested scales of the 256-code groups those codes fall in (a group can straddle two
+experts, so a neighbour's group scale may be read, never its codes) and the offset.
+
+Running on a CPU: the Triton interpreter. `triton.jit` decides at *decoration* time whether
+a function becomes a compiled `JITFunction` or an `InterpretedFunction`, by reading
+`triton.knobs.runtime.interpret`, which (triton 3.x) reads the environment variable
+`TRITON_INTERPRET` at each access. So this module sets `TRITON_INTERPRET=1` when no CUDA
+device is present and the variable is unset, before it imports triton, and its kernel is
+interpreted even if triton was imported earlier by something else. What that cannot fix: the
+helpers in `triton.language.standard` (`tl.interleave`, `tl.cdiv`, `tl.sum`, `tl.sigmoid`, ...)
+are themselves `@triton.jit` functions, decorated when triton was first imported; if that
+happened with the variable unset they stay compiled, and calling one from an interpreted
+kernel fails with "Cannot call @triton.jit'd outside of the scope of a kernel" (seen with
+triton 3.9). The kernel below therefore uses builtins only (`tl.join` + `tl.reshape` rather
+than `tl.interleave`), and runs whichever module imported triton first; the tests check this
+in a fresh process. An explicit `TRITON_INTERPRET` (0 or 1) is always respected; note that
+setting it affects every kernel decorated afterwards in the process, which on a machine
+without CUDA is the only way they can run at all. The interpreter computes with NumPy: the
+arithmetic stays in float32 and only the store casts. fp16 stores round correctly there, but
+its float32 -> bfloat16 conversion truncates (triton 3.9 passes it no rounding mode), which
+leaves about half of the values one bf16 ulp off; in the interpreter the kernel therefore
+rounds to nearest even with integer operations on the bits (BF16_BY_HAND), and a compiled
+kernel uses the hardware conversion.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402  (must follow the TRITON_INTERPRET decision above)
+import triton.language as tl  # noqa: E402
+
+from .dynamic import DYNAMIC_CODE  # noqa: E402
+from .nf4 import NESTED_BLOCKSIZE, NF4_CODE, NF4_DTYPES, NF4Weight  # noqa: E402
+
+__all__ = ["selective_dequantize_nf4", "triton_dequantize_nf4"]
+
+# Packed bytes per program (2 * BYTES outputs). On a GPU, 1024 bytes over 4 warps is 8 bytes
+# in and 16 values out per thread: wide, coalesced loads and stores. In the interpreter the
+# cost is per program, so large tiles are also the fast choice there.
+BYTES_PER_PROGRAM = 1024
+NUM_WARPS = 4
+
+
+@triton.jit
+def _nf4_dequant_kernel(
+    packed_ptr,  # *uint8, flat: 2 codes per byte, element 2i in the high nibble of byte i
+    absmax_ptr,  # *float32, flat: one scale per BLOCKSIZE consecutive elements
+    code_ptr,  # *float32 [16]: the NF4 levels, indexed by the 4-bit code
+    src_ptr,  # *int64 [n_rows]: the stored segment (expert) each output row reads; if GATHER
+    out_ptr,  # *float32 | *float16 | *bfloat16 [n_rows, seg_numel], contiguous
+    seg_numel,  # M: elements per segment (the whole tensor, or one expert; even if GATHER)
+    BLOCKSIZE: tl.constexpr,  # elements per scale; constexpr so that // is a shift
+    BYTES: tl.constexpr,  # packed bytes per program (a power of two); it writes 2*BYTES values
+    GATHER: tl.constexpr,  # True: segment = src[row]; False: segment = row (the one row, 0)
+    SCALES_BY_ROW: tl.constexpr,  # True: row r's scales sit at r * M/BLOCKSIZE (compacted)
+    BF16_BY_HAND: tl.constexpr,  # True: bf16 output rounded with integer ops (interpreter only)
+):
+    tile = tl.program_id(0).to(tl.int64)  # int64: an expert stack can pass 2**31 elements
+    row = tl.program_id(1).to(tl.int64)
+    if GATHER:
+        seg = tl.load(src_ptr + row).to(tl.int64)
+    else:
+        seg = row
+    if SCALES_BY_ROW:
+        scale_seg = row
+    else:
+        scale_seg = seg
+
+    # [BYTES] byte offsets inside the segment, which holds ceil(M/2) bytes; M is even whenever
+    # seg > 0, so segment seg starts at byte seg * M/2.
+    k = tile * BYTES + tl.arange(0, BYTES)
+    b = tl.load(packed_ptr + seg * (seg_numel // 2) + k, mask=k < (seg_numel + 1) // 2, other=0)
+
+    # [2*BYTES] codes in element order: join makes [BYTES, 2] (high, low) pairs and the
+    # row-major reshape lays them out hi0, lo0, hi1, lo1, ... This is what tl.interleave
+    # does, but join and reshape are builtins (see the module docstring for why it matters).
+    idx = tl.reshape(tl.join(b >> 4, b & 15), [2 * BYTES]).to(tl.int32)
+
+    # [2*BYTES] element offsets inside the segment; an odd M's pad nibble lands on j == M.
+    j = tile * (2 * BYTES) + tl.arange(0, 2 * BYTES)
+    in_seg = j < seg_numel
+
+    # The table is 64 bytes: these gathers stay in L1. idx is in [0, 16) even where masked.
+    level = tl.load(code_ptr + idx)
+    scale = tl.load(absmax_ptr + (scale_seg * seg_numel + j) // BLOCKSIZE, mask=in_seg, other=0.0)
+
+    # One float32 multiply, exactly the reference's; rounded once (to nearest even) at the store.
+    w = level * scale
+    if BF16_BY_HAND:
+        # Round float32 -> bfloat16 to nearest even on the bits: add 0x7FFF plus the lowest
+        # kept bit, keep the high 16 bits (a carry into the exponent is the right answer).
+        bits = w.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = w.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * seg_numel + j, y, mask=in_seg)
+
+
+# Why the levels come from a tensor in memory rather than a constexpr chain of 15 tl.where
+# selects: they then live in one place (`NF4_CODE`, bit-exact with bitsandbytes) instead of
+# being retyped as Python float literals, the same kernel serves any 16-level code (FP4), and
+# in a kernel bound by DRAM bandwidth a 16-entry gather from L1 costs no more than the selects.
+@functools.cache
+def _on_device(table: str, device: torch.device) -> torch.Tensor:
+    """NF4_CODE or DYNAMIC_CODE on `device`, copied once (a host-to-device copy per call would
+    cost more than the kernel on small weights)."""
+    source = NF4_CODE if table == "nf4" else DYNAMIC_CODE
+    return source.to(device=device, dtype=torch.float32).contiguous()
+
+
+def _interpreting() -> bool:
+    """Whether our kernel was built for the interpreter (decided when this module loaded)."""
+    return not isinstance(_nf4_dequant_kernel, triton.runtime.JITFunction)
+
+
+def _check_weight(q, name: str, dtype: torch.dtype | None) -> torch.dtype:
+    """Validate the NF4Weight and the output dtype; return the dtype to produce."""
+    if not isinstance(q, NF4Weight):
+        raise ValueError(f"{name} must be an NF4Weight, got {type(q).__name__}")
+    if q.packed.device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"{name} is on {q.packed.device}, but Triton compiles for CUDA here: move it to a "
+            "GPU, or run on CPU with TRITON_INTERPRET=1 set before triton is imported"
+        )
+    dtype = q.dtype if dtype is None else dtype
+    if dtype not in NF4_DTYPES:
+        raise ValueError(f"dtype must be one of {NF4_DTYPES}, got {dtype}")
+    return dtype
+
+
+def _launch(q, scales, src, out, seg_numel, gather, scales_by_row):
+    """Run the kernel over out's rows ([n_rows, seg_numel] view); see the module docstring."""
+    packed = q.packed.reshape(-1).contiguous()
+    grid = (triton.cdiv((seg_numel + 1) // 2, BYTES_PER_PROGRAM), out.shape[0])
+    _nf4_dequant_kernel[grid](
+        packed,
+        scales,
+        _on_device("nf4", packed.device),
+        src,
+        out,
+        seg_numel,
+        BLOCKSIZE=q.blocksize,
+        BYTES=BYTES_PER_PROGRAM,
+        GATHER=gather,
+        SCALES_BY_ROW=scales_by_row,
+        BF16_BY_HAND=out.dtype == torch.bfloat16 and _interpreting(),
+        num_warps=NUM_WARPS,
+    )
+
+
+def triton_dequantize_nf4(q: NF4Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Dequantize `q` with one Triton kernel: a tensor of `q.shape` in `dtype` (default
+    `q.dtype`), bit-identical to `dequantize_nf4(q, dtype)` (float32 product, then cast).
+
+    With double quantization `q.absmax` first dequantizes the scales (PyTorch, a vector
+    1/blocksize the size of the weight).
+    """
+    dtype = _check_weight(q, "q", dtype)
+    n = q.numel
+    scales = q.absmax.to(q.packed.device).reshape(-1).contiguous()
+    out = torch.empty(tuple(q.shape), dtype=dtype, device=q.packed.device)
+    # src is never read when GATHER is False (a constexpr branch): any tensor will do.
+    _launch(q, scales, q.packed, out.view(1, n), n, gather=False, scales_by_row=False)
+    return out
+
+
+def _expert_scales(q: NF4Weight, ids: torch.Tensor, blocks_per_expert: int) -> torch.Tensor:
+    """float32 [len(ids) * blocks_per_expert]: the double-quantized scales of experts `ids`,
+    in that order, bit-identical to the same entries of `q.absmax`.
+
+    Same float32 operations as `q.absmax` (dynamic-map level times the 256-block group's
+    scale, then plus the offset), on the listed experts' blocks only.
+    """
+    blocks = (ids[:, None] * blocks_per_expert + torch.arange(blocks_per_expert, device=ids.device))
+    blocks = blocks.reshape(-1)
+    levels = _on_device("dynamic", ids.device)[q.absmax_codes.reshape(-1)[blocks].long()]
+    centred = levels * q.absmax_scales.reshape(-1)[blocks // NESTED_BLOCKSIZE]
+    return (centred + q.absmax_offset.reshape(-1)).contiguous()
+
+
+def selective_dequantize_nf4(
+    q_experts: NF4Weight, active: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Dequantize only experts `active` of an `[E, out, in]` NF4 weight.
+
+    Returns `[len(active), out, in]` in `dtype` (default `q_experts.dtype`) whose row r is
+    expert `active[r]` (repeats allowed, order kept): bit-identical to
+    `dequantize_nf4(q_experts, dtype)[active]`, while reading only those experts' packed
+    bytes and scales. Each expert's out*in elements must be a whole number of blocks.
+    """
+    dtype = _check_weight(q_experts, "q_experts", dtype)
+    shape = tuple(q_experts.shape)
+    if len(shape) != 3:
+        raise ValueError(f"q_experts must have shape [E, out, in], got {shape}")
+    n_experts, d_out, d_in = shape
+    expert_numel = d_out * d_in
+    if expert_numel % q_experts.blocksize:
+        raise ValueError(
+            f"q_experts: each expert's out*in = {expert_numel} elements must be a multiple of "
+            f"the blocksize {q_experts.blocksize}, so that no block is shared by two experts"
+        )
+    if not isinstance(active, torch.Tensor) or active.dim() != 1:
+        raise ValueError("active must be a 1-D tensor of expert ids")
+    if active.dtype.is_floating_point or active.dtype.is_complex or active.dtype == torch.bool:
+        raise ValueError(f"active must hold integer expert ids, got {active.dtype}")
+    if active.numel() and (int(active.min()) < 0 or int(active.max()) >= n_experts):
+        raise ValueError(f"active ids must lie in [0, {n_experts}), got {active.tolist()}")
+
+    device = q_experts.packed.device
+    out = torch.empty((active.numel(), d_out, d_in), dtype=dtype, device=device)
+    if active.numel() == 0:
+        return out
+    ids = active.to(device=device, dtype=torch.int64).contiguous()
+    if q_experts.double_quant:
+        scales = _expert_scales(q_experts, ids, expert_numel // q_experts.blocksize)
+        by_row = True
+    else:
+        scales = q_experts.block_absmax.reshape(-1).contiguous()  # read in place, listed only
+        by_row = False
+    rows = out.view(active.numel(), expert_numel)
+    _launch(q_experts, scales, ids, rows, expert_numel, gather=True, scales_by_row=by_row)
+    return out

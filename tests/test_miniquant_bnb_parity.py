@@ -1,0 +1,260 @@
+"""Parity with bitsandbytes 0.50 on CPU, the oracle of DESIGN.md §4.
+
+Quantization is compared byte for byte (packed codes) and bit for bit (absmax). Dequantization
+is compared with code[idx] · absmax computed from bitsandbytes' own codes, because their CPU
+`dequantize_4bit` is wrong for some shapes (the finding at the end of this file).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+bnb_functional = pytest.importorskip("bitsandbytes.functional")
+
+from miniquant import (  # noqa: E402  (after the importorskip)
+    DYNAMIC_CODE,
+    NF4_CODE,
+    dequantize_blockwise_8bit,
+    from_bnb,
+    nf4_codebook,
+    quantize_nf4,
+    to_bnb,
+)
+from miniquant.dynamic import dynamic_map, nearest_code  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# 1-D odd and not-multiple-of-64 counts, 2-D whose rows do not end on a block boundary, and
+# [E, out, in] expert stacks.
+SHAPES = [(1,), (3,), (63,), (65,), (127,), (1000,), (2, 96), (6, 80), (3, 5, 7), (4, 16, 24)]
+BLOCKSIZES = [32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+def randn(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def bnb_quantize(w, blocksize=64, double_quant=False):
+    """bitsandbytes' NF4 (quant_type defaults to fp4 there: always pass it)."""
+    return bnb_functional.quantize_4bit(w, blocksize=blocksize, quant_type="nf4",
+                                        compress_statistics=double_quant)
+
+
+def assert_same_as_bnb(w, blocksize=64):
+    q = quantize_nf4(w, blocksize=blocksize)
+    packed, state = bnb_quantize(w, blocksize)
+    assert packed.shape == (q.packed.numel(), 1) and packed.dtype == torch.uint8
+    assert torch.equal(q.packed, packed.reshape(-1)), "packed bytes differ"
+    assert torch.equal(q.absmax, state.absmax), "absmax differs"
+    return q, packed, state
+
+
+def code_times_absmax(packed, absmax, blocksize, numel):
+    """The dequantization every backend should give: code[idx] · absmax, flat float32."""
+    idx = torch.stack([packed.reshape(-1) >> 4, packed.reshape(-1) & 0xF], 1).reshape(-1)
+    return NF4_CODE[idx[:numel].long()] * absmax.repeat_interleave(blocksize)[:numel]
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
+
+
+def test_codebook_bit_exact():
+    assert torch.equal(nf4_codebook(), bnb_functional.get_4bit_type("nf4", device="cpu"))
+
+
+def test_dynamic_map_bit_exact():
+    assert torch.equal(dynamic_map(), bnb_functional.create_dynamic_map(signed=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# quantization: identical bytes and absmax
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_quantize_identical(shape, dtype):
+    assert_same_as_bnb(randn(*shape, seed=len(shape), dtype=dtype))
+
+
+@pytest.mark.parametrize("blocksize", BLOCKSIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_identical_every_blocksize(blocksize, dtype):
+    # 3 × 1001 = 3003: odd, and a multiple of no blocksize, so there is a partial last block.
+    assert_same_as_bnb(randn(3, 1001, seed=blocksize, dtype=dtype), blocksize)
+
+
+def test_quantize_identical_all_zero_blocks():
+    w = randn(1000, seed=1)
+    w[64:192] = 0                   # two full zero blocks
+    w[960:] = 0                     # a zero trailing partial block (absmax floor 1e-38)
+    q, _, _ = assert_same_as_bnb(w)
+    assert q.absmax[1] == 0 and q.absmax[-1] == 1e-38
+    assert_same_as_bnb(torch.zeros(5, 13))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_identical_huge_outliers(dtype):
+    w = randn(4096 + 33, seed=2)
+    w[[5, 700, 4100]] = torch.tensor([1e4, -1e4, 1e4])
+    assert_same_as_bnb(w.to(dtype))
+
+
+@pytest.mark.parametrize("absmax", [1.0, 2.0, 0.5])
+def test_midpoint_ties_go_to_the_lower_code(absmax):
+    # A power-of-two absmax makes scaling exact, so each value sits exactly on a midpoint of
+    # the float32 codebook: both in a full block (multiply by 1/absmax) and in a trailing
+    # partial block (divide by absmax).
+    mids = (NF4_CODE[:-1] + NF4_CODE[1:]) / 2
+    block = torch.cat([torch.tensor([absmax]), mids * absmax, -mids * absmax])   # 31 values
+    w = torch.cat([block, torch.zeros(1), block])                                # 32 + 31
+    q, _, _ = assert_same_as_bnb(w, blocksize=32)
+    lower = list(range(15))
+    expected = [15] + lower + [nearest_code(-m, NF4_CODE).item() for m in mids]
+    assert q.codes()[:31].tolist() == expected and q.codes()[32:].tolist() == expected
+    assert expected[1:16] == lower
+
+
+# ---------------------------------------------------------------------------------------------
+# dequantization
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dequantize_equals_code_times_absmax_from_bnb_codes(shape, dtype):
+    w = randn(*shape, seed=3, dtype=dtype)
+    packed, state = bnb_quantize(w)
+    ref = code_times_absmax(packed, state.absmax, 64, w.numel()).reshape(shape).to(dtype)
+    assert torch.equal(quantize_nf4(w).dequantize(), ref)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("shape", [(1,), (65,), (1000,), (4, 128), (3, 8, 64), (5, 7)])
+def test_bnb_dequantizes_to_bnb_like_ours(shape, double_quant):
+    """On shapes where their CPU dequant is right: 1-D, rows a multiple of the blocksize, or
+    an odd row length (which takes their PyTorch fallback)."""
+    q = quantize_nf4(randn(*shape, seed=4), double_quant=double_quant)
+    theirs = bnb_functional.dequantize_4bit(*to_bnb(q))
+    # Surprise: for a 1-D weight their CPU kernel returns [1, n] (and [n, 1] for n <= 2).
+    assert torch.equal(theirs.reshape(-1), q.dequantize().reshape(-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3,), (2, 96), (4, 16, 24)])
+def test_from_bnb_imports_identically(shape, dtype):
+    w = randn(*shape, seed=5, dtype=dtype)
+    packed, state = bnb_quantize(w)
+    q = from_bnb(packed, state)
+    ours = quantize_nf4(w)
+    assert q.shape == w.shape and q.dtype == dtype and q.blocksize == 64
+    assert torch.equal(q.packed, ours.packed) and torch.equal(q.absmax, ours.absmax)
+    ref = code_times_absmax(packed, state.absmax, 64, w.numel()).reshape(shape).to(dtype)
+    assert torch.equal(q.dequantize(), ref)
+    back_packed, back_state = to_bnb(q)
+    assert torch.equal(back_packed, packed) and back_state == state
+
+
+@pytest.mark.parametrize("shape", [(65,), (2, 96), (3, 64, 257)])
+def test_from_bnb_imports_double_quant_identically(shape):
+    w = randn(*shape, seed=8)
+    packed, state = bnb_quantize(w, double_quant=True)
+    q = from_bnb(packed, state)
+    assert q.double_quant and torch.equal(q.absmax_codes, state.absmax)
+    their_absmax = (bnb_functional.dequantize_blockwise(state.absmax, state.state2)
+                    + state.offset)
+    assert torch.equal(q.absmax, their_absmax)
+    ref = code_times_absmax(packed, their_absmax, 64, w.numel()).reshape(shape)
+    assert torch.equal(q.dequantize(), ref)
+    assert q.nbytes == packed.numel() + state.absmax.numel() + 4 * state.state2.absmax.numel() + 4
+
+
+def test_from_bnb_refuses_fp4():
+    packed, state = bnb_functional.quantize_4bit(randn(64), quant_type="fp4")
+    with pytest.raises(ValueError, match="quant_type must be 'nf4', got 'fp4'"):
+        from_bnb(packed, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# double quantization
+
+# (shape, blocksize) -> how many nested codes differ from bitsandbytes', measured with
+# bitsandbytes 0.50.2 and torch 2.13 on CPU for randn(shape, seed=6): 3 of 1001, 3 of 4096,
+# 20 of 9385 (26 of 14482 = 0.18 % in all). Recorded so that a change on either side shows;
+# test_double_quant_nested_codes explains where they come from. 99.9 % agreement is NOT
+# what this rate gives: it is 99.7–99.9 % per shape.
+NESTED_MISMATCHES = {((64 * 1000 + 5,), 64): 3, ((4, 128, 512), 64): 3, ((300, 1001), 32): 20}
+
+
+def bnb_cpu_lut_codes(x, nested_absmax):
+    """What bitsandbytes' CPU 8-bit quantizer computes: it scales by 1/absmax, rounds the
+    scaled value to one of 65536 evenly spaced points on [-1, 1], and takes the code nearest
+    to THAT point (a precomputed 64 K lookup table), not the code nearest the value itself."""
+    scaled = x * (1.0 / nested_absmax).repeat_interleave(256)[: x.numel()]
+    grid = -1.0 + (2.0 * torch.arange(65536, dtype=torch.float32)) / 65535
+    table = nearest_code(grid, DYNAMIC_CODE)
+    return table[((scaled.clamp(-1, 1) + 1.0) * 0.5 * 65535 + 0.5).long()]
+
+
+@pytest.mark.parametrize("shape, blocksize", list(NESTED_MISMATCHES))
+def test_double_quant_nested_codes(shape, blocksize):
+    w = randn(*shape, seed=6)
+    q = quantize_nf4(w, blocksize=blocksize, double_quant=True)
+    packed, state = bnb_quantize(w, blocksize, double_quant=True)
+    assert torch.equal(q.packed, packed.reshape(-1))
+    assert torch.equal(q.absmax_offset, state.offset)
+    assert torch.equal(q.absmax_scales, state.state2.absmax)
+    assert state.state2.blocksize == 256
+    # We take the code nearest to each scaled value (ties to the lower), the rule of their
+    # PyTorch and CUDA kernels. Their CPU kernel goes through a 65536-entry lookup table, so a
+    # value within half a table step (1/65535) of a midpoint between two codes can land on
+    # the neighbour (or, near 0 where codes are denser than the table, a few codes away).
+    # That rule reproduces every one of their codes:
+    plain = quantize_nf4(w, blocksize=blocksize).absmax
+    lut = bnb_cpu_lut_codes(plain - plain.mean(), state.state2.absmax)
+    assert torch.equal(lut, state.absmax.long())
+    differ = (q.absmax_codes != state.absmax).sum().item()
+    print(f"{shape} blocksize {blocksize}: {differ} of {q.n_blocks} nested codes differ "
+          f"from bitsandbytes' ({differ / q.n_blocks:.3%})")
+    assert differ <= 0.005 * q.n_blocks
+    assert differ == NESTED_MISMATCHES[(shape, blocksize)]
+
+
+@pytest.mark.parametrize("shape", [(64 * 1000 + 5,), (4, 128, 512)])
+def test_double_quant_dequantize_close_to_bnb(shape):
+    w = randn(*shape, seed=6)
+    q = quantize_nf4(w, double_quant=True)
+    packed, state = bnb_quantize(w, double_quant=True)
+    theirs = bnb_functional.dequantize_4bit(packed, state).reshape(-1)
+    their_absmax = (bnb_functional.dequantize_blockwise(state.absmax, state.state2)
+                    + state.offset)
+    assert torch.equal(their_absmax, dequantize_blockwise_8bit(
+        state.absmax, state.state2.absmax) + state.offset)
+    same_code = (q.absmax_codes == state.absmax).repeat_interleave(64)[: w.numel()]
+    ours = q.dequantize().reshape(-1)
+    # Where the nested code agrees, the weights agree bit for bit.
+    assert torch.equal(ours[same_code], theirs[same_code])
+    # Elsewhere the absmax differs by at most the largest gap of the dynamic map (0.0140625)
+    # times the nested scale, and |code| <= 1, so each weight moves at most that much.
+    scale = q.absmax_scales.repeat_interleave(256 * 64)[: w.numel()]
+    assert ((ours - theirs).abs() <= 0.0140625 * scale * (1 + 1e-5)).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# finding
+
+
+@pytest.mark.parametrize("shape", [(2, 96), (6, 80), (3, 32)])
+def test_finding_bnb_cpu_dequantize_4bit_wrong_when_rows_do_not_end_on_a_block(shape):
+    """FINDING (bitsandbytes 0.50.2, CPU): `dequantize_4bit` is wrong for multi-row weights
+    whose row length is not a multiple of the blocksize, though its packed codes and absmax
+    are right. Their native kernel takes the shape as rows × columns and does not give each
+    element the absmax of its row-major block; odd row lengths take their PyTorch fallback and
+    are right. Teach it: compare a dequantization with code[idx] · absmax, not with theirs."""
+    w = randn(*shape, seed=7)
+    q, packed, state = assert_same_as_bnb(w)
+    ref = code_times_absmax(packed, state.absmax, 64, w.numel()).reshape(shape)
+    theirs = bnb_functional.dequantize_4bit(packed, state)
+    assert torch.equal(q.dequantize(), ref)
+    assert not torch.equal(theirs, ref), "bitsandbytes fixed this: update the lab's finding"

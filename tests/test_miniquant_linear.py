@@ -1,0 +1,113 @@
+"""QuantizedLinear and quantize_model: NF4 buffers, exact forward, guards, model surgery."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minigpt import MiniGPT, MiniGPTConfig
+from miniquant import QuantizedLinear, dequantize_nf4, quantize_model, quantize_nf4
+
+
+def make_linear(n_in=96, n_out=40, bias=True, seed=0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out, bias=bias)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_equals_dequantized_matmul(double_quant, bias):
+    lin = make_linear(bias=bias)
+    q = QuantizedLinear.from_linear(lin, blocksize=64, double_quant=double_quant)
+    x = torch.randn(5, 96)
+    w = dequantize_nf4(quantize_nf4(lin.weight.detach(), 64, double_quant))
+    torch.testing.assert_close(q(x), F.linear(x, w, lin.bias), rtol=0, atol=0)
+    # ...and NF4 is close to the float layer: error of order absmax / 16 per weight
+    rel = (q(x) - lin(x)).norm() / lin(x).norm()
+    assert rel < 0.15, rel
+
+
+def test_weights_are_buffers_not_parameters():
+    q = QuantizedLinear.from_linear(make_linear())
+    assert list(q.parameters()) == []
+    names = dict(q.named_buffers())
+    assert any(t.dtype == torch.uint8 for t in names.values())
+    assert "bias" in names
+    opt_params = [p for p in q.parameters() if p.requires_grad]
+    assert opt_params == []
+
+
+def test_state_dict_round_trip_is_exact():
+    q = QuantizedLinear.from_linear(make_linear(), double_quant=True)
+    q2 = QuantizedLinear.from_linear(make_linear(seed=1), double_quant=True)
+    q2.load_state_dict(q.state_dict())
+    x = torch.randn(3, 96)
+    assert torch.equal(q(x), q2(x))
+
+
+def test_dtype_cast_keeps_nf4_storage_exact_and_computes_in_input_dtype():
+    q = QuantizedLinear.from_linear(make_linear(), double_quant=True)
+    before = {k: v.clone() for k, v in q.state_dict().items() if k != "bias"}
+    q = q.to(torch.bfloat16)
+    for k, v in before.items():
+        assert q.state_dict()[k].dtype == v.dtype and torch.equal(q.state_dict()[k], v), k
+    y = q(torch.randn(2, 96, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+
+
+def test_compute_dtype_is_honoured():
+    q = QuantizedLinear.from_linear(make_linear(), compute_dtype=torch.bfloat16)
+    assert q(torch.randn(2, 96)).dtype == torch.bfloat16
+
+
+def test_bits_per_param_with_double_quant():
+    lin = nn.Linear(1024, 1024, bias=False)
+    q = QuantizedLinear.from_linear(lin, blocksize=64, double_quant=True)
+    assert 4.12 < q.weight_nf4.bits_per_param < 4.14
+
+
+def test_corrupt_scales_raise_a_clear_error():
+    q = QuantizedLinear.from_linear(make_linear(), double_quant=False)
+    for name, buf in q.named_buffers():
+        if buf.is_floating_point() and name != "bias":
+            buf.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="NaN or Inf"):
+        q(torch.randn(1, 96))
+
+
+def test_from_linear_rejects_nan_weights_and_non_linear():
+    lin = make_linear()
+    with torch.no_grad():
+        lin.weight[0, 0] = float("inf")
+    with pytest.raises(ValueError):
+        QuantizedLinear.from_linear(lin)
+    with pytest.raises(ValueError, match="nn.Linear"):
+        QuantizedLinear.from_linear(nn.Conv1d(3, 3, 1))
+
+
+def test_quantize_model_replaces_matching_linears_only():
+    torch.manual_seed(0)
+    model = MiniGPT(MiniGPTConfig(n_layer=2, n_head=2, n_embd=64, d_ff=64, block_size=16))
+    ref = MiniGPT(model.config)
+    ref.load_state_dict(model.state_dict())
+    names = quantize_model(model, r"blocks\.\d+\.attn\.(q|k|v|o)_proj")
+    assert names == [f"blocks.{i}.attn.{p}_proj" for i in range(2) for p in "qkvo"]
+    for name, m in model.named_modules():
+        assert isinstance(m, QuantizedLinear) == (name in names), name
+    assert isinstance(model.lm_head, nn.Linear) and isinstance(model.blocks[0].mlp.up_proj,
+                                                                nn.Linear)
+    idx = torch.randint(0, model.config.vocab_size, (2, 10))
+    a, b = model(idx), ref(idx)
+    assert (a - b).norm() / b.norm() < 0.2
+    trainable = {n for n, p in model.named_parameters()}
+    assert not any(".attn." in n and "proj" in n for n in trainable)
+
+
+def test_quantize_model_regex_is_a_full_match_and_must_match_something():
+    model = MiniGPT(MiniGPTConfig(n_layer=1, n_head=2, n_embd=64, d_ff=64, block_size=16))
+    with pytest.raises(ValueError, match="matches no nn.Linear"):
+        quantize_model(model, r"q_proj")            # a suffix alone does not fully match
+    with pytest.raises(ValueError, match="matches no nn.Linear"):
+        quantize_model(model, r"blocks\.0\.attn\.nope")

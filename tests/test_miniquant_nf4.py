@@ -1,0 +1,227 @@
+"""miniquant.nf4 and miniquant.dynamic on their own (no bitsandbytes): the codebook facts,
+nibble packing, quantization against a per-block loop, double quantization, storage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miniquant import DYNAMIC_CODE, NF4_CODE, NF4Weight, dequantize_nf4, nf4_codebook, quantize_nf4
+from miniquant.nf4 import BLOCKSIZES, pack_nibbles, unpack_nibbles
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+# DESIGN.md §4, to 8 decimals.
+NF4_VALUES = [-1.0, -0.69619280, -0.52507305, -0.39491749, -0.28444138, -0.18477343,
+              -0.09105004, 0.0, 0.07958030, 0.16093020, 0.24611230, 0.33791524, 0.44070983,
+              0.56261700, 0.72295684, 1.0]
+
+
+def randn(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def naive_nf4(w, blocksize):
+    """Per block, per element: (indices list, absmax list), nearest code, ties to the lower."""
+    flat = w.reshape(-1).float()
+    code = NF4_CODE.tolist()
+    indices, absmaxes = [], []
+    for start in range(0, flat.numel(), blocksize):
+        block = flat[start:start + blocksize]
+        absmax = block.abs().max()
+        absmaxes.append(absmax.item())
+        full = block.numel() == blocksize
+        scaled = block * (1.0 / absmax) if full else block / absmax
+        for x in (scaled if absmax > 0 else torch.zeros_like(block)).tolist():
+            dist = [abs(x - c) for c in code]
+            indices.append(dist.index(min(dist)))     # index() finds the lower one on a tie
+    return indices, absmaxes
+
+
+# ---------------------------------------------------------------------------------------------
+# the codebook and the dynamic map
+
+
+def test_codebook_facts():
+    code = nf4_codebook()
+    assert code.dtype == torch.float32 and code.shape == (16,)
+    assert torch.equal(code, NF4_CODE)
+    assert code[7] == 0 and code[0] == -1 and code[15] == 1
+    assert (code[1:] > code[:-1]).all()
+    torch.testing.assert_close(code, torch.tensor(NF4_VALUES), rtol=0, atol=1e-8)
+
+
+def test_codebook_rounding_order_matters():
+    """All-float64 then one rounding leaves 10 of 16 values a few ulps off (DESIGN §4)."""
+    pos = torch.linspace(0.9677083, 0.5, 9, dtype=torch.float64)[:-1]
+    neg = torch.linspace(0.9677083, 0.5, 8, dtype=torch.float64)[:-1]
+    q = torch.cat([torch.special.ndtri(pos), torch.zeros(1, dtype=torch.float64),
+                   -torch.special.ndtri(neg)]).sort().values
+    all_double = (q / q.max()).float()
+    assert (all_double != NF4_CODE).sum() == 10
+    assert (all_double - NF4_CODE).abs().max() < 2e-7
+
+
+def test_dynamic_map_facts():
+    assert DYNAMIC_CODE.dtype == torch.float32 and DYNAMIC_CODE.shape == (256,)
+    assert (DYNAMIC_CODE[1:] > DYNAMIC_CODE[:-1]).all()
+    assert DYNAMIC_CODE[-1] == 1.0 and (DYNAMIC_CODE == 0).sum() == 1
+    # The linear grid of the top decade has 64 midpoints in [0.1, 1]: the smallest value
+    # is -(the last midpoint), not -1.
+    assert DYNAMIC_CODE[0] == -DYNAMIC_CODE[-2]
+    assert DYNAMIC_CODE[-2] == (torch.tensor(1 - 0.9 / 64) + 1) / 2
+    positive = DYNAMIC_CODE[DYNAMIC_CODE > 0]
+    assert positive.min() < 1e-6 and len(positive) == 128
+
+
+# ---------------------------------------------------------------------------------------------
+# packing
+
+
+def test_pack_puts_first_element_in_high_nibble_and_pads_with_seven():
+    idx = torch.tensor([1, 2, 15, 0, 9], dtype=torch.uint8)
+    packed = pack_nibbles(idx)
+    assert packed.tolist() == [0x12, 0xF0, 0x97]
+    assert torch.equal(unpack_nibbles(packed, 5), idx)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 64, 1001])
+def test_pack_unpack_round_trip(n):
+    idx = torch.randint(0, 16, (n,), generator=torch.Generator().manual_seed(n)).to(torch.uint8)
+    packed = pack_nibbles(idx)
+    assert packed.shape == ((n + 1) // 2,) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_nibbles(packed, n), idx)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize / dequantize
+
+
+@pytest.mark.parametrize("shape, blocksize", [((1,), 64), ((3,), 32), ((65,), 64),
+                                              ((5, 37), 32), ((3, 4, 50), 64),
+                                              ((2, 700), 256)])
+def test_quantize_matches_naive_block_loop(shape, blocksize):
+    w = randn(*shape, seed=sum(shape))
+    q = quantize_nf4(w, blocksize=blocksize)
+    indices, absmaxes = naive_nf4(w, blocksize)
+    assert q.codes().tolist() == indices
+    assert q.absmax.tolist() == absmaxes
+    assert q.shape == w.shape and q.dtype == w.dtype and q.blocksize == blocksize
+    assert not q.double_quant and q.n_blocks == len(absmaxes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dequantize_is_code_times_absmax_then_cast(dtype):
+    w = randn(7, 45, seed=2, dtype=dtype)
+    q = quantize_nf4(w, blocksize=32)
+    ref = NF4_CODE[q.codes().long()] * q.absmax.repeat_interleave(32)[: w.numel()]
+    out = dequantize_nf4(q)
+    assert out.dtype == dtype and out.shape == w.shape
+    assert torch.equal(out, ref.reshape(w.shape).to(dtype))
+    assert torch.equal(q.dequantize(torch.float32), ref.reshape(w.shape))
+    # Each value is within half the largest code gap (-1 to -0.6961928) of its block's absmax.
+    half_gap = (NF4_CODE[1:] - NF4_CODE[:-1]).max() / 2
+    bound = q.absmax.repeat_interleave(32)[: w.numel()] * half_gap
+    assert ((w.float().reshape(-1) - ref).abs() <= bound * (1 + 1e-6)).all()
+
+
+def test_values_on_midpoints_go_to_the_lower_code():
+    mids = (NF4_CODE[:-1] + NF4_CODE[1:]) / 2
+    w = torch.cat([torch.ones(1), mids, torch.zeros(64 - 16)])     # absmax 1: scaling exact
+    q = quantize_nf4(w, blocksize=64)
+    assert q.codes()[1:16].tolist() == list(range(15))
+
+
+def test_all_zero_blocks_dequantize_to_zero():
+    w = randn(200, seed=5)
+    w[64:128] = 0       # a full zero block
+    w[192:] = 0         # a zero trailing partial block
+    q = quantize_nf4(w, blocksize=64)
+    assert q.absmax[1] == 0 and q.absmax[3] == 1e-38   # bitsandbytes' floor, partial block only
+    assert (q.codes()[64:128] == 7).all() and (q.codes()[192:] == 7).all()
+    out = q.dequantize()
+    assert not out[64:128].any() and not out[192:].any()
+    assert torch.equal(quantize_nf4(torch.zeros(3, 5)).dequantize(), torch.zeros(3, 5))
+
+
+def test_to_moves_every_tensor():
+    q = quantize_nf4(randn(300, seed=6), double_quant=True).to("cpu")
+    assert torch.equal(q.dequantize(), quantize_nf4(randn(300, seed=6), double_quant=True)
+                       .dequantize())
+
+
+# ---------------------------------------------------------------------------------------------
+# double quantization and storage
+
+
+@pytest.mark.parametrize("shape", [(7,), (64 * 300 + 5,), (3, 64, 257)])
+def test_double_quant_absmax_close_to_plain(shape):
+    w = randn(*shape, seed=7)
+    plain, dq = quantize_nf4(w), quantize_nf4(w, double_quant=True)
+    assert dq.double_quant and dq.block_absmax is None
+    assert torch.equal(plain.packed, dq.packed)
+    assert dq.absmax_codes.shape == (plain.n_blocks,)
+    assert dq.absmax_scales.shape == (-(-plain.n_blocks // 256),)
+    assert dq.absmax_offset == plain.absmax.mean()
+    # Nearest code in the dynamic map: error at most half its largest gap (0.0140625 / 2)
+    # times the nested block's scale.
+    scales = dq.absmax_scales.repeat_interleave(256)[: plain.n_blocks]
+    assert ((dq.absmax - plain.absmax).abs() <= scales * 0.0140625 / 2 + 1e-6).all()
+
+
+def test_bits_per_param():
+    w = randn(256, 1024, seed=8)
+    plain = quantize_nf4(w)
+    assert plain.nbytes == w.numel() // 2 + 4 * w.numel() // 64
+    assert plain.bits_per_param == 4.5
+    dq = quantize_nf4(w, double_quant=True)
+    assert dq.nbytes == w.numel() // 2 + w.numel() // 64 + 4 * w.numel() // (64 * 256) + 4
+    for n in (1, 2, 63, 1000):
+        assert quantize_nf4(randn(n), double_quant=True).bits_per_param > 4.0
+
+
+def test_bits_per_param_4096_square():
+    """The DESIGN §9 number: NF4 + double quant at blocksize 64 ≈ 4.127 bits/param."""
+    dq = quantize_nf4(randn(4096, 4096, seed=9), double_quant=True)
+    assert 4.12 < dq.bits_per_param < 4.135, dq.bits_per_param
+    assert dq.bits_per_param == pytest.approx(4 + 8 / 64 + 32 / (64 * 256) + 32 / 4096**2)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize("w, message", [
+    (torch.tensor([1.0, float("nan")]), "finite"),
+    (torch.tensor([float("-inf"), 1.0]), "finite"),
+    (torch.arange(64), "float16, bfloat16 or float32"),
+    (torch.ones(64, dtype=torch.float64), "float16, bfloat16 or float32"),
+    (torch.ones(0), "empty"),
+])
+def test_bad_weights_raise(w, message):
+    with pytest.raises(ValueError, match=f"w must .*{message}"):
+        quantize_nf4(w)
+
+
+@pytest.mark.parametrize("blocksize", [16, 100, 8192, 0, 64.0, True])
+def test_bad_blocksize_raises(blocksize):
+    with pytest.raises(ValueError, match=r"blocksize must be one of \(32, 64"):
+        quantize_nf4(torch.ones(64), blocksize=blocksize)
+
+
+def test_bad_double_quant_raises():
+    with pytest.raises(ValueError, match="double_quant must be a bool"):
+        quantize_nf4(torch.ones(64), double_quant="yes")
+
+
+def test_inconsistent_nf4weight_is_refused():
+    q = quantize_nf4(randn(130, seed=10))
+    with pytest.raises(ValueError, match="packed must be a torch.uint8 tensor with 65"):
+        NF4Weight(q.packed[:-1], q.shape, q.dtype, 64, block_absmax=q.absmax)
+    with pytest.raises(ValueError, match="block_absmax must be a torch.float32 tensor with 3"):
+        NF4Weight(q.packed, q.shape, q.dtype, 64, block_absmax=q.absmax[:2])
+    with pytest.raises(ValueError, match="give block_absmax, or absmax_codes"):
+        NF4Weight(q.packed, q.shape, q.dtype, 64)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        NF4Weight(q.packed, q.shape, torch.float64, 64, block_absmax=q.absmax)
+    assert set(BLOCKSIZES) == {32, 64, 128, 256, 512, 1024, 2048, 4096}
