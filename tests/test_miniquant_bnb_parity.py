@@ -250,8 +250,10 @@ def test_finding_bnb_cpu_dequantize_4bit_wrong_when_rows_do_not_end_on_a_block(s
     """FINDING (bitsandbytes 0.50.2, CPU): `dequantize_4bit` is wrong for multi-row weights
     whose row length is not a multiple of the blocksize, though its packed codes and absmax
     are right. Their native kernel takes the shape as rows × columns and does not give each
-    element the absmax of its row-major block; odd row lengths take their PyTorch fallback and
-    are right. Teach it: compare a dequantization with code[idx] · absmax, not with theirs."""
+    element the absmax of its row-major block. Measured more narrowly (Lab 02 sweeps it): the
+    native path is taken, and wrong, when the row length is a multiple of 16 but not of the
+    blocksize; other row lengths take their PyTorch fallback and are right ((3, 100),
+    (4, 16, 24) come back right). Teach it: compare with code[idx] · absmax, not with theirs."""
     w = randn(*shape, seed=7)
     q, packed, state = assert_same_as_bnb(w)
     ref = code_times_absmax(packed, state.absmax, 64, w.numel()).reshape(shape)

@@ -1,0 +1,1055 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lab 03 — NF4 dequantization in Triton, whole or expert by expert
+#
+# In Lab 02 you stored a weight as NF4: two 4-bit codes a byte plus one float32 scale per
+# block. Before a matrix product can use it, the weight must be turned back into floats, and
+# this happens at **every forward and backward pass** of a QLoRA model. That makes
+# dequantization one of the hot loops of QLoRA, and it is small enough to write as your first
+# GPU kernel. In this lab you write it in [Triton](https://triton-lang.org), then a variant
+# that dequantizes only the experts of a Mixture-of-Experts weight that a batch actually uses.
+#
+# | # | you write | what it teaches |
+# |---|---|---|
+# | 1 | `axpy_kernel` + `axpy(alpha, x, y)` | programs, blocks, offsets, **masks**, launching |
+# | 2 | `unpack_nibbles_kernel` + `my_unpack_nibbles(packed, n)` | integer bit work inside a kernel |
+# | 3 | `nf4_dequant_kernel` + `my_dequantize_nf4(q)` | the whole NF4 dequant: codes, table lookup, block scales |
+# | 4 | `selective_dequant_kernel` + `my_selective_dequantize(q, active)` | gather by expert id: read only what you need |
+# | 5 | `dequant_traffic(shape, ...)` | bytes moved, GB/s, why dequant is memory-bound |
+#
+# **No GPU needed.** Triton kernels normally compile for an NVIDIA GPU. Triton also ships an
+# *interpreter* that runs the same kernel source on the CPU with NumPy, one program after
+# another: switched on by the environment variable `TRITON_INTERPRET=1`, which must be set
+# **before** `import triton`. The setup cell does that when no CUDA GPU is present; on a GPU
+# the very same kernels run compiled. The interpreter is slow (it is for correctness, not
+# speed), so every test here uses small shapes: a few thousand elements at most.
+#
+# **How to work.** Run the cells from top to bottom. Where you see `raise NotImplementedError()`,
+# replace it with your code. Each exercise is followed by a test cell that prints what was
+# expected and what came when it fails. Grading runs more (hidden) checks of the same
+# specification, among them checks that your wrappers really launch your kernels and do not
+# call the reference implementations in `miniquant`. The whole notebook runs in well under a
+# minute on a laptop CPU.
+
+# %%
+import contextlib
+import os
+import time
+
+import torch
+
+# The interpreter must be chosen before triton is imported: @triton.jit decides at decoration
+# time whether a function is compiled or interpreted, and the helpers in triton.language
+# (tl.interleave, tl.cdiv, ...) are decorated when triton itself is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import matplotlib.pyplot as plt
+import triton
+import triton.language as tl
+
+import miniquant
+from miniquant import NF4_CODE, NF4Weight, dequantize_nf4, quantize_nf4
+from miniquant.nf4 import pack_nibbles, unpack_nibbles
+
+# The interpreter runs one program at a time with NumPy; extra CPU threads only add overhead.
+torch.set_num_threads(1)
+torch.manual_seed(0)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+print(f"torch {torch.__version__} | triton {triton.__version__} | "
+      f"{'Triton interpreter on the CPU' if INTERPRET else 'compiled Triton on ' + DEVICE}")
+
+# %% [markdown]
+# ## Part A — Triton in five minutes
+#
+# A Triton kernel is a Python function decorated with `@triton.jit`. You launch it on a
+# **grid** of *programs*: `kernel[grid](args...)` with `grid = (g0,)` or `(g0, g1)`. Every
+# program runs the same code; `tl.program_id(axis)` tells it which one it is. Unlike CUDA,
+# where you write what **one thread** does, a Triton program works on whole **blocks**
+# (small arrays) at once:
+#
+# * `tl.arange(0, BLOCK)` is the block `[0, 1, ..., BLOCK-1]`; `BLOCK` must be a power of two
+#   and a compile-time constant (annotate the parameter `BLOCK: tl.constexpr`).
+# * Tensors arrive as **pointers** to their first element. `ptr + offsets` is a block of
+#   pointers; `tl.load(ptrs, mask=..., other=...)` reads them, `tl.store(ptrs, values,
+#   mask=...)` writes. No bounds checks are done for you: the **mask** is the bounds check.
+# * Arithmetic on blocks is element-wise, with NumPy-like broadcasting; `tl.where`,
+#   `>>`, `&`, `.to(dtype)` work as you would expect.
+#
+# The usual 1-D pattern: program `p` handles elements `p*BLOCK ... p*BLOCK + BLOCK - 1`, and
+# you launch `triton.cdiv(n, BLOCK)` programs. When `n` is not a multiple of `BLOCK`, the last
+# program's block runs past the end of the tensor, and its out-of-range lanes must be masked
+# off, on the loads *and* on the store.
+#
+# The kernel below writes, for each element, the id of the program that wrote it. Run it and
+# look at how 10 elements are cut into blocks of 4.
+
+# %%
+@triton.jit
+def whoami_kernel(out_ptr, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)          # this program's element offsets
+    mask = offs < n                                   # lanes past the end do nothing
+    tl.store(out_ptr + offs, pid + tl.zeros([BLOCK], dtype=tl.int32), mask=mask)
+
+
+n, BLOCK = 10, 4
+owner = torch.full((n,), -1, dtype=torch.int32, device=DEVICE)
+grid = (triton.cdiv(n, BLOCK),)
+whoami_kernel[grid](owner, n, BLOCK=BLOCK)
+print(f"n = {n}, BLOCK = {BLOCK}, grid = {grid}")
+print("program that wrote each element:", owner.tolist())
+
+# %% [markdown]
+# **Interpreter facts worth knowing** (they come back in the pitfalls of the guide):
+#
+# * Keep the arithmetic in **float32**. The interpreter computes with NumPy and has no
+#   bfloat16 arithmetic; a kernel that computes in float32 and converts only at the store
+#   behaves the same interpreted and compiled.
+# * It is slow: each program costs roughly a millisecond of Python, so prefer fewer, larger
+#   blocks (a `BLOCK` of 1024 in the wrappers) and small test shapes.
+# * An exception inside a kernel (a typo, a shape mismatch) is raised as a Python exception
+#   with a traceback that points into your kernel. Compiled kernels are stricter: there the
+#   same mistake is a compile error.
+#
+# ## Exercise 1 — `axpy`: the masked element-wise kernel
+#
+# Write `axpy_kernel(x_ptr, y_ptr, out_ptr, alpha, n, BLOCK: tl.constexpr)`. Program `p` must
+# compute `out[i] = alpha * x[i] + y[i]` for every `i` in `p*BLOCK ... p*BLOCK + BLOCK - 1`
+# with `i < n`, and must not read or write any element at `i >= n`. The tests launch your
+# kernel themselves with their own `BLOCK` and check that memory past `n` is left untouched.
+#
+# Then write the wrapper `axpy(alpha, x, y, block=1024)`:
+#
+# * raise `ValueError` unless `x` and `y` are float32 tensors of the same shape on the same
+#   device;
+# * work on contiguous copies (`.contiguous()`): the kernel assumes element `i` sits at
+#   `ptr + i`, which is false for, say, a transposed tensor;
+# * allocate the output, launch `axpy_kernel` on a grid of `triton.cdiv(n, block)` programs,
+#   and return a tensor of `x`'s shape.
+#
+# Use `torch` only to check, allocate and reshape here: the arithmetic happens in the kernel.
+
+# %% nbgrader={"grade": false, "grade_id": "axpy", "locked": false, "schema_version": 3, "solution": true, "task": false}
+@triton.jit
+def axpy_kernel(x_ptr, y_ptr, out_ptr, alpha, n, BLOCK: tl.constexpr):
+    """out[i] = alpha * x[i] + y[i] for i in this program's block, i < n."""
+    ### BEGIN SOLUTION
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    y = tl.load(y_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, alpha * x + y, mask=mask)
+    ### END SOLUTION
+
+
+def axpy(alpha: float, x: torch.Tensor, y: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """alpha * x + y computed by axpy_kernel; x and y float32 of one shape."""
+    ### BEGIN SOLUTION
+    for name, t in (("x", x), ("y", y)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be a float32 tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)}")
+    if x.shape != y.shape or x.device != y.device:
+        raise ValueError(f"x and y must share shape and device: {tuple(x.shape)} on {x.device} "
+                         f"vs {tuple(y.shape)} on {y.device}")
+    x, y = x.contiguous(), y.contiguous()
+    out = torch.empty_like(x)
+    n = x.numel()
+    axpy_kernel[(triton.cdiv(n, block),)](x, y, out, alpha, n, BLOCK=block)
+    return out
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_axpy", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# Helpers used by this and the later test cells.
+class _Spy:
+    """Stands in for a kernel and counts its launches (kernel[grid](...))."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
+@contextlib.contextmanager
+def _spy_on(name):
+    """Replace the notebook's global `name` (a kernel) by a _Spy while the block runs."""
+    spy = _Spy(globals()[name])
+    globals()[name] = spy
+    try:
+        yield spy
+    finally:
+        globals()[name] = spy.kernel
+
+
+class _Refuse:
+    """A stand-in that fails loudly when called or launched."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def _fail(self, *args, **kwargs):
+        raise AssertionError(f"{self.name} was called while your function ran: this exercise "
+                             "must be done with your own kernel, without it")
+
+    __call__ = _fail
+    __getitem__ = _fail
+
+
+@contextlib.contextmanager
+def _forbid(*extra_globals):
+    """While the block runs, miniquant's dequantization and unpacking functions (and the
+    notebook globals named in extra_globals) raise if anything calls them."""
+    import miniquant.nf4 as _nf4
+    import miniquant.triton_dequant as _td
+    targets = [(miniquant, "dequantize_nf4"), (miniquant, "triton_dequantize_nf4"),
+               (miniquant, "selective_dequantize_nf4"), (_nf4, "dequantize_nf4"),
+               (_nf4, "unpack_nibbles"), (_td, "triton_dequantize_nf4"),
+               (_td, "selective_dequantize_nf4"), (_td, "_launch"),
+               (_td, "_nf4_dequant_kernel"), (NF4Weight, "dequantize"), (NF4Weight, "codes")]
+    saved = [(obj, name, obj.__dict__[name]) for obj, name in targets if name in obj.__dict__]
+    g = globals()
+    names = ["dequantize_nf4", "unpack_nibbles", *extra_globals]
+    saved_globals = {name: g[name] for name in names if name in g}
+    try:
+        for obj, name, _ in saved:
+            setattr(obj, name, _Refuse(f"{getattr(obj, '__name__', obj)}.{name}"))
+        for name in saved_globals:
+            g[name] = _Refuse(name)
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+        g.update(saved_globals)
+
+
+def _check_axpy(n_or_shape, alpha=2.5, seed=0):
+    shape = (n_or_shape,) if isinstance(n_or_shape, int) else n_or_shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g).to(DEVICE)
+    y = torch.randn(shape, generator=g).to(DEVICE)
+    got = axpy(alpha, x, y)
+    want = alpha * x + y
+    assert isinstance(got, torch.Tensor) and got.shape == want.shape, \
+        f"axpy on shape {tuple(shape)}: expected a tensor of shape {tuple(want.shape)}, got " \
+        f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}"
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6,
+                               msg=lambda m: f"axpy({alpha}, x, y), shape {tuple(shape)}:\n{m}")
+
+
+def _launch_axpy(n, BLOCK, alpha=-1.5, extra_programs=0, seed=1):
+    """Launch axpy_kernel directly on buffers longer than n; what lies past n must survive."""
+    g = torch.Generator().manual_seed(seed)
+    pad = BLOCK + 3
+    x = torch.randn(n + pad, generator=g).to(DEVICE)
+    y = torch.randn(n + pad, generator=g).to(DEVICE)
+    out = torch.full((n + pad,), 1234.5, device=DEVICE)
+    grid = (triton.cdiv(n, BLOCK) + extra_programs,)
+    axpy_kernel[grid](x, y, out, alpha, n, BLOCK=BLOCK)
+    where = f"axpy_kernel[{grid}](..., n={n}, BLOCK={BLOCK})"
+    torch.testing.assert_close(out[:n], alpha * x[:n] + y[:n], rtol=1e-6, atol=1e-6,
+                               msg=lambda m: f"{where}, elements 0..n-1:\n{m}")
+    touched = (out[n:] != 1234.5).nonzero().flatten()
+    assert touched.numel() == 0, \
+        f"{where} wrote past the end: out[n + {touched[:5].tolist()}] changed " \
+        f"(expected the sentinel 1234.5, got {out[n:][touched[:5]].tolist()}). Mask the store."
+
+
+for _n in (1, 7, 1000):          # 7 and 1000 are not multiples of any power-of-two block
+    _check_axpy(_n)
+_launch_axpy(7, BLOCK=4)
+_launch_axpy(10, BLOCK=16)       # one program, most of its lanes masked
+print("axpy matches alpha * x + y, and the kernel leaves memory past n alone")
+
+### BEGIN HIDDEN TESTS
+_check_axpy(4096, alpha=0.0)
+_check_axpy((13, 11), alpha=-3.25, seed=2)
+_check_axpy(1, alpha=1e-3, seed=3)
+for _n, _b in ((1, 16), (33, 16), (1000, 64), (1024, 128)):
+    _launch_axpy(_n, BLOCK=_b, seed=_n)
+_launch_axpy(20, BLOCK=8, extra_programs=2)   # whole programs beyond n: all lanes masked
+# a transposed (non-contiguous) input
+_x = torch.randn(9, 5).to(DEVICE).T
+_y = torch.randn(5, 9).to(DEVICE)
+torch.testing.assert_close(axpy(0.5, _x, _y), 0.5 * _x + _y, rtol=1e-6, atol=1e-6,
+                           msg=lambda m: f"axpy with a transposed x (use .contiguous()):\n{m}")
+# bad inputs
+for _bad in ((torch.zeros(3), torch.zeros(4)), (torch.zeros(3, dtype=torch.float64),) * 2,
+             (torch.zeros(2, 3), torch.zeros(3, 2))):
+    try:
+        axpy(1.0, *(t.to(DEVICE) for t in _bad))
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"axpy accepted x {_bad[0].dtype}{tuple(_bad[0].shape)} and "
+                             f"y {_bad[1].dtype}{tuple(_bad[1].shape)}; expected ValueError")
+# the wrapper launches the kernel
+with _spy_on("axpy_kernel") as _spy:
+    _check_axpy(100, seed=5)
+assert _spy.grids, "axpy did not launch axpy_kernel: the arithmetic must happen in the kernel"
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Exercise 2 — unpacking nibbles inside a kernel
+#
+# NF4 stores two 4-bit codes in each byte, in bitsandbytes' order: element `2i` in the **high**
+# nibble of byte `i`, element `2i+1` in the **low** nibble; an odd count leaves a pad nibble in
+# the low half of the last byte. For example:
+#
+# ```
+# packed bytes   0x12        0xAB        0x70
+# codes          1,  2       10, 11      7, (pad)        n = 5
+# ```
+#
+# Write `unpack_nibbles_kernel(packed_ptr, codes_ptr, n, BLOCK: tl.constexpr)`: program `p`
+# writes the codes of elements `p*BLOCK ... p*BLOCK + BLOCK - 1` (those `< n`) into the uint8
+# output `codes_ptr`. `BLOCK` is an even power of two. Two ways to get there — either is fine:
+#
+# * **element-major**: for each element offset `j`, load byte `j // 2` and pick its high or
+#   low nibble with `tl.where(j % 2 == 0, b >> 4, b & 15)` (every byte is loaded twice, but
+#   the second load hits the cache);
+# * **byte-major**: load the program's `BLOCK // 2` bytes once, and lay out the high and low
+#   nibbles in element order with `tl.interleave(b >> 4, b & 15)`.
+#
+# Whichever you choose, the pad nibble of an odd count must not be written (the tests put
+# sentinels past `n`).
+#
+# Then write `my_unpack_nibbles(packed, n, block=1024)`: raise `ValueError` unless `packed` is
+# a 1-D uint8 tensor of exactly `ceil(n / 2)` bytes with `n >= 1`; return the `n` codes as a
+# uint8 tensor. The reference, `miniquant.nf4.unpack_nibbles`, is what the tests compare you
+# with, so it may not appear in your code.
+
+# %% nbgrader={"grade": false, "grade_id": "unpack_nibbles", "locked": false, "schema_version": 3, "solution": true, "task": false}
+@triton.jit
+def unpack_nibbles_kernel(packed_ptr, codes_ptr, n, BLOCK: tl.constexpr):
+    """codes[j] = high nibble of packed[j // 2] if j is even, else its low nibble; j < n."""
+    ### BEGIN SOLUTION
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = j < n
+    b = tl.load(packed_ptr + j // 2, mask=in_range, other=0)
+    code = tl.where(j % 2 == 0, b >> 4, b & 15)
+    tl.store(codes_ptr + j, code.to(tl.uint8), mask=in_range)
+    ### END SOLUTION
+
+
+def my_unpack_nibbles(packed: torch.Tensor, n: int, block: int = 1024) -> torch.Tensor:
+    """uint8 [ceil(n/2)] packed codes -> uint8 [n] codes, high nibble first."""
+    ### BEGIN SOLUTION
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 1:
+        raise ValueError("packed must be a 1-D uint8 tensor")
+    if packed.numel() != (n + 1) // 2:
+        raise ValueError(f"{n} codes need {(n + 1) // 2} bytes, got {packed.numel()}")
+    packed = packed.contiguous()
+    codes = torch.empty(n, dtype=torch.uint8, device=packed.device)
+    unpack_nibbles_kernel[(triton.cdiv(n, block),)](packed, codes, n, BLOCK=block)
+    return codes
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_unpack_nibbles", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _random_packed(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n,), dtype=torch.uint8, generator=g)
+    return codes, pack_nibbles(codes)
+
+
+def _check_unpack(n, seed=0, garbage_pad=False):
+    codes, packed = _random_packed(n, seed)
+    if garbage_pad and n % 2:
+        packed[-1] |= 0x0D                 # whatever the pad nibble holds is not a code
+    want = unpack_nibbles(packed, n)
+    assert torch.equal(want, codes)
+    got = my_unpack_nibbles(packed.to(DEVICE), n)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.uint8 and got.shape == (n,), \
+        f"my_unpack_nibbles(..., n={n}): expected a uint8 tensor of shape ({n},), got " \
+        f"{getattr(got, 'dtype', type(got).__name__)} {tuple(getattr(got, 'shape', ()))}"
+    got = got.cpu()
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, \
+        f"my_unpack_nibbles(..., n={n}) differs from unpack_nibbles at {bad.numel()} positions, " \
+        f"first j = {bad[:6].tolist()}: expected {want[bad[:6]].tolist()}, got " \
+        f"{got[bad[:6]].tolist()} (bytes {[hex(b) for b in packed[bad[:6] // 2].tolist()]})"
+
+
+def _launch_unpack(n, BLOCK, seed=1):
+    codes, packed = _random_packed(n, seed)
+    out = torch.full((n + BLOCK + 2,), 0xEE, dtype=torch.uint8, device=DEVICE)
+    grid = (triton.cdiv(n, BLOCK),)
+    unpack_nibbles_kernel[grid](packed.to(DEVICE), out, n, BLOCK=BLOCK)
+    out = out.cpu()
+    where = f"unpack_nibbles_kernel[{grid}](..., n={n}, BLOCK={BLOCK})"
+    assert torch.equal(out[:n], codes), \
+        f"{where}: expected codes {codes[:12].tolist()}..., got {out[:12].tolist()}..."
+    assert (out[n:] == 0xEE).all(), \
+        f"{where} wrote past n: out[n:n+4] = {out[n:n + 4].tolist()}, expected [238, ...]"
+
+
+# worked by hand: 0x12 0xAB 0x70 -> 1, 2, 10, 11, 7 (the pad nibble of 0x70 is dropped)
+_hand = my_unpack_nibbles(torch.tensor([0x12, 0xAB, 0x70], dtype=torch.uint8, device=DEVICE), 5)
+assert _hand.tolist() == [1, 2, 10, 11, 7], \
+    f"bytes 0x12 0xAB 0x70, n = 5: expected [1, 2, 10, 11, 7], got {_hand.tolist()}"
+for _n in (1, 7, 999, 1000):
+    _check_unpack(_n, seed=_n)
+_launch_unpack(7, BLOCK=4)            # odd count: the pad nibble must not be written
+print("my_unpack_nibbles matches miniquant.nf4.unpack_nibbles, high nibble first")
+
+### BEGIN HIDDEN TESTS
+_check_unpack(4097, seed=3, garbage_pad=True)
+_check_unpack(2, seed=4)
+for _n, _b in ((1, 2), (9, 8), (130, 64), (1001, 256)):
+    _launch_unpack(_n, BLOCK=_b, seed=_n)
+# every byte value, in order
+_all = torch.arange(256, dtype=torch.uint8)
+_want = torch.stack([_all >> 4, _all & 15], 1).reshape(-1)
+_got = my_unpack_nibbles(_all.to(DEVICE), 512).cpu()
+assert torch.equal(_got, _want), f"bytes 0..255: first mismatch at " \
+    f"{(_got != _want).nonzero().flatten()[:4].tolist()}"
+# bad inputs
+for _args in ((torch.zeros(3, dtype=torch.uint8), 7), (torch.zeros(4, dtype=torch.uint8), 5),
+              (torch.zeros(3, dtype=torch.int32), 5), (torch.zeros(2, 2, dtype=torch.uint8), 7),
+              (torch.zeros(0, dtype=torch.uint8), 0)):
+    try:
+        my_unpack_nibbles(_args[0].to(DEVICE), _args[1])
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"my_unpack_nibbles accepted {_args[0].dtype} "
+                             f"{tuple(_args[0].shape)} with n = {_args[1]}; expected ValueError")
+# the reference is off-limits, and the wrapper launches the kernel
+_codes, _packed = _random_packed(301, 9)
+with _forbid(), _spy_on("unpack_nibbles_kernel") as _spy:
+    _got = my_unpack_nibbles(_packed.to(DEVICE), 301).cpu()
+assert torch.equal(_got, _codes), "my_unpack_nibbles is wrong once the reference is unavailable"
+assert _spy.grids, "my_unpack_nibbles did not launch unpack_nibbles_kernel"
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Exercise 3 — the NF4 dequantization kernel
+#
+# An `NF4Weight` `q` of `n = q.numel` elements holds (Lab 02):
+#
+# * `q.packed`: uint8 `[ceil(n/2)]`, the codes two a byte, high nibble first;
+# * `q.absmax`: float32 `[ceil(n / q.blocksize)]`, one scale per block of `q.blocksize`
+#   consecutive elements of the row-major flattened weight (with double quantization the
+#   scales are stored as 8-bit codes, and the property `q.absmax` dequantizes them for you:
+#   use it);
+# * `q.shape`, `q.blocksize`, and `q.dtype` (the dtype that was quantized).
+#
+# Element `j` of the flattened weight is
+#
+# $$w_j = \mathrm{NF4}[\,c_j\,] \cdot \mathrm{absmax}[\,\lfloor j / \mathrm{blocksize} \rfloor\,]$$
+#
+# where $c_j$ is its 4-bit code and `NF4` the 16-entry table `miniquant.NF4_CODE`.
+#
+# Write `nf4_dequant_kernel(packed_ptr, absmax_ptr, code_ptr, out_ptr, n, BLOCKSIZE:
+# tl.constexpr, BLOCK: tl.constexpr)`: program `p` writes the float32 values of elements
+# `p*BLOCK ... p*BLOCK + BLOCK - 1` (those `< n`) into `out_ptr`. Unpack the codes as in
+# Exercise 2; **look the level up in the table** with a gather, `tl.load(code_ptr + code)`,
+# where `code_ptr` points to a float32 `[16]` tensor (do not type the 16 values into the
+# kernel: the tests pass other tables too); load the block's scale; multiply once, in
+# float32. `BLOCKSIZE` and `BLOCK` are independent: a program may span several scale blocks
+# (`BLOCK > BLOCKSIZE`) or a fraction of one.
+#
+# Then write `my_dequantize_nf4(q, block=1024)`, returning a **float32** tensor of shape
+# `q.shape`: raise `ValueError` if `q` is not an `NF4Weight`; put the code table on the
+# weight's device; allocate the output; launch `triton.cdiv(n, block)` programs; reshape.
+#
+# The result must be **bit-identical** to `dequantize_nf4(q, torch.float32)` (the tests use
+# `torch.equal`): it is one float32 multiply of the same two numbers, so there is no excuse
+# for rounding differences. `dequantize_nf4`, `NF4Weight.dequantize`, `q.codes()`,
+# `unpack_nibbles` and everything in `miniquant.triton_dequant` are off-limits in this
+# exercise; your `my_unpack_nibbles` is fine but not needed.
+
+# %% nbgrader={"grade": false, "grade_id": "nf4_dequant", "locked": false, "schema_version": 3, "solution": true, "task": false}
+@triton.jit
+def nf4_dequant_kernel(packed_ptr, absmax_ptr, code_ptr, out_ptr, n,
+                       BLOCKSIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """out[j] = code[nibble j] * absmax[j // BLOCKSIZE] (float32) for j in this block, j < n."""
+    ### BEGIN SOLUTION
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = j < n
+    b = tl.load(packed_ptr + j // 2, mask=in_range, other=0)
+    code = tl.where(j % 2 == 0, b >> 4, b & 15).to(tl.int32)
+    level = tl.load(code_ptr + code, mask=in_range, other=0.0)
+    scale = tl.load(absmax_ptr + j // BLOCKSIZE, mask=in_range, other=0.0)
+    tl.store(out_ptr + j, level * scale, mask=in_range)
+    ### END SOLUTION
+
+
+def my_dequantize_nf4(q: NF4Weight, block: int = 1024) -> torch.Tensor:
+    """float32 tensor of q.shape: NF4_CODE[code] * absmax of its block, by nf4_dequant_kernel."""
+    ### BEGIN SOLUTION
+    if not isinstance(q, NF4Weight):
+        raise ValueError(f"q must be an NF4Weight, got {type(q).__name__}")
+    device = q.packed.device
+    n = q.numel
+    packed = q.packed.reshape(-1).contiguous()
+    absmax = q.absmax.to(device=device, dtype=torch.float32).reshape(-1).contiguous()
+    code = NF4_CODE.to(device=device, dtype=torch.float32).contiguous()
+    out = torch.empty(n, dtype=torch.float32, device=device)
+    nf4_dequant_kernel[(triton.cdiv(n, block),)](packed, absmax, code, out, n,
+                                                 BLOCKSIZE=q.blocksize, BLOCK=block)
+    return out.reshape(q.shape)
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_nf4_dequant_kernel", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _launch_nf4(n, blocksize, BLOCK, table=None, seed=0):
+    """Launch nf4_dequant_kernel directly, with sentinels past n, against a loop in Python."""
+    g = torch.Generator().manual_seed(seed)
+    codes, packed = _random_packed(n, seed)
+    absmax = torch.rand(-(-n // blocksize), generator=g) + 0.5
+    table = NF4_CODE if table is None else table
+    want = torch.tensor([table[int(codes[j])].item() * absmax[j // blocksize].item()
+                         for j in range(n)], dtype=torch.float32)   # float32 product of floats
+    out = torch.full((n + BLOCK + 1,), -999.0, device=DEVICE)
+    grid = (triton.cdiv(n, BLOCK),)
+    nf4_dequant_kernel[grid](packed.to(DEVICE), absmax.to(DEVICE), table.to(DEVICE), out, n,
+                             BLOCKSIZE=blocksize, BLOCK=BLOCK)
+    out = out.cpu()
+    where = f"nf4_dequant_kernel[{grid}](..., n={n}, BLOCKSIZE={blocksize}, BLOCK={BLOCK})"
+    bad = (out[:n] != want).nonzero().flatten()
+    assert bad.numel() == 0, \
+        f"{where}: {bad.numel()} of {n} values differ, first at j = {bad[:4].tolist()}: " \
+        f"expected {want[bad[:4]].tolist()}, got {out[bad[:4]].tolist()} " \
+        f"(codes {codes[bad[:4]].tolist()}, blocks {(bad[:4] // blocksize).tolist()})"
+    assert (out[n:] == -999.0).all(), f"{where} wrote past n: {out[n:n + 4].tolist()}"
+
+
+_launch_nf4(100, blocksize=32, BLOCK=64)      # a program spans two scale blocks
+_launch_nf4(77, blocksize=128, BLOCK=16)      # a scale block spans several programs
+# another 16-level table: the kernel must look levels up in code_ptr, not hard-code NF4
+_launch_nf4(45, blocksize=32, BLOCK=32, table=torch.arange(16, dtype=torch.float32) - 7.5)
+print("nf4_dequant_kernel matches a Python loop, including on another code table")
+
+### BEGIN HIDDEN TESTS
+_launch_nf4(1, blocksize=64, BLOCK=16, seed=1)
+_launch_nf4(257, blocksize=64, BLOCK=64, seed=2)
+_launch_nf4(130, blocksize=32, BLOCK=128, seed=3,
+            table=torch.linspace(-3.0, 5.0, 16, dtype=torch.float32) ** 3)
+### END HIDDEN TESTS
+
+# %% nbgrader={"grade": true, "grade_id": "test_my_dequantize_nf4", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+def _check_dequant(shape, blocksize=64, double_quant=False, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(shape, generator=g) * torch.rand(shape, generator=g) * 3).to(dtype)
+    q = quantize_nf4(w.to(DEVICE), blocksize=blocksize, double_quant=double_quant)
+    want = dequantize_nf4(q, torch.float32)
+    got = my_dequantize_nf4(q)
+    where = f"shape {tuple(shape)}, blocksize {blocksize}, double_quant={double_quant}, {dtype}"
+    assert isinstance(got, torch.Tensor) and got.shape == want.shape \
+        and got.dtype == torch.float32, \
+        f"{where}: expected float32 of shape {tuple(want.shape)}, got " \
+        f"{getattr(got, 'dtype', type(got).__name__)} {tuple(getattr(got, 'shape', ()))}"
+    if not torch.equal(got, want):
+        diff = (got != want).reshape(-1).nonzero().flatten()
+        raise AssertionError(
+            f"{where}: {diff.numel()} of {want.numel()} values differ from dequantize_nf4, first "
+            f"at flat index {diff[:4].tolist()}: expected {want.reshape(-1)[diff[:4]].tolist()}, "
+            f"got {got.reshape(-1)[diff[:4]].tolist()}")
+
+
+# worked by hand: codes 7, 15, 0 (bytes 0x7F, 0x07 with pad 7), absmax 2 -> 0, 2, -2
+_q = NF4Weight(torch.tensor([0x7F, 0x07], dtype=torch.uint8, device=DEVICE), (3,),
+               torch.float32, 32, block_absmax=torch.tensor([2.0], device=DEVICE))
+_got = my_dequantize_nf4(_q)
+assert _got.tolist() == [0.0, 2.0, -2.0], f"codes 7, 15, 0 with absmax 2: expected " \
+    f"[0.0, 2.0, -2.0], got {_got.tolist() if isinstance(_got, torch.Tensor) else _got}"
+
+for _n in (1, 63, 65, 1000):
+    _check_dequant((_n,), seed=_n)
+_check_dequant((17, 40), blocksize=32)
+_check_dequant((3, 5, 7), blocksize=128)
+_check_dequant((1000,), double_quant=True, seed=7)
+_check_dequant((17, 40), blocksize=32, double_quant=True, seed=8)
+print("my_dequantize_nf4 is bit-identical to dequantize_nf4 on the visible shapes")
+
+### BEGIN HIDDEN TESTS
+_check_dequant((2, 96), blocksize=64, seed=11)           # rows not a multiple of blocksize
+_check_dequant((6, 80), blocksize=32, double_quant=True, seed=12)
+_check_dequant((5, 1, 33), blocksize=128, double_quant=True, seed=13)
+_check_dequant((100, 201), blocksize=32, double_quant=True, seed=14)   # > 256 scale blocks
+_check_dequant((31, 17), blocksize=64, dtype=torch.bfloat16, seed=15)
+_check_dequant((3, 3, 3), blocksize=32, dtype=torch.float16, seed=16)
+for _bad in (torch.zeros(4), None, (torch.zeros(2, dtype=torch.uint8), torch.ones(1))):
+    try:
+        my_dequantize_nf4(_bad)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"my_dequantize_nf4 accepted a {type(_bad).__name__}; "
+                             "expected ValueError")
+# the reference is off-limits, and the wrapper launches the kernel
+_w = torch.randn(9, 70).to(DEVICE)
+for _dq in (False, True):
+    _q = quantize_nf4(_w, blocksize=64, double_quant=_dq)
+    _want = dequantize_nf4(_q, torch.float32)
+    with _forbid(), _spy_on("nf4_dequant_kernel") as _spy:
+        _got = my_dequantize_nf4(_q)
+    assert torch.equal(_got, _want), "my_dequantize_nf4 is wrong once the reference is unavailable"
+    assert _spy.grids, "my_dequantize_nf4 did not launch nf4_dequant_kernel"
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Yours beside the reference
+#
+# `miniquant.triton_dequantize_nf4` is the course's version of the same kernel. Two design
+# choices differ from the simplest solution, and both are worth reading in
+# `src/miniquant/triton_dequant.py`:
+#
+# * it tiles by **bytes**: each program loads 1024 packed bytes once (one contiguous read)
+#   and spreads them into 2048 values with `tl.join` + `tl.reshape`, the builtins behind
+#   `tl.interleave`;
+# * it can store float16 or bfloat16 directly, rounding once at the store, so no float32
+#   copy of the weight is ever written.
+#
+# Both give the same bits as the PyTorch reference, and as yours.
+
+# %%
+_w = torch.randn(64, 96).to(DEVICE)
+for _dq in (False, True):
+    _q = quantize_nf4(_w, blocksize=64, double_quant=_dq)
+    t0 = time.perf_counter()
+    mine = my_dequantize_nf4(_q)
+    t1 = time.perf_counter()
+    ref = miniquant.triton_dequantize_nf4(_q, torch.float32)
+    t2 = time.perf_counter()
+    print(f"double_quant={_dq!s:5}: yours == triton_dequantize_nf4 == dequantize_nf4: "
+          f"{torch.equal(mine, ref) and torch.equal(ref, dequantize_nf4(_q, torch.float32))}"
+          f"   ({(t1 - t0) * 1e3:.1f} ms vs {(t2 - t1) * 1e3:.1f} ms"
+          f"{', interpreter' if INTERPRET else ''})")
+
+# %% [markdown]
+# ## Exercise 4 — selective dequantization of MoE experts
+#
+# A Mixture-of-Experts layer stores `E` expert matrices as one weight `[E, out, in]`. Each
+# token is routed to a few experts (top-2 of 8 in Mixtral), so a small batch touches only
+# some of them. Frozen NF4 experts (QLoRA on an MoE model, Lab 10) must be dequantized
+# before use, and dequantizing **all** `E` of them to use two wastes both the memory traffic
+# and a transient float buffer `E / k` times larger than needed. Selective dequantization
+# reads and writes only the listed experts.
+#
+# The layout makes this cheap. With `M = out * in` elements per expert and `M` a multiple of
+# the blocksize (so that no scale block straddles two experts, and `M` is even), expert `e`
+# owns bytes `e*M/2 ... (e+1)*M/2 - 1` of `packed` and scales
+# `e*M/blocksize ... (e+1)*M/blocksize - 1` of `absmax`.
+#
+# Write `selective_dequant_kernel(packed_ptr, absmax_ptr, code_ptr, ids_ptr, out_ptr,
+# expert_numel, BLOCKSIZE: tl.constexpr, BLOCK: tl.constexpr)`, launched on a **2-D grid**
+# `(triton.cdiv(M, BLOCK), n_active)`: program `(t, r)` loads the expert id `e = ids[r]` (an
+# int64 tensor) and writes elements `t*BLOCK ... t*BLOCK + BLOCK - 1` (those `< M`) of output
+# row `r` (row `r` starts at `out_ptr + r*M`), computed from expert `e`'s bytes and scales
+# only.
+#
+# Then `my_selective_dequantize(q_experts, active, block=1024)`, returning float32
+# `[len(active), out, in]` whose row `r` is expert `active[r]` (repeats allowed, order kept):
+#
+# * raise `ValueError` if `q_experts` is not an `NF4Weight` of 3 dimensions, if `M` is not a
+#   multiple of `q_experts.blocksize`, if `active` is not a 1-D integer tensor, or if an id
+#   is outside `0 ... E-1` (negative ids included);
+# * an empty `active` returns an empty `[0, out, in]` tensor (careful: `active.min()` of an
+#   empty tensor raises);
+# * the scales: `q_experts.block_absmax` without double quantization (read in place, only the
+#   listed experts' entries are touched by the kernel); with double quantization use
+#   `q_experts.absmax` (it dequantizes every expert's 8-bit scale code, a vector 1/64 the
+#   size of the weight at blocksize 64; the reference is smarter here, see below).
+#
+# The tests **poison** every expert that is not listed: its bytes become `0xFF` and, without
+# double quantization, its scales `NaN`. Read one byte or scale of the wrong expert and the
+# comparison fails. `dequantize_nf4`, the reference `selective_dequantize_nf4` and your own
+# `my_dequantize_nf4` are off-limits here.
+
+# %% nbgrader={"grade": false, "grade_id": "selective_dequant", "locked": false, "schema_version": 3, "solution": true, "task": false}
+@triton.jit
+def selective_dequant_kernel(packed_ptr, absmax_ptr, code_ptr, ids_ptr, out_ptr, expert_numel,
+                             BLOCKSIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r, j] = expert ids[r]'s element j, for j in tile program_id(0), row program_id(1)."""
+    ### BEGIN SOLUTION
+    tile = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(1).to(tl.int64)
+    e = tl.load(ids_ptr + row).to(tl.int64)
+    j = tile * BLOCK + tl.arange(0, BLOCK)                 # element offset inside the expert
+    in_range = j < expert_numel
+    b = tl.load(packed_ptr + e * (expert_numel // 2) + j // 2, mask=in_range, other=0)
+    code = tl.where(j % 2 == 0, b >> 4, b & 15).to(tl.int32)
+    level = tl.load(code_ptr + code, mask=in_range, other=0.0)
+    scale = tl.load(absmax_ptr + (e * expert_numel + j) // BLOCKSIZE, mask=in_range, other=0.0)
+    tl.store(out_ptr + row * expert_numel + j, level * scale, mask=in_range)
+    ### END SOLUTION
+
+
+def my_selective_dequantize(q_experts: NF4Weight, active: torch.Tensor,
+                            block: int = 1024) -> torch.Tensor:
+    """float32 [len(active), out, in]: row r is expert active[r] of the [E, out, in] weight."""
+    ### BEGIN SOLUTION
+    if not isinstance(q_experts, NF4Weight) or len(q_experts.shape) != 3:
+        raise ValueError("q_experts must be an NF4Weight of shape [E, out, in]")
+    n_experts, d_out, d_in = q_experts.shape
+    expert_numel = d_out * d_in
+    if expert_numel % q_experts.blocksize:
+        raise ValueError(f"out*in = {expert_numel} is not a multiple of the blocksize "
+                         f"{q_experts.blocksize}: a scale block would straddle two experts")
+    if (not isinstance(active, torch.Tensor) or active.dim() != 1
+            or active.dtype.is_floating_point or active.dtype.is_complex
+            or active.dtype == torch.bool):
+        raise ValueError("active must be a 1-D integer tensor of expert ids")
+    if active.numel() and (int(active.min()) < 0 or int(active.max()) >= n_experts):
+        raise ValueError(f"expert ids must lie in [0, {n_experts}), got {active.tolist()}")
+    device = q_experts.packed.device
+    out = torch.empty((active.numel(), d_out, d_in), dtype=torch.float32, device=device)
+    if active.numel() == 0:
+        return out
+    ids = active.to(device=device, dtype=torch.int64).contiguous()
+    scales = q_experts.absmax if q_experts.double_quant else q_experts.block_absmax
+    scales = scales.to(device=device, dtype=torch.float32).reshape(-1).contiguous()
+    code = NF4_CODE.to(device=device, dtype=torch.float32).contiguous()
+    grid = (triton.cdiv(expert_numel, block), active.numel())
+    selective_dequant_kernel[grid](q_experts.packed.contiguous(), scales, code, ids, out,
+                                   expert_numel, BLOCKSIZE=q_experts.blocksize, BLOCK=block)
+    return out
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_selective_dequantize", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+def _poisoned(q, active):
+    """A copy of q in which every expert not in `active` has bytes 0xFF and NaN scales (or,
+    with double quantization, 0xFF scale codes)."""
+    E = q.shape[0]
+    others = sorted(set(range(E)) - set(torch.as_tensor(active).tolist()))
+    packed = q.packed.clone().view(E, -1)
+    packed[others] = 0xFF
+    if q.double_quant:
+        codes = q.absmax_codes.clone().view(E, -1)
+        codes[others] = 0xFF
+        return NF4Weight(packed.reshape(-1), q.shape, q.dtype, q.blocksize,
+                         absmax_codes=codes.reshape(-1), absmax_scales=q.absmax_scales,
+                         absmax_offset=q.absmax_offset), others
+    absmax = q.block_absmax.clone().view(E, -1)
+    absmax[others] = float("nan")
+    return NF4Weight(packed.reshape(-1), q.shape, q.dtype, q.blocksize,
+                     block_absmax=absmax.reshape(-1)), others
+
+
+def _check_selective(E, d_out, d_in, active, blocksize=64, double_quant=False, seed=0,
+                     forbid=False):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(E, d_out, d_in, generator=g) * (1 + torch.arange(E))[:, None, None]
+    q = quantize_nf4(w.to(DEVICE), blocksize=blocksize, double_quant=double_quant)
+    active = torch.tensor(active, dtype=torch.int64)
+    want = dequantize_nf4(q, torch.float32)[active.to(DEVICE)]         # from the clean weight
+    poisoned, others = _poisoned(q, active)
+    where = (f"[E={E}, {d_out}, {d_in}], blocksize {blocksize}, double_quant={double_quant}, "
+             f"active {active.tolist()} (experts {others} poisoned)")
+    if forbid:
+        with _forbid("my_dequantize_nf4"), _spy_on("selective_dequant_kernel") as spy:
+            got = my_selective_dequantize(poisoned, active.to(DEVICE))
+        assert spy.grids, f"{where}: selective_dequant_kernel was never launched"
+    else:
+        got = my_selective_dequantize(poisoned, active.to(DEVICE))
+    assert isinstance(got, torch.Tensor) and got.shape == want.shape \
+        and got.dtype == torch.float32, \
+        f"{where}: expected float32 of shape {tuple(want.shape)}, got " \
+        f"{getattr(got, 'dtype', type(got).__name__)} {tuple(getattr(got, 'shape', ()))}"
+    for r in range(len(active)):
+        if not torch.equal(got[r], want[r]):
+            bad = (got[r] != want[r]).reshape(-1).nonzero().flatten()
+            raise AssertionError(
+                f"{where}: output row {r} (expert {int(active[r])}) differs at "
+                f"{bad.numel()} of {want[r].numel()} elements, first flat index "
+                f"{bad[:3].tolist()}: expected {want[r].reshape(-1)[bad[:3]].tolist()}, got "
+                f"{got[r].reshape(-1)[bad[:3]].tolist()}"
+                + (" — NaN means a poisoned scale was read" if got[r].isnan().any() else ""))
+    if len(active):
+        torch.testing.assert_close(got, miniquant.selective_dequantize_nf4(q, active.to(DEVICE),
+                                                                           torch.float32),
+                                   rtol=0, atol=0)
+
+
+_check_selective(5, 6, 32, [3, 0, 3])               # repeats and order kept
+_check_selective(4, 4, 16, [2], blocksize=32, seed=1)
+_check_selective(4, 8, 32, [1, 3], double_quant=True, seed=2)
+_empty = my_selective_dequantize(quantize_nf4(torch.randn(3, 4, 16).to(DEVICE), 32),
+                                 torch.tensor([], dtype=torch.int64, device=DEVICE))
+assert isinstance(_empty, torch.Tensor) and tuple(_empty.shape) == (0, 4, 16), \
+    f"empty active: expected shape (0, 4, 16), got {tuple(getattr(_empty, 'shape', ()))}"
+print("my_selective_dequantize reads only the listed experts and matches the reference")
+
+### BEGIN HIDDEN TESTS
+_check_selective(6, 16, 64, [5, 4, 3, 2, 1, 0], blocksize=128, seed=3)    # all, reversed
+_check_selective(8, 16, 128, [7, 0, 6], blocksize=32, double_quant=True, seed=4)  # 512 blocks
+_check_selective(3, 2, 64, [1], blocksize=64, seed=5)
+_check_selective(7, 12, 48, [6, 2, 2, 4], blocksize=64, seed=6, forbid=True)
+_check_selective(5, 8, 64, [0, 4], blocksize=32, double_quant=True, seed=7, forbid=True)
+# a tile size that cuts experts into several programs, launched directly
+_qd = quantize_nf4(torch.randn(4, 6, 32).to(DEVICE), blocksize=64)
+_ids = torch.tensor([2, 1], dtype=torch.int64)
+_want = dequantize_nf4(_qd, torch.float32)[_ids.to(DEVICE)]
+_pq, _ = _poisoned(_qd, _ids)
+_out = torch.full((2, 6, 32), -999.0, device=DEVICE)
+selective_dequant_kernel[(triton.cdiv(192, 64), 2)](
+    _pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE), _ids.to(DEVICE), _out, 192,
+    BLOCKSIZE=64, BLOCK=64)
+assert torch.equal(_out, _want), "selective_dequant_kernel[(3, 2)] with BLOCK=64 differs from " \
+    f"the reference at {(_out != _want).sum().item()} elements"
+_out = torch.full((1, 6, 32), -999.0, device=DEVICE)
+selective_dequant_kernel[(1, 1)](
+    _pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE), _ids[1:].to(DEVICE), _out, 192,
+    BLOCKSIZE=64, BLOCK=256)                      # one tile, masked past M = 192
+assert torch.equal(_out[0], _want[1]), "selective_dequant_kernel with BLOCK=256 > M differs"
+### END HIDDEN TESTS
+
+# %% nbgrader={"grade": true, "grade_id": "test_selective_bad_inputs", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+def _expect_value_error(what, q, active):
+    try:
+        my_selective_dequantize(q, active)
+    except ValueError:
+        return
+    except NotImplementedError:
+        raise
+    except Exception as e:
+        raise AssertionError(f"{what}: expected ValueError, got {type(e).__name__}: {e}") from e
+    raise AssertionError(f"{what}: expected ValueError, nothing was raised")
+
+
+_q3 = quantize_nf4(torch.randn(4, 4, 16).to(DEVICE), blocksize=64)
+_expect_value_error("expert id 4 of E = 4", _q3, torch.tensor([0, 4], device=DEVICE))
+_expect_value_error("expert id -1", _q3, torch.tensor([-1], device=DEVICE))
+print("bad expert ids raise ValueError")
+
+### BEGIN HIDDEN TESTS
+_expect_value_error("float ids", _q3, torch.tensor([0.0, 1.0], device=DEVICE))
+_expect_value_error("2-D ids", _q3, torch.tensor([[0, 1]], device=DEVICE))
+_expect_value_error("a 2-D weight", quantize_nf4(torch.randn(8, 16).to(DEVICE), 64),
+                    torch.tensor([0], device=DEVICE))
+_expect_value_error("out*in = 48 with blocksize 32",
+                    quantize_nf4(torch.randn(3, 4, 12).to(DEVICE), 32),
+                    torch.tensor([0], device=DEVICE))
+_expect_value_error("not an NF4Weight", torch.randn(2, 4, 16), torch.tensor([0]))
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### What the reference does with double-quantized scales
+#
+# With double quantization your wrapper calls `q_experts.absmax`, which dequantizes the scale
+# codes of **all** experts (in PyTorch) before the kernel reads the listed experts' entries.
+# The reference, `miniquant.selective_dequantize_nf4`, dequantizes only the listed experts'
+# codes into a compact scale vector ordered like `active`, so every byte it reads belongs to
+# a listed expert, apart from a few float32 group scales (256 codes share one, and a group
+# may straddle two experts).
+#
+# The cell below takes 16 experts of `16 x 128` at blocksize 32: 64 scale codes per expert,
+# so one group of 256 codes covers 4 experts. With `active = [1, 6]` only groups 0 and 1 are
+# needed. It poisons the other experts' bytes and codes, and sets the group scales of groups
+# 2 and 3 (experts 8-15) to NaN.
+
+# %%
+_q16 = quantize_nf4(torch.randn(16, 16, 128).to(DEVICE), blocksize=32, double_quant=True)
+_a16 = torch.tensor([1, 6], device=DEVICE)
+_want16 = dequantize_nf4(_q16, torch.float32)[_a16]
+_p16, _ = _poisoned(_q16, _a16)
+_group_scales = _p16.absmax_scales.clone()
+_group_scales[2:] = float("nan")
+_p16 = NF4Weight(_p16.packed, _p16.shape, _p16.dtype, _p16.blocksize,
+                 absmax_codes=_p16.absmax_codes, absmax_scales=_group_scales,
+                 absmax_offset=_p16.absmax_offset)
+print("NaN in the whole q.absmax:", _p16.absmax.isnan().sum().item(), "of", _p16.n_blocks)
+print("reference selective_dequantize_nf4 exact:",
+      torch.equal(miniquant.selective_dequantize_nf4(_p16, _a16, torch.float32), _want16))
+print("my_selective_dequantize exact:           ",
+      torch.equal(my_selective_dequantize(_p16, _a16), _want16))
+print(f"scale codes dequantized: yours {_p16.n_blocks}, "
+      f"the reference's {len(_a16) * _p16.n_blocks // 16}")
+
+# %% [markdown]
+# Both are exact: the NaN group scales reach only the other experts' float32 scales, which
+# your kernel never loads. What differs is the work done before the kernel: `q.absmax`
+# touches every code and every group scale, the reference only the listed ones. Here that is
+# 1 024 codes against 128; for a layer with 64 experts of which 6 are active, about ten times
+# fewer.
+#
+# ## Exercise 5 — memory traffic, and why dequantization is memory-bound
+#
+# Each output element costs a handful of integer operations, one table lookup and one
+# multiply; against that, it moves half a byte in, a share of a float32 scale in, and 2 or 4
+# bytes out. An H100 computes about 67 float32 TFLOP/s but moves about 3.35 TB/s from DRAM:
+# some 20 operations per byte, roughly 50 per bfloat16 output element (about 2.6 bytes
+# moved), of which dequantization needs fewer than ten. So the time of a dequantization
+# kernel is the time of its memory traffic, and the honest unit for it is **GB/s**: bytes
+# moved over seconds, to be compared with what the same GPU reaches on a plain copy.
+#
+# `benchmarks/bench_dequant.py` counts, for a weight of `n` elements without double
+# quantization:
+#
+# * read: the packed codes, `ceil(n/2)` bytes, plus the float32 scales, `4 * ceil(n /
+#   blocksize)` bytes (the 64-byte code table lives in cache and is not counted);
+# * written: the output, `n * element_size(out_dtype)` bytes;
+#
+# and reports `GB/s = (read + written) / seconds / 1e9`, next to a copy of an output-sized
+# tensor (`2 * n * element_size`: read once, written once).
+#
+# Write `dequant_traffic(shape, blocksize=64, out_dtype=torch.bfloat16)` returning the pair
+# of Python ints `(bytes_read, bytes_written)` for a dequantization of a weight of that
+# shape. Plain arithmetic: no quantizing, no tensors of that size.
+
+# %% nbgrader={"grade": false, "grade_id": "dequant_traffic", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def dequant_traffic(shape, blocksize: int = 64, out_dtype: torch.dtype = torch.bfloat16
+                    ) -> tuple[int, int]:
+    """(bytes read, bytes written) by an NF4 dequantization of a weight of `shape`."""
+    ### BEGIN SOLUTION
+    n = 1
+    for d in shape:
+        n *= int(d)
+    read = (n + 1) // 2 + 4 * (-(-n // blocksize))
+    written = n * torch.empty((), dtype=out_dtype).element_size()
+    return read, written
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_dequant_traffic", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+def _check_traffic(shape, blocksize, out_dtype, want):
+    got = dequant_traffic(shape, blocksize, out_dtype)
+    assert tuple(got) == want and all(isinstance(v, int) for v in got), \
+        f"dequant_traffic({shape}, {blocksize}, {out_dtype}): expected {want}, got {got}"
+
+
+# Llama-7B's q_proj, by hand: 16 777 216 weights -> 8 MiB of codes, 1 MiB of scales, 32 MiB out
+_check_traffic((4096, 4096), 64, torch.bfloat16, (8_388_608 + 1_048_576, 33_554_432))
+_check_traffic((7,), 64, torch.float32, (4 + 4, 28))
+# what a real NF4Weight holds, and what the output takes
+for _shape, _bs in (((17, 40), 32), ((3, 5, 7), 128)):
+    _q = quantize_nf4(torch.randn(_shape), blocksize=_bs)
+    _want = (_q.packed.numel() + 4 * _q.absmax.numel(), torch.empty(_shape).nbytes)
+    _check_traffic(_shape, _bs, torch.float32, _want)
+print("dequant_traffic counts the same bytes as benchmarks/bench_dequant.py")
+
+### BEGIN HIDDEN TESTS
+_check_traffic((14336, 4096), 64, torch.float16, (29_360_128 + 3_670_016, 117_440_512))
+_check_traffic((1,), 32, torch.bfloat16, (1 + 4, 2))
+_check_traffic((65,), 64, torch.bfloat16, (33 + 8, 130))
+_check_traffic((8, 14336, 4096), 128, torch.float32,
+               (234_881_024 + 14_680_064, 1_879_048_192))
+_check_traffic(torch.Size([3, 1, 129]), 256, torch.float16, (194 + 8, 774))
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### The transient memory of selective vs full dequantization
+#
+# Take one projection of a Mixtral-8x7B layer, `w1` of shape `[8, 14336, 4096]`, stored in
+# NF4. To run the experts a batch routed to, the layer needs their weights in bfloat16 for a
+# moment. Full dequantization writes all eight; selective dequantization writes only the
+# `k` distinct experts the batch used, and reads only theirs. The bars come from your
+# `dequant_traffic`; the last line checks the same proportion on real tensors from your
+# `my_selective_dequantize`.
+
+# %%
+E, D_OUT, D_IN = 8, 14336, 4096
+full_read, full_written = dequant_traffic((E, D_OUT, D_IN), 64, torch.bfloat16)
+ks = list(range(1, E + 1))
+sel = [dequant_traffic((k, D_OUT, D_IN), 64, torch.bfloat16) for k in ks]
+GiB = 2**30
+
+fig, ax = plt.subplots(figsize=(8, 3.8))
+width = 0.4
+ax.bar([k - width / 2 for k in ks], [full_written / GiB] * E, width,
+       label="full dequant: bf16 buffer", color="tab:gray")
+ax.bar([k + width / 2 for k in ks], [w / GiB for _, w in sel], width,
+       label="selective: bf16 buffer", color="tab:blue")
+ax.plot([k + width / 2 for k in ks], [(r + w) / GiB for r, w in sel], "o-", color="tab:orange",
+        label="selective: bytes read + written")
+ax.axhline((full_read + full_written) / GiB, color="tab:red", ls="--",
+           label="full: bytes read + written")
+ax.set_xticks(ks)
+ax.set_ylim(0, 1.65)
+ax.set_xlabel("distinct experts used by the batch (k of 8)")
+ax.set_ylabel("GiB")
+ax.set_title("Mixtral-8x7B w1 [8, 14336, 4096], NF4 blocksize 64 -> bf16, one layer")
+ax.legend(fontsize=8, loc="upper left", ncol=2)
+plt.show()
+
+print(f"full: read {full_read / GiB:.3f} GiB, write {full_written / GiB:.3f} GiB per layer; "
+      f"top-2 decode of one token (k = 2) needs {sel[1][1] / full_written:.0%} of the buffer")
+_q = quantize_nf4(torch.randn(8, 16, 64).to(DEVICE), blocksize=64)
+_part = my_selective_dequantize(_q, torch.tensor([3, 5], device=DEVICE))
+_full = my_dequantize_nf4(_q)
+print(f"on a small [8, 16, 64] weight: selective {_part.nbytes} bytes vs full {_full.nbytes} "
+      f"bytes = {_part.nbytes / _full.nbytes:.2f} (k/E = {2 / 8:.2f})")
+
+# %% [markdown]
+# ### What a benchmark measures, and a smoke test here
+#
+# On a GPU, `python benchmarks/bench_dequant.py` times the Triton kernel, the PyTorch
+# reference, bitsandbytes and a plain copy on weights of real sizes (`4096 x 14336`, ...),
+# with CUDA events, after warm-up, flushing the L2 cache before each repeat so that a weight
+# is read from DRAM and not from cache; it reports GB/s with your formula, and each method's
+# fraction of the copy's GB/s. The course's target (DESIGN.md §9) is at least 80 % of the copy
+# and at least bitsandbytes. A kernel that gets there is limited by DRAM and nothing else;
+# one that does not usually reads or writes with narrow, uncoalesced accesses, or launches too
+# few programs to keep every multiprocessor busy.
+#
+# **Here, on a CPU, no such measurement is possible.** The interpreter runs each program in
+# Python and NumPy; the numbers below time the interpreter, not the kernel, and only show
+# that the formula and the timing code work. Do not compare them with anything.
+
+# %%
+_q = quantize_nf4(torch.randn(256, 256).to(DEVICE), blocksize=64)
+_read, _written = dequant_traffic((256, 256), 64, torch.float32)
+for name, fn in (("my_dequantize_nf4", lambda: my_dequantize_nf4(_q)),
+                 ("dequantize_nf4 (PyTorch)", lambda: dequantize_nf4(_q, torch.float32))):
+    fn()                                                   # warm-up
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        if not INTERPRET:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    secs = sorted(times)[1]
+    print(f"{name:<26} {secs * 1e3:8.2f} ms  {(_read + _written) / secs / 1e9:8.3f} GB/s"
+          f"{'   <- Triton INTERPRETER timing, not kernel performance' if INTERPRET and 'my' in name else ''}")
+
+# %% [markdown]
+# ## Where this goes next
+#
+# You now have the whole path from packed bytes to floats as a kernel, and a variant that
+# touches only the experts a batch needs. Lab 04 turns to LoRA, the trainable half of QLoRA;
+# Lab 06 puts a LoRA adapter on top of a frozen NF4 base whose weights are dequantized by
+# exactly this kind of kernel at every step; Lab 10 uses selective dequantization for frozen
+# NF4 experts, remapping the ids of the experts that received tokens to a compact range.
+#
+# ### Reflection
+#
+# 1. Your kernel loads a float32 scale for every element, although `BLOCKSIZE` consecutive
+#    elements share it. Why does that cost almost nothing in DRAM traffic? What would change
+#    if `BLOCKSIZE` were smaller than the number of elements one memory transaction covers?
+# 2. The code table is loaded from memory with a gather instead of being written into the
+#    kernel as 16 constants. Name one thing this buys you, and say why the gather is not a
+#    performance problem in a memory-bound kernel.
+# 3. Selective dequantization requires `out * in` to be a multiple of the blocksize. What
+#    would go wrong for an expert whose first block is shared with the previous expert, and
+#    what would a kernel have to do to support it anyway?
+# 4. At batch size 1 with top-2 routing, selective dequantization writes a quarter of
+#    Mixtral's buffer. In a training batch of 4 096 tokens, how many of the 8 experts will
+#    the batch use, and what does that say about when selective dequantization pays off?
+# 5. Dequantizing to a bf16 buffer and then calling a matrix product writes and re-reads the
+#    whole buffer. Sketch what a kernel that fuses dequantization into the matrix product
+#    would save, in bytes, for one `[14336, 4096]` weight.
