@@ -23,6 +23,8 @@ COURSE_ID = "miniqlora-moe-labs"
 # Interpreter-mode Triton kernels are slow on a laptop CPU: give each cell minutes, not the
 # 30 s nbgrader default. A submission that loops forever costs this much, once per cell.
 CELL_TIMEOUT_S = 300
+# What nbgrader puts in place of a solution region in the release (and check-exercises too).
+CODE_STUB = "raise NotImplementedError()"
 NBGRADER_CONFIG = '''\
 # Written by `python -m labkit course`; edit labkit/course.py instead.
 c = get_config()  # noqa: F821
@@ -31,7 +33,7 @@ c.CourseDirectory.root = {root!r}
 c.Execute.timeout = {timeout}
 c.Execute.iopub_timeout = 30
 c.Execute.raise_on_iopub_timeout = False
-c.ClearSolutions.code_stub = {{"python": "# YOUR CODE HERE\\nraise NotImplementedError()"}}
+c.ClearSolutions.code_stub = {{"python": "# YOUR CODE HERE\\n{stub}"}}
 c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
 '''
 
@@ -90,7 +92,7 @@ def prepare_course(root: Path, timeout: int = CELL_TIMEOUT_S) -> Path:
     course = course_dir(root)
     course.mkdir(parents=True, exist_ok=True)
     atomic_write_text(course / "nbgrader_config.py", NBGRADER_CONFIG.format(
-        course_id=COURSE_ID, root=str(course.resolve()), timeout=timeout))
+        course_id=COURSE_ID, root=str(course.resolve()), timeout=timeout, stub=CODE_STUB))
     for name in lab_names(root):
         write_notebook(source_notebook(root / "solutions" / f"{name}.py"),
                        course / "source" / name / f"{name}.ipynb")

@@ -1,7 +1,7 @@
 """Prove every exercise is graded: blank one solution region at a time, some test must fail.
 
 A region is the code between `### BEGIN SOLUTION` and `### END SOLUTION`; blanking it the
-way nbgrader does (the region becomes `raise NotImplementedError()` at its indentation)
+way nbgrader does (the region becomes `CODE_STUB` at its indentation)
 gives the learner's starting point for that exercise alone.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from .course import CELL_TIMEOUT_S, lab_names, source_notebook
+from .course import CELL_TIMEOUT_S, CODE_STUB, lab_names, source_notebook
 from .errors import InputError
 
 REGION = re.compile(r"^([ \t]*)### BEGIN SOLUTION\n.*?^[ \t]*### END SOLUTION[ \t]*$",
@@ -31,7 +31,7 @@ def blank(nb: nbformat.NotebookNode, cell: int, region: int) -> nbformat.Noteboo
     nb = nbformat.from_dict(nb)
     matches = list(REGION.finditer(nb.cells[cell].source))
     m = matches[region]
-    stub = f"{m.group(1)}raise NotImplementedError()"
+    stub = f"{m.group(1)}{CODE_STUB}"
     src = nb.cells[cell].source
     nb.cells[cell].source = src[:m.start()] + stub + src[m.end():]
     return nb
