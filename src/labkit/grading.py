@@ -39,11 +39,11 @@ class GradeRow:
         return [self.student, self.lab, f"{self.score:g}", f"{self.max_score:g}", self.status]
 
 
-def find_submissions(submissions: Path, labs: list[str]) -> tuple[dict, list[GradeRow]]:
-    """{(student, lab): notebook path}, plus rows for files that cannot be graded."""
+def find_submissions(submissions: Path, labs: list[str]) -> tuple[dict, dict[str, list[str]]]:
+    """{(student, lab): notebook path}, and per student the files that were not graded."""
     if not submissions.is_dir():
         raise InputError(f"submissions folder not found: {submissions}")
-    found, problems = {}, []
+    found, ignored = {}, {}
     for student_dir in sorted(p for p in submissions.iterdir() if p.is_dir()):
         student = student_dir.name
         if not STUDENT_ID.match(student):
@@ -54,9 +54,8 @@ def find_submissions(submissions: Path, labs: list[str]) -> tuple[dict, list[Gra
                     found[(student, lab)] = candidate
         for f in sorted(student_dir.rglob("*")):
             if f.is_file() and f not in found.values() and not f.name.startswith("."):
-                problems.append(f"{student}: ignored {f.relative_to(student_dir)} "
-                                f"(expected <NN-name>.ipynb for one of {labs})")
-    return found, [GradeRow("", "", 0, 0, p) for p in problems]
+                ignored.setdefault(student, []).append(str(f.relative_to(student_dir)))
+    return found, ignored
 
 
 def _unreadable(path: Path) -> str | None:
@@ -100,7 +99,8 @@ def grade_one(course: Path, student: str, lab: str, notebook: Path, timeout: int
     except subprocess.TimeoutExpired:
         log = "ERROR the autograder did not finish in time"
     scores = _scores(course, student, lab)
-    if scores is None or "ERROR" in log and not (course / "autograded" / student / lab).is_dir():
+    graded = (course / "autograded" / student / lab).is_dir()
+    if scores is None or ("ERROR" in log and not graded):
         reason = next((ln for ln in log.splitlines() if "ERROR" in ln), "autograde failed")
         return GradeRow(student, lab, 0, max_score, f"autograde failed: {reason.strip()[:200]}")
     status = "graded"
@@ -117,9 +117,9 @@ def grade_one(course: Path, student: str, lab: str, notebook: Path, timeout: int
 
 
 def summary_table(rows: list[GradeRow]) -> str:
-    students = sorted({r.student for r in rows if r.student})
-    labs = sorted({r.lab for r in rows if r.lab})
-    cell = {(r.student, r.lab): f"{r.score:g}/{r.max_score:g}" for r in rows if r.student}
+    students = sorted({r.student for r in rows})
+    labs = sorted({r.lab for r in rows})
+    cell = {(r.student, r.lab): f"{r.score:g}/{r.max_score:g}" for r in rows}
     width = max([len(s) for s in students] + [7])
     lines = [f"{'student':<{width}}  " + "  ".join(f"{lab:>18}" for lab in labs)]
     for s in students:
@@ -134,7 +134,8 @@ def grade(submissions: Path, root: Path, out: Path | None = None,
     root = root.resolve()
     out = (out or root / "build" / "grades").resolve()
     labs = lab_names(root)
-    found, rows = find_submissions(submissions.resolve(), labs)
+    found, ignored = find_submissions(submissions.resolve(), labs)
+    rows = []
     students = sorted({s for s, _ in found} | {p.name for p in submissions.iterdir()
                                                 if p.is_dir()})
     graded_labs = sorted({lab for _, lab in found}) or labs
@@ -154,5 +155,8 @@ def grade(submissions: Path, root: Path, out: Path | None = None,
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "grades.csv", buf.getvalue())
     print(summary_table(rows))
+    for student, files in sorted(ignored.items()):
+        print(f"{student}: not graded (not named <NN-name>.ipynb for a lab of {labs}): "
+              + ", ".join(files))
     print(f"wrote {out / 'grades.csv'} and feedback in {out / 'feedback'}")
     return rows
