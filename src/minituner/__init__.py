@@ -1,6 +1,14 @@
-"""minituner: the training loop (now) and LoRA / QLoRA fine-tuning (Labs 04–06, BLUEPRINT.md)."""
+"""minituner: the training loop, LoRA layers and PEFT-format adapters (Labs 04–06).
 
+See BLUEPRINT.md. QLoRA composition (qlora.py) and the loop's fine-tuning features come
+with the rest of the minituner issue.
+"""
+
+from .adapters import AdapterLoadReport, load_adapter, save_adapter, trainable_summary, wrap_lora
 from .data import SequenceData
+from .lora import LoRALinear, lora_linear
 from .train import TrainConfig, TrainResult, train
 
-__all__ = ["SequenceData", "TrainConfig", "TrainResult", "train"]
+__all__ = ["AdapterLoadReport", "LoRALinear", "SequenceData", "TrainConfig", "TrainResult",
+           "load_adapter", "lora_linear", "save_adapter", "train", "trainable_summary",
+           "wrap_lora"]
