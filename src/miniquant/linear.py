@@ -103,8 +103,6 @@ def quantize_model(model: nn.Module, target: str, blocksize: int = 64,
         raise ValueError(f"target {target!r} matches no nn.Linear (full match); the model's "
                          f"linear layers are e.g. {linears[:6]}")
     for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, QuantizedLinear.from_linear(
-            getattr(parent, child), blocksize, double_quant, compute_dtype))
+        model.set_submodule(name, QuantizedLinear.from_linear(
+            model.get_submodule(name), blocksize, double_quant, compute_dtype))
     return names

@@ -95,10 +95,8 @@ def wrap_lora(model: nn.Module, target_modules: str | Sequence[str], r: int = 8,
     if already:
         raise ValueError(f"already wrapped with LoRA: {already}")
     for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoRALinear(getattr(parent, child), r=r, alpha=alpha,
-                                          dropout=dropout, use_rslora=use_rslora))
+        model.set_submodule(name, LoRALinear(model.get_submodule(name), r=r, alpha=alpha,
+                                             dropout=dropout, use_rslora=use_rslora))
     for p in model.parameters():
         p.requires_grad_(False)
     for m in model.modules():
