@@ -947,9 +947,9 @@ assert math.isclose(_got, _want, rel_tol=1e-12), f"nested_block=128: expected {_
 # up in a precomputed table for *that* point, not for the value itself. A value within half a
 # table step of a midpoint between two codes can land on the neighbour; near 0, where the
 # dynamic map is denser than the table, a few codes away. Our rule (nearest code, ties low) is
-# the one of their PyTorch and CUDA kernels. The test file
-# `tests/test_miniquant_bnb_parity.py` reproduces every one of their CPU codes with that
-# lookup-table rule.
+# the one of their PyTorch and CUDA kernels. `miniquant.quantize_nf4(...,
+# nested_rounding="bnb_cpu")` rounds through the same table and reproduces every one of their
+# CPU codes: the last column below.
 
 # %%
 for shape, bs in [((64 * 1000 + 5,), 64), ((4, 128, 512), 64), ((300, 1001), 32)]:
@@ -958,9 +958,11 @@ for shape, bs in [((64 * 1000 + 5,), 64), ((4, 128, 512), 64), ((300, 1001), 32)
     codes, scales, offset = double_quantize_absmax(absmax)
     _, state = bnbF.quantize_4bit(w, blocksize=bs, quant_type="nf4", compress_statistics=True)
     same = (codes == state.absmax).sum().item()
+    lut = miniquant.quantize_nf4(w, bs, double_quant=True, nested_rounding="bnb_cpu")
     print(f"{str(shape):<14} bs {bs:<3} offset equal: {torch.equal(offset, state.offset)}, "
           f"scales equal: {torch.equal(scales, state.state2.absmax)}, "
-          f"codes equal: {same} of {codes.numel()} ({same / codes.numel():.2%})")
+          f"codes equal: {same} of {codes.numel()} ({same / codes.numel():.2%}), "
+          f"with the table rule: {torch.equal(lut.absmax_codes, state.absmax)}")
     # what the nested codes cost in accuracy: the absmax comes back to within ~1 %
     back = DYNAMIC_CODE[codes.long()] * scales.repeat_interleave(256)[: codes.numel()] + offset
     rel = ((back - absmax).abs() / absmax).max().item()

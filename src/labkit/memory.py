@@ -1,8 +1,12 @@
 """Memory: measure what a block of code used, and predict what a training setup needs.
 
 `measure` reads the process's resident set size (psutil) before, during (a sampling thread
-keeps the peak) and after; on a GPU it also reads torch's peak allocated bytes. `predict`
-counts bytes from parameter counts and dtypes: weights, gradients, optimizer state.
+keeps the peak) and after; on a GPU it also reads torch's peak allocated bytes. `held_bytes`
+counts what a model and optimizer hold, tensor by tensor. `predict` counts bytes from
+parameter counts and dtypes: weights, gradients, optimizer state. `predict_training` does it
+for a transformer given only its shape (`TransformerShape`, e.g. `LLAMA_7B`) in three
+regimes, full fine-tuning, LoRA and QLoRA, activations included; tests hold it equal to
+`held_bytes` and to the saved-tensor count on MiniGPT, and compare it with `measure`.
 """
 
 from __future__ import annotations
@@ -125,3 +129,140 @@ def predict(params: Iterable[ParamSpec] | torch.nn.Module, *, grad_bits: int = 3
         optimizer=trainable * OPTIMIZER_STATES[optimizer] * state_bits // 8,
         activations=int(activations),
     )
+
+
+def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+               ) -> MemoryPrediction:
+    """What a training setup holds right now, counted tensor by tensor (no activations).
+
+    weights: parameters and buffers; grads: every `.grad` present; optimizer: every tensor in
+    the optimizer's state (AdamW's moments, and its 0-d step counters). Shared storage counts
+    once. Read it after a few steps, when gradients and optimizer state exist.
+    """
+    seen: set[int] = set()
+
+    def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+        total = 0
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                total += t.untyped_storage().nbytes()
+        return total
+
+    weights = nbytes(list(model.parameters()) + list(model.buffers()))
+    grads = nbytes(p.grad for p in model.parameters() if p.grad is not None)
+    states = [] if optimizer is None else [
+        t for state in optimizer.state.values() for t in state.values()
+        if isinstance(t, torch.Tensor)]
+    return MemoryPrediction(weights=weights, grads=grads, optimizer=nbytes(states), activations=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training regimes of a decoder-only transformer, from its shape alone
+
+REGIMES = ("full", "lora", "qlora")
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """The sizes that set a pre-norm SwiGLU transformer's memory (MiniGPT, LLaMA-style).
+
+    Per block: q/k/v/o projections [d_model, d_model], gate/up [d_ff, d_model], down
+    [d_model, d_ff], two RMSNorm gains; around them a token embedding, an optional learned
+    position embedding (block_size rows; 0 for rotary), a final norm and an untied head.
+    """
+
+    n_layer: int
+    d_model: int
+    d_ff: int
+    n_head: int
+    vocab_size: int
+    block_size: int = 0
+
+    @classmethod
+    def of(cls, config) -> TransformerShape:
+        """From a MiniGPTConfig (or anything with the same field names)."""
+        return cls(config.n_layer, config.n_embd, config.d_ff, config.n_head, config.vocab_size,
+                   config.block_size)
+
+    def block_linears(self) -> list[tuple[int, int]]:
+        """[out, in] of the seven projections of one block."""
+        d, f = self.d_model, self.d_ff
+        return [(d, d)] * 4 + [(f, d), (f, d), (d, f)]
+
+    def other_params(self) -> int:
+        """Embeddings, norm gains and head: everything outside the block projections."""
+        d = self.d_model
+        return (2 * self.vocab_size + self.block_size) * d + (2 * self.n_layer + 1) * d
+
+
+LLAMA_7B = TransformerShape(n_layer=32, d_model=4096, d_ff=11008, n_head=32, vocab_size=32000)
+
+
+def nf4_bytes(numel: int, blocksize: int = 64, double_quant: bool = True) -> int:
+    """Bytes of an NF4 tensor: packed nibbles, plus a float32 absmax per block, or with double
+    quantization an 8-bit code per block, a float32 scale per 256 blocks and one offset."""
+    blocks = -(-numel // blocksize)
+    scales = blocks + 4 * -(-blocks // 256) + 4 if double_quant else 4 * blocks
+    return -(-numel // 2) + scales
+
+
+def regime_specs(shape: TransformerShape, regime: str, r: int = 8, weight_bits: int = 32,
+                 lora_bits: int = 32, blocksize: int = 64, double_quant: bool = True
+                 ) -> list[ParamSpec]:
+    """The parameters a regime holds: "full" trains everything; "lora" freezes the base and
+    adds rank-r factors (A [r, in], B [out, r]) to every block projection; "qlora" does the
+    same over NF4 block projections (embeddings, norms and head stay at weight_bits)."""
+    if regime not in REGIMES:
+        raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
+    linears = shape.block_linears() * shape.n_layer
+    specs = [ParamSpec(shape.other_params(), weight_bits, regime == "full")]
+    if regime == "qlora":
+        specs += [ParamSpec(o * i, 8 * nf4_bytes(o * i, blocksize, double_quant) / (o * i),
+                            False) for o, i in linears]
+    else:
+        specs += [ParamSpec(o * i, weight_bits, regime == "full") for o, i in linears]
+    if regime != "full":
+        specs += [ParamSpec(r * (o + i), lora_bits, True) for o, i in linears]
+    return specs
+
+
+def activation_bytes(shape: TransformerShape, regime: str, tokens: int, r: int = 8,
+                     act_bits: int = 32) -> int:
+    """Bytes autograd saves for backward over `tokens` = batch × sequence positions.
+
+    Counted from what MiniGPT's graph saves per token (tests/test_labkit_memory.py checks the
+    count against a saved-tensor hook). Per block, full fine-tuning keeps 10 vectors of
+    d_model (norm inputs and outputs, q, k, v, attention output and its transposed copy, the
+    inputs of the trained projections), 4 of d_ff (gate, up, their SiLU product and the down
+    projection's input), the attention's log-sum-exp per head and 2 norm scalars. LoRA drops
+    the inputs of frozen norm gains and projections, except what the adapters need, and adds
+    x·Aᵀ (r values) per adapted projection; its first block saves nothing for its input norm,
+    since nothing below it is trained. The head adds the logits' softmax (vocab_size); the
+    target ids (and, when the embedding trains, the input ids) are int64. Attention here is
+    flash-style (no [T, T] matrix kept).
+    """
+    if regime not in REGIMES:
+        raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
+    d, f, h, v = shape.d_model, shape.d_ff, shape.n_head, shape.vocab_size
+    if regime == "full":
+        per_token = shape.n_layer * (10 * d + 4 * f + h + 2) + 3 * d + 1 + v
+    else:
+        per_token = shape.n_layer * (8 * d + 4 * f + h + 2 + 7 * r) + v
+    id_bytes = 16 if regime == "full" else 8      # int64 inputs (for the embedding's grad), targets
+    return tokens * (per_token * act_bits // 8 + id_bytes)
+
+
+def predict_training(shape: TransformerShape, regime: str, tokens: int, r: int = 8,
+                     weight_bits: int = 32, act_bits: int = 32, optimizer: str = "adamw",
+                     blocksize: int = 64, double_quant: bool = True) -> MemoryPrediction:
+    """Weights, gradients, optimizer state and activations of one training step.
+
+    Gradients and AdamW state are float32 (the LoRA factors train in float32 even over a
+    16-bit base, as minituner does).
+    """
+    specs = regime_specs(shape, regime, r, weight_bits, blocksize=blocksize,
+                         double_quant=double_quant)
+    return predict(specs, optimizer=optimizer,
+                   activations=activation_bytes(shape, regime, tokens, r, act_bits))

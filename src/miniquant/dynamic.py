@@ -10,6 +10,13 @@ The arithmetic copies bitsandbytes' `create_dynamic_map(signed=True)` step for s
 `linspace`, float32 midpoints, a Python-float decade times a float32 tensor) so that the table
 is bit-identical to theirs; blockwise quantization follows the rules of their PyTorch
 reference kernel (nearest code, a value on a midpoint goes to the lower code).
+
+bitsandbytes' CPU kernel rounds differently: it first snaps the scaled value to one of
+65536 evenly spaced points on [-1, 1] and takes the code nearest to that point, through a
+precomputed table. A value within half a table step of a midpoint between two codes can then
+land on the neighbour, and near 0, where the map's codes are closer together than the table's
+points, a few codes away. `rounding="bnb_cpu"` reproduces that rule exactly, so the course can
+show both: the nearest code (the definition, and their GPU rule) and their CPU's codes.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import torch
 
 EXPONENT_BITS = 7        # decades 10^-6 … 10^0 (bitsandbytes' default max_exponent_bits)
 ABSMAX_FLOOR = 1e-38     # a block's absmax is clamped to this before taking its reciprocal
+ROUNDINGS = ("nearest", "bnb_cpu")
+LUT_POINTS = 65536       # bitsandbytes' CPU table: evenly spaced points on [-1, 1]
 
 
 def dynamic_map() -> torch.Tensor:
@@ -42,7 +51,8 @@ DYNAMIC_CODE = dynamic_map()
 
 
 def quantize_blockwise_8bit(x: torch.Tensor, blocksize: int = 256,
-                            code: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            code: torch.Tensor | None = None, rounding: str = "nearest"
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a float tensor to 8-bit indices into `code`, one absmax per block.
 
     x is flattened row-major and cut into blocks of `blocksize` consecutive values; the last
@@ -50,12 +60,16 @@ def quantize_blockwise_8bit(x: torch.Tensor, blocksize: int = 256,
     Full blocks are scaled by multiplying with 1/absmax, a partial last block by dividing by
     its absmax (the two differ in the last bit, and bitsandbytes does exactly this); an
     all-zero block keeps absmax 0 (full) or stores the floor 1e-38 (partial), as theirs does.
+    `rounding` is "nearest" or "bnb_cpu" (see the module docstring).
     """
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     code = DYNAMIC_CODE if code is None else code
     code = code.to(x.device)
     flat = x.reshape(-1).float()
     scaled, absmax = scale_blocks(flat, blocksize)
-    return nearest_code(scaled, code).to(torch.uint8), absmax
+    pick = nearest_code if rounding == "nearest" else lut_code
+    return pick(scaled, code).to(torch.uint8), absmax
 
 
 def dequantize_blockwise_8bit(codes: torch.Tensor, absmax: torch.Tensor, blocksize: int = 256,
@@ -94,3 +108,15 @@ def nearest_code(scaled: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     """
     midpoints = (code[:-1] + code[1:]) / 2
     return torch.bucketize(scaled, midpoints)
+
+
+def lut_code(scaled: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes' CPU rule: the code nearest to the table point nearest to each value.
+
+    Point j of the table is -1 + 2j/65535; a value in [-1, 1] snaps to the point
+    round((x + 1) / 2 · 65535), and the table holds nearest_code of every point. Returns int64.
+    """
+    points = -1.0 + (2.0 * torch.arange(LUT_POINTS, dtype=torch.float32, device=code.device)
+                     ) / (LUT_POINTS - 1)
+    table = nearest_code(points, code)
+    return table[((scaled.clamp(-1, 1) + 1.0) * 0.5 * (LUT_POINTS - 1) + 0.5).long()]

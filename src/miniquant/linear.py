@@ -102,7 +102,9 @@ def quantize_model(model: nn.Module, target: str, blocksize: int = 64,
         linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         raise ValueError(f"target {target!r} matches no nn.Linear (full match); the model's "
                          f"linear layers are e.g. {linears[:6]}")
-    for name in names:
-        model.set_submodule(name, QuantizedLinear.from_linear(
-            model.get_submodule(name), blocksize, double_quant, compute_dtype))
+    # Quantize every layer before replacing any, so that a bad weight leaves the model as it was.
+    quantized = {name: QuantizedLinear.from_linear(model.get_submodule(name), blocksize,
+                                                   double_quant, compute_dtype) for name in names}
+    for name, layer in quantized.items():
+        model.set_submodule(name, layer)
     return names

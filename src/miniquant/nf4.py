@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .dynamic import dequantize_blockwise_8bit, nearest_code, quantize_blockwise_8bit, scale_blocks
+from .dynamic import (
+    ROUNDINGS,
+    dequantize_blockwise_8bit,
+    nearest_code,
+    quantize_blockwise_8bit,
+    scale_blocks,
+)
 from .intquant import check_weight
 
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the blocksizes bitsandbytes accepts
@@ -145,26 +151,32 @@ class NF4Weight:
                          move(self.absmax_scales), move(self.absmax_offset))
 
 
-def quantize_nf4(w: torch.Tensor, blocksize: int = 64, double_quant: bool = False) -> NF4Weight:
+def quantize_nf4(w: torch.Tensor, blocksize: int = 64, double_quant: bool = False,
+                 nested_rounding: str = "nearest") -> NF4Weight:
     """Quantize a float16/bfloat16/float32 weight of any shape to NF4.
 
     In float32: flatten row-major, scale each block into [-1, 1] by its absmax (full blocks
     multiply by 1/absmax, a trailing partial block divides), pick the nearest code (a value
     on a midpoint between two codes takes the lower one), pack two codes a byte. With
     `double_quant`, the absmax vector is centred on its mean and quantized to 8 bits in blocks
-    of 256 with the signed dynamic map.
+    of 256 with the signed dynamic map, each centred absmax going to its nearest code; pass
+    `nested_rounding="bnb_cpu"` to round as bitsandbytes' CPU kernel does instead (the same
+    nested codes as theirs, bit for bit; see miniquant.dynamic).
     """
     check_weight(w, "w")
     check_blocksize(blocksize)
     if not isinstance(double_quant, bool):
         raise ValueError(f"double_quant must be a bool, got {double_quant!r}")
+    if nested_rounding not in ROUNDINGS:
+        raise ValueError(f"nested_rounding must be one of {ROUNDINGS}, got {nested_rounding!r}")
     scaled, absmax = scale_blocks(w.reshape(-1).float(), blocksize)
     idx = nearest_code(scaled, NF4_CODE.to(w.device)).to(torch.uint8)
     packed = pack_nibbles(idx)
     if not double_quant:
         return NF4Weight(packed, w.shape, w.dtype, blocksize, block_absmax=absmax)
     offset = absmax.mean()
-    codes, scales = quantize_blockwise_8bit(absmax - offset, NESTED_BLOCKSIZE)
+    codes, scales = quantize_blockwise_8bit(absmax - offset, NESTED_BLOCKSIZE,
+                                            rounding=nested_rounding)
     return NF4Weight(packed, w.shape, w.dtype, blocksize, absmax_codes=codes,
                      absmax_scales=scales, absmax_offset=offset)
 

@@ -81,6 +81,16 @@ def lora_linear(x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
     return _LoRALinearFunction.apply(x, lora_A, lora_B, weight, scaling, mask)
 
 
+def check_lora_args(r, alpha, dropout) -> None:
+    """Raise ValueError unless r is a positive int, alpha > 0 and dropout in [0, 1)."""
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise ValueError(f"r must be a positive int, got {r!r}")
+    if not alpha > 0:
+        raise ValueError(f"alpha must be > 0, got {alpha!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+
+
 class LoRALinear(nn.Module):
     """A frozen `nn.Linear` or `QuantizedLinear` plus a trainable rank-`r` update s·B·A.
 
@@ -101,12 +111,7 @@ class LoRALinear(nn.Module):
         if not isinstance(base, nn.Linear | QuantizedLinear):
             raise ValueError(f"base must be an nn.Linear or a miniquant QuantizedLinear, got "
                              f"{type(base).__name__}")
-        if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-            raise ValueError(f"r must be a positive int, got {r!r}")
-        if not alpha > 0:
-            raise ValueError(f"alpha must be > 0, got {alpha!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        check_lora_args(r, alpha, dropout)
         if isinstance(base, nn.Linear):
             base.requires_grad_(False)
         self.base = base

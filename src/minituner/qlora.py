@@ -1,0 +1,63 @@
+"""QLoRA on MiniGPT: quantize the frozen base to NF4, then put float LoRA adapters on top.
+
+The order matters. Quantizing replaces each `nn.Linear` with a `QuantizedLinear` that holds
+only NF4 buffers; wrapping then puts a `LoRALinear` around each of those, with float32
+factors A and B that are the only trainable tensors. The other order cannot work: once a
+layer is a `LoRALinear`, it is no longer an `nn.Linear`, so the quantizer would either skip it
+(leaving the base in float, no memory saved) or, reaching inside, fold a trained adapter into
+4-bit codes. `wrap_minigpt_qlora` therefore refuses a model that already holds LoRA layers.
+
+What gets quantized: every projection inside the transformer blocks (attention q/k/v/o and
+the SwiGLU gate/up/down). The embeddings, norms and `lm_head` stay in float, as in QLoRA: they
+are a small share of a large model and the most sensitive to rounding. A MoE block's experts
+are `[E, in, out]` parameters, not `nn.Linear`s; they are left alone here (minimoe handles
+them).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch.nn as nn
+
+from miniquant import quantize_model
+
+from .adapters import wrap_lora
+from .lora import LoRALinear, check_lora_args
+
+# The block projections of MiniGPT (full-match regex, as quantize_model takes it).
+BLOCK_LINEARS = r"blocks\.\d+\.(attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+SCHEME = re.compile(r"nf4_per_group_(\d+)")
+
+
+def parse_quant_scheme(quant_scheme: str) -> int:
+    """"nf4_per_group_<blocksize>" -> blocksize (the blocksize itself is checked by miniquant)."""
+    match = SCHEME.fullmatch(quant_scheme) if isinstance(quant_scheme, str) else None
+    if match is None:
+        raise ValueError(f"quant_scheme must look like 'nf4_per_group_<blocksize>' "
+                         f"(e.g. 'nf4_per_group_64'), got {quant_scheme!r}")
+    return int(match.group(1))
+
+
+def wrap_minigpt_qlora(model: nn.Module, r: int = 8, alpha: float = 16.0,
+                       quant_scheme: str = "nf4_per_group_64", double_quant: bool = True,
+                       dropout: float = 0.0, use_rslora: bool = False,
+                       target: str = BLOCK_LINEARS) -> list[str]:
+    """Quantize the linears matching `target` to NF4, then wrap the same layers with LoRA.
+
+    In place; returns the names wrapped. Afterwards the only trainable parameters are the
+    float32 `lora_A` / `lora_B` factors; everything else is frozen (NF4 buffers, and the
+    float embeddings, norms and head). Raises ValueError for a model that already holds
+    LoRA layers (wrong order), an unknown `quant_scheme`, or a `target` matching nothing.
+    """
+    wrapped = [name for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    if wrapped:
+        raise ValueError(
+            f"model already holds LoRA layers ({wrapped[:3]}{' ...' if len(wrapped) > 3 else ''})"
+            f"; QLoRA quantizes the base first and wraps it second. Quantizing after wrapping "
+            f"would skip the wrapped layers (a LoRALinear is not an nn.Linear) and keep their "
+            f"base in float. Start from the plain model: wrap_minigpt_qlora(load_base(...)).")
+    blocksize = parse_quant_scheme(quant_scheme)
+    check_lora_args(r, alpha, dropout)   # before quantizing: fail with the model untouched
+    quantize_model(model, target, blocksize=blocksize, double_quant=double_quant)
+    return wrap_lora(model, target, r=r, alpha=alpha, dropout=dropout, use_rslora=use_rslora)
