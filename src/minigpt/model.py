@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from minimoe import MoEMLP
 
@@ -89,6 +90,12 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def _run_blocks(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = block(x)
+    return x
+
+
 class MiniGPT(nn.Module):
     def __init__(self, cfg: MiniGPTConfig):
         super().__init__()
@@ -98,6 +105,7 @@ class MiniGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.checkpoint_every = 0
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -118,9 +126,26 @@ class MiniGPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)                          # [B, T, C]
-        for block in self.blocks:
-            x = block(x)
+        n = self.checkpoint_every if torch.is_grad_enabled() else 0
+        if n:
+            for i in range(0, len(self.blocks), n):
+                # Autograd keeps only this segment's input x [B, T, C]; the activations of
+                # its n blocks are recomputed in backward (dropout masks replayed from the
+                # stashed RNG state), so gradients are unchanged.
+                x = checkpoint(_run_blocks, self.blocks[i:i + n], x, use_reentrant=False)
+        else:
+            x = _run_blocks(self.blocks, x)
         return self.lm_head(self.norm(x))
+
+    def set_gradient_checkpointing(self, every: int) -> None:
+        """Recompute blocks in backward, in segments of `every` blocks; 0 turns it off.
+
+        The training loop's `checkpoint_every` calls this. It applies only when gradients
+        are enabled, so no_grad evaluation runs the plain forward.
+        """
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"every must be an int >= 0 (0 = off), got {every!r}")
+        self.checkpoint_every = every
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the MoE load-balancing losses of the last forward (0 for a dense model)."""

@@ -2,21 +2,37 @@
 
 It needs only `model(x) -> logits` and, optionally, `model.aux_loss()` (MoE balancing),
 and trains whatever parameters have `requires_grad`, so the same loop pretrains a full
-model and fine-tunes adapters on a frozen (or quantized) base.
+model and fine-tunes adapters on a frozen (or quantized) base. Two features ask more of the
+model, and say so when it lacks it: `checkpoint_every` calls
+`model.set_gradient_checkpointing(every)`, and `freeze_layers` reads `model.blocks`.
+
+One step: forward, backward, then the NaN guard, the element-wise clip, the global-norm clip,
+the AdamW update. The guard checks the loss and every gradient before the update; a
+non-finite one stops training with the update skipped, so parameters and optimizer state are
+exactly those of the last good step at no cost. It checks the parameters again after the
+update: with finite gradients and a finite learning rate, AdamW moves a weight by a few
+times lr at most, so this fires only on overflow (fp16 weights, an absurd lr); undoing that
+would need a copy of every trainable tensor and its optimizer state before each step, which
+the loop does not keep, so it stops and reports the parameters as not restored.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .data import SequenceData
+from . import checkpoint as ckpt
+from .data import BatchOrder, SequenceData
+from .metrics_log import MetricsLog
 
 
 @dataclass
@@ -29,27 +45,45 @@ class TrainConfig:
     weight_decay: float = 0.1    # AdamW decay, on matrices only (not norms or 1-D tensors)
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0       # clip the global gradient norm to this; 0 turns it off
+    grad_clip_value: float = 0.0  # first clamp each gradient element to [-v, v]; 0 turns it off
     aux_loss_coef: float = 0.01  # weight of model.aux_loss() (MoE load balancing)
     train_on_prompt: bool = False  # False: loss on answer tokens only (prompt masking)
-    eval_every: int = 0          # call eval_fn every this many steps (and at the end); 0 never
+    freeze_layers: int = 0       # also freeze the embeddings and the first N of model.blocks
+    checkpoint_every: int = 0    # gradient checkpointing in segments of N blocks; 0 off
+    val_fraction: float = 0.0    # hold out this fraction of data (drawn from seed) as val
+    eval_every: int = 0          # val_loss, eval_fn every this many steps (and at the end)
     log_every: int = 10          # keep the mean loss of every this many steps
-    seed: int = 0                # seeds the batch order
+    seed: int = 0                # seeds the batch order and the validation split
+    save_every: int = 0          # save a resumable state to out_dir/checkpoint; 0 never
+    out_dir: str | None = None   # where the checkpoint and metrics.jsonl go
+    log_path: str | None = None  # JSONL metrics log (default out_dir/metrics.jsonl if out_dir)
     progress: bool = True        # tqdm progress bar
 
     def __post_init__(self):
-        for name in ("steps", "batch_size"):
+        for name in ("steps", "batch_size", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.log_every < 1:
-            raise ValueError(f"log_every must be >= 1, got {self.log_every}")
+        for name in ("grad_clip", "grad_clip_value", "freeze_layers", "checkpoint_every",
+                     "eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 turns it off), got "
+                                 f"{getattr(self, name)}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.val_fraction and not self.eval_every:
+            raise ValueError("val_fraction > 0 needs eval_every >= 1 (when to compute val_loss)")
+        if self.save_every and not self.out_dir:
+            raise ValueError("save_every > 0 needs out_dir (where to save the checkpoint)")
 
 
 @dataclass
 class TrainResult:
-    losses: list[float] = field(default_factory=list)   # mean loss per log_every steps
-    evals: list[dict] = field(default_factory=list)     # {"step": s, **eval_fn(model)}
-    steps: int = 0
-    wall_time_s: float = 0.0
+    losses: list[float] = field(default_factory=list)      # mean loss per log_every steps
+    grad_norms: list[float] = field(default_factory=list)  # mean global grad norm, same windows
+    evals: list[dict] = field(default_factory=list)  # {"step": s, "val_loss"?, **eval_fn(model)}
+    steps: int = 0                                   # steps done
+    wall_time_s: float = 0.0                         # summed over resumed calls
+    stopped_early: dict | None = None  # NaN guard: {step, tensor, reason, last_good_state}
 
     @property
     def final_loss(self) -> float:
@@ -74,55 +108,283 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
 
 
-def batches(n: int, cfg: TrainConfig):
-    """Yield index batches forever, reshuffling at every epoch, deterministically from seed."""
-    g = torch.Generator().manual_seed(cfg.seed)
-    while True:
-        perm = torch.randperm(n, generator=g)
-        # Drop the last partial batch, but keep one (smaller) batch when n < batch_size.
-        for i in range(0, max(n - cfg.batch_size, 0) + 1, cfg.batch_size):
-            yield perm[i:i + cfg.batch_size]
+def batches(n: int, cfg: TrainConfig) -> BatchOrder:
+    """Index batches forever, reshuffling at every epoch, deterministically from seed."""
+    return BatchOrder(n, cfg.batch_size, cfg.seed)
 
 
-def sequence_loss(model, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the tokens where mask is True."""
+def _token_ce(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of every next-token target, [b·l] float32."""
     logits = model(x)                                                  # [b, l, V]
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none")
-    m = mask.flatten().float()
-    return (ce * m).sum() / m.sum().clamp(min=1.0)
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none")
+
+
+def sequence_loss(model, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
+                  weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross-entropy over the tokens where mask is True (the loop's default arithmetic,
+    which experiment 00's manifest pins bit for bit).
+
+    With example `weights` [b]: each example's masked mean cross-entropy, times its weight,
+    averaged over the batch, Σ w_i·loss_i / b. Dividing by b rather than Σ w_i keeps the
+    batch an unbiased sample of the dataset's weighted loss (weights average 1 over the data)
+    and makes a batch of zero-weight examples contribute 0, not 0/0.
+    """
+    ce = _token_ce(model, x, y)
+    if weights is None:
+        m = mask.flatten().float()
+        return (ce * m).sum() / m.sum().clamp(min=1.0)
+    m = mask.float()                                                   # [b, l]
+    per_example = (ce.view_as(m) * m).sum(1) / m.sum(1).clamp(min=1.0)   # [b]
+    return (weights.to(per_example) * per_example).mean()
+
+
+@torch.no_grad()
+def mean_loss(model: torch.nn.Module, data: SequenceData, batch_size: int = 64,
+              train_on_prompt: bool = False) -> float:
+    """Unweighted mean cross-entropy over every scored token of `data`, in eval mode."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0.0
+    for start in range(0, len(data), batch_size):
+        idx = torch.arange(start, min(start + batch_size, len(data)))
+        x, y, mask = (t.to(device) for t in data.batch(idx, train_on_prompt))
+        m = mask.flatten().float()
+        total += float((_token_ce(model, x, y) * m).sum(dtype=torch.float64))
+        count += float(m.sum())
+    model.train(was_training)
+    return total / max(count, 1.0)
+
+
+def clip_gradients(params: list[torch.Tensor], cfg: TrainConfig,
+                   norm: torch.Tensor | None = None) -> torch.Tensor:
+    """Clamp each gradient element to ±grad_clip_value, then scale all gradients together so
+    their global L2 norm is at most grad_clip; returns the norm the second clip saw.
+
+    Element-wise first, so that one huge element is cut down before it enters the global
+    norm, where it would otherwise shrink every other gradient. `norm` is the global norm of
+    the gradients as they are, if already computed.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if cfg.grad_clip_value > 0:
+        torch.nn.utils.clip_grad_value_(params, cfg.grad_clip_value)
+        norm = None
+    if norm is None:
+        norm = torch.nn.utils.get_total_norm(grads)
+    if cfg.grad_clip > 0:
+        # get_total_norm + clip_grads_with_norm_ is exactly clip_grad_norm_, split so that
+        # the guard can look at the norm first.
+        torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, norm)
+    return norm
+
+
+def first_nonfinite(named: list[tuple[str, torch.Tensor]]) -> str | None:
+    """Name of the first tensor holding a NaN or an infinity (None tensors are skipped)."""
+    return next((n for n, t in named if t is not None and not torch.isfinite(t).all()), None)
+
+
+@contextlib.contextmanager
+def _prepared(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[None]:
+    """Apply freeze_layers and checkpoint_every for one train() call; undo both after."""
+    kind = type(model).__name__
+    if cfg.checkpoint_every and not callable(getattr(model, "set_gradient_checkpointing", None)):
+        raise ValueError(f"checkpoint_every={cfg.checkpoint_every} needs a model with a "
+                         f"set_gradient_checkpointing(every) method; {kind} has none")
+    frozen = []
+    if cfg.freeze_layers:
+        blocks = getattr(model, "blocks", None)
+        if not isinstance(blocks, torch.nn.ModuleList):
+            raise ValueError(f"freeze_layers={cfg.freeze_layers} needs the model's blocks as an "
+                             f"nn.ModuleList `model.blocks`; {kind} has none")
+        if cfg.freeze_layers > len(blocks):
+            raise ValueError(f"freeze_layers={cfg.freeze_layers} exceeds the {len(blocks)} "
+                             f"blocks of {kind}")
+        embeddings = [m for n, m in model.named_modules()
+                      if isinstance(m, torch.nn.Embedding) and not n.startswith("blocks.")]
+        for m in [*embeddings, *blocks[:cfg.freeze_layers]]:
+            frozen += [p for p in m.parameters() if p.requires_grad]
+            m.requires_grad_(False)
+    try:
+        if cfg.checkpoint_every:
+            model.set_gradient_checkpointing(cfg.checkpoint_every)
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+        if cfg.checkpoint_every:
+            model.set_gradient_checkpointing(0)
+
+
+def _split(data: SequenceData, val_data: SequenceData | None, cfg: TrainConfig
+           ) -> tuple[SequenceData, SequenceData | None]:
+    if val_data is not None and cfg.val_fraction:
+        raise ValueError("pass either val_data or cfg.val_fraction, not both")
+    if val_data is not None and not cfg.eval_every:
+        raise ValueError("val_data needs cfg.eval_every >= 1 (when to compute val_loss)")
+    return data.split(cfg.val_fraction, cfg.seed) if cfg.val_fraction else (data, val_data)
+
+
+class _Run:
+    """The state of one training run: model, optimizer, batch order, results so far."""
+
+    def __init__(self, model, data, val_data, cfg, eval_fn):
+        self.model, self.data, self.val_data, self.cfg, self.eval_fn = (
+            model, data, val_data, cfg, eval_fn)
+        self.opt = make_optimizer(model, cfg)
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for g in self.opt.param_groups for p in g["params"]]
+        self.device = next(model.parameters()).device
+        self.order = batches(len(data), cfg)
+        self.result = TrainResult()
+        self.window: list[float] = []        # losses of the steps since the last log line
+        self.window_norms: list[float] = []  # their global gradient norms
+        self.step = 0                        # steps done
+        self.elapsed_before = 0.0            # wall time of the calls this one resumes
+        self.t0 = time.perf_counter()
+        self.digest = ckpt.data_digest(data) if cfg.save_every else ""
+        self.log: MetricsLog | None = None
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.t0
+
+    def open_log(self, resumed: bool) -> None:
+        path = self.cfg.log_path or (self.cfg.out_dir and Path(self.cfg.out_dir) / "metrics.jsonl")
+        if path:
+            self.log = MetricsLog(path, self.step if resumed else None)
+
+    def write(self, record: dict) -> None:
+        if self.log:
+            self.log.write({**record, "elapsed": round(self.elapsed(), 3)})
+
+    def one_step(self, step: int) -> bool:
+        """Step `step` (0-based); False when the NaN guard stopped training."""
+        cfg, model = self.cfg, self.model
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        idx = next(self.order)
+        x, y, mask = (t.to(self.device) for t in self.data.batch(idx, cfg.train_on_prompt))
+        w = None if self.data.weights is None else self.data.weights[idx].to(self.device)
+        loss = sequence_loss(model, x, y, mask, w)
+        total = loss + cfg.aux_loss_coef * model.aux_loss() if hasattr(model, "aux_loss") \
+            else loss
+        self.opt.zero_grad(set_to_none=True)
+        total.backward()
+        if not math.isfinite(total.item()):
+            return self.stop(step, "loss", "non-finite loss; the update was skipped", True)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        if not torch.isfinite(norm):
+            name = first_nonfinite([(n, p.grad) for n, p in self.named]) or "grad_norm"
+            return self.stop(step, name, "non-finite gradient; the update was skipped", True)
+        norm = clip_gradients(self.params, cfg, norm)
+        self.opt.step()
+        # One fused norm per step; the per-tensor scan runs only when it is not finite (and
+        # finds nothing when merely the norm of huge but finite weights overflowed).
+        params_ok = torch.isfinite(torch.nn.utils.get_total_norm(self.params))
+        if not params_ok and (name := first_nonfinite(self.named)):
+            return self.stop(step, name, "the update overflowed to a non-finite parameter; "
+                             "parameters were not restored", False)
+        self.window.append(loss.item())
+        self.window_norms.append(norm.item())
+        return True
+
+    def stop(self, step: int, tensor: str, reason: str, last_good_state: bool) -> bool:
+        self.result.stopped_early = {"step": step + 1, "tensor": tensor, "reason": reason,
+                                     "last_good_state": last_good_state}
+        kept = (f"parameters and optimizer state are those after step {step}"
+                if last_good_state else "parameters hold non-finite values")
+        warnings.warn(f"training stopped at step {step + 1}: {reason} ({tensor}); {kept}",
+                      RuntimeWarning, stacklevel=4)
+        self.flush_window(step - 1)
+        return False
+
+    def flush_window(self, last_step: int) -> None:
+        if not self.window:
+            return
+        loss = sum(self.window) / len(self.window)
+        norm = sum(self.window_norms) / len(self.window_norms)
+        self.result.losses.append(loss)
+        self.result.grad_norms.append(norm)
+        self.write({"kind": "train", "step": last_step + 1, "loss": loss,
+                    "lr": lr_at(last_step, self.cfg), "grad_norm": norm})
+        self.window, self.window_norms = [], []
+
+    def evaluate(self, step: int) -> None:
+        entry = {"step": step + 1}
+        if self.val_data is not None:
+            entry["val_loss"] = mean_loss(self.model, self.val_data, self.cfg.batch_size,
+                                          self.cfg.train_on_prompt)
+        if self.eval_fn is not None:
+            entry.update(self.eval_fn(self.model))
+        self.model.train()
+        self.result.evals.append(entry)
+        self.write({"kind": "eval", **entry})
+
+    def after_step(self, step: int) -> None:
+        cfg, last = self.cfg, step == self.cfg.steps - 1
+        self.step = step + 1
+        if len(self.window) == cfg.log_every or last:
+            self.flush_window(step)
+        if cfg.eval_every and (self.eval_fn or self.val_data is not None) and (
+                self.step % cfg.eval_every == 0 or last):
+            self.evaluate(step)
+        if cfg.save_every and (self.step % cfg.save_every == 0 or last):
+            self.save()
+
+    def save(self) -> None:
+        progress = {"step": self.step, "window": self.window,
+                    "window_norms": self.window_norms, "elapsed_s": self.elapsed(),
+                    "result": {"losses": self.result.losses,
+                               "grad_norms": self.result.grad_norms,
+                               "evals": self.result.evals}}
+        state = ckpt.snapshot(self.named, self.opt, self.order, progress,
+                              ckpt.config_fingerprint(self.cfg), self.digest)
+        ckpt.save_state(state, Path(self.cfg.out_dir) / "checkpoint")
+
+    def restore(self, path: str | Path) -> None:
+        state = ckpt.load_state(path)
+        ckpt.check_compatible(state, ckpt.config_fingerprint(self.cfg),
+                              self.digest or ckpt.data_digest(self.data),
+                              {n: p.shape for n, p in self.named})
+        ckpt.restore(state, self.named, self.opt, self.order)
+        pr = state.progress
+        self.step, self.elapsed_before = pr["step"], pr["elapsed_s"]
+        self.window, self.window_norms = pr["window"], pr["window_norms"]
+        self.result = TrainResult(**pr["result"], steps=self.step)
 
 
 def train(model: torch.nn.Module, data: SequenceData, cfg: TrainConfig,
-          eval_fn: Callable[[torch.nn.Module], dict] | None = None) -> TrainResult:
-    """Train `model`'s trainable parameters on `data` for `cfg.steps` AdamW steps."""
-    opt = make_optimizer(model, cfg)
-    device = next(model.parameters()).device
-    result, window = TrainResult(), []
-    t0 = time.perf_counter()
-    model.train()
-    bar = tqdm(range(cfg.steps), desc="train", disable=not cfg.progress, mininterval=1.0)
-    for step, idx in zip(bar, batches(len(data), cfg), strict=False):  # batches() is endless
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        x, y, mask = (t.to(device) for t in data.batch(idx, cfg.train_on_prompt))
-        loss = sequence_loss(model, x, y, mask)
-        total = loss + cfg.aux_loss_coef * model.aux_loss() if hasattr(model, "aux_loss") \
-            else loss
-        opt.zero_grad(set_to_none=True)
-        total.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(
-                [p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
-        opt.step()
-        window.append(loss.item())
-        if len(window) == cfg.log_every or step == cfg.steps - 1:
-            result.losses.append(sum(window) / len(window))
-            bar.set_postfix(loss=f"{result.losses[-1]:.4f}")
-            window = []
-        if eval_fn and cfg.eval_every and ((step + 1) % cfg.eval_every == 0
-                                           or step == cfg.steps - 1):
-            result.evals.append({"step": step + 1, **eval_fn(model)})
-            model.train()
-    result.steps = cfg.steps
-    result.wall_time_s = time.perf_counter() - t0
-    return result
+          eval_fn: Callable[[torch.nn.Module], dict] | None = None, *,
+          val_data: SequenceData | None = None, resume: str | Path | None = None,
+          stop_after: int | None = None) -> TrainResult:
+    """Train `model`'s trainable parameters on `data` for `cfg.steps` AdamW steps.
+
+    `val_data` (or `cfg.val_fraction` of `data`) gives `val_loss` at every evaluation.
+    `resume` is a checkpoint directory (`out_dir/checkpoint`) to continue from; the run then
+    ends exactly as an uninterrupted one would. `stop_after` returns once that many steps are
+    done, as an interruption would (no final log window, evaluation or save).
+    """
+    if stop_after is not None and stop_after < 1:
+        raise ValueError(f"stop_after must be >= 1, got {stop_after}")
+    data, val_data = _split(data, val_data, cfg)
+    with _prepared(model, cfg):
+        run = _Run(model, data, val_data, cfg, eval_fn)
+        if resume is not None:
+            run.restore(resume)
+        run.open_log(resumed=resume is not None)
+        model.train()
+        end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        try:
+            with tqdm(range(run.step, end), desc="train", disable=not cfg.progress,
+                      mininterval=1.0, initial=run.step, total=cfg.steps) as bar:
+                for step in bar:
+                    if not run.one_step(step):
+                        break
+                    run.after_step(step)
+                    if run.result.losses:
+                        bar.set_postfix(loss=f"{run.result.losses[-1]:.4f}")
+        finally:
+            if run.log:
+                run.log.close()
+    run.result.steps = run.step
+    run.result.wall_time_s = run.elapsed()
+    return run.result
