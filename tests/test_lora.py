@@ -310,3 +310,13 @@ def test_bad_base():
         LoRALinear(nn.Conv1d(3, 3, 1))
     with pytest.raises(ValueError, match="already wrapped"):
         LoRALinear(LoRALinear(nn.Linear(IN, OUT)))
+
+
+def test_wrapping_keeps_the_training_flag_of_the_base():
+    base = nn.Linear(6, 4).eval()
+    layer = LoRALinear(base, r=2, dropout=0.5)
+    assert not layer.training and not layer.dropout.training
+    nn.init.ones_(layer.lora_B)                          # so that dropout would show
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(layer(x), layer(x))       # no dropout drawn in eval mode
+    assert LoRALinear(nn.Linear(6, 4), r=2).training

@@ -126,6 +126,7 @@ class LoRALinear(nn.Module):
         # Same init as nn.Linear(in, r).weight, which is what PEFT's lora_A is.
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.merged = False
+        self.train(base.training)     # a layer wrapped in a model in eval() stays in eval()
 
     @property
     def is_quantized(self) -> bool:
