@@ -305,8 +305,8 @@ abs logit difference {swap['mean_abs_diff']:.3f}. Exact match:
 
 def run(cfg: dict, ctx: RunContext) -> dict:
     base = ctx.record_input(base_path(cfg["base"]))
-    adapters = {}
-    for name, rel in cfg["adapters"].items():
+    adapters = {}    # a list in the config: manifests store dicts with sorted keys
+    for name, rel in cfg["adapters"]:
         folder = (ctx.exp_dir / rel).resolve()
         for file in ("adapter_model.safetensors", "adapter_config.json"):
             ctx.record_input(folder / file)

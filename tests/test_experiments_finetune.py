@@ -1,0 +1,89 @@
+"""Experiments 05 and 06 end to end through the CLI on tiny configs (the committed manifests
+stay the full runs): 05 writes PEFT-format adapters, 06 loads them onto an NF4 base, and
+`reproduce` of 06 is identical."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from labkit import read_manifest
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = {"batch_size": 8, "lr": 0.003, "warmup_steps": 2, "log_every": 2}
+
+
+def tiny_configs() -> dict[str, dict]:
+    c05 = json.loads((ROOT / "experiments/05-lora-finetune/config.json").read_text())
+    c05.update(threads=1, n_train=24, replay_per_task=4, eval_n=4,
+               train={**TRAIN, "steps": 4, "val_fraction": 0.25, "eval_every": 2})
+    c06 = json.loads((ROOT / "experiments/06-qlora-preview/config.json").read_text())
+    c06.update(threads=1, n_train=16, replay_per_task=2, eval_n=4, prompts_per_task=2,
+               train=TRAIN, memory={"steps": 2, "batch_size": 4})
+    return {"05-lora-finetune": c05, "06-qlora-preview": c06}
+
+
+def labkit(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("exp")
+    for name, cfg in tiny_configs().items():
+        exp = root / name
+        exp.mkdir()
+        shutil.copy(ROOT / "experiments" / name / "experiment.py", exp)
+        (exp / "config.json").write_text(json.dumps(cfg))
+        proc = labkit("run", str(exp))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+def test_05_writes_adapters_and_exact_match(runs):
+    exp = runs / "05-lora-finetune"
+    manifest = read_manifest(exp / "manifest.json")
+    assert set(manifest["artifacts"]) == {f"adapter_{r}/{f}" for r in ("rev_only", "rev_replay")
+                                          for f in ("adapter_model.safetensors",
+                                                    "adapter_config.json")}
+    m = manifest["metrics"]
+    assert set(m["before"]) == set(m["rev_only"]["exact_match_after"])
+    assert [e["step"] for e in m["rev_replay"]["evals"]] == [2, 4]
+    assert all("val_loss" in e for e in m["rev_replay"]["evals"])
+    assert (exp / "rev_replay.jsonl").is_file() and (exp / "REPORT.md").is_file()
+
+
+def test_06_records_its_inputs_and_reproduces(runs):
+    exp = runs / "06-qlora-preview"
+    manifest = read_manifest(exp / "manifest.json")
+    inputs = manifest["inputs"]
+    assert any(k.endswith("adapter_rev_replay/adapter_model.safetensors") for k in inputs)
+    assert any(k.endswith("base_dense.safetensors") for k in inputs)
+    m = manifest["metrics"]
+    assert m["qlora_epoch"]["all_finite"] and m["qlora_epoch"]["stopped_early"] is None
+    lora, qlora = (m["memory"][k]["measured"] for k in m["memory"])
+    assert qlora["weights"] < lora["weights"] / 3 and qlora["grads"] == lora["grads"]
+    assert m["swap"]["mean_abs_diff"] > 0
+    assert m["llama_7b"]["qlora"]["total"] < m["llama_7b"]["lora"]["total"]
+    proc = labkit("reproduce", str(exp / "manifest.json"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "REPRODUCED" in proc.stdout
+
+
+def test_06_refuses_a_changed_adapter(runs):
+    """A manifest whose input adapter changed is refused (exit 2), nothing re-run."""
+    adapter = runs / "05-lora-finetune/adapter_rev_replay/adapter_config.json"
+    original = adapter.read_text()
+    adapter.write_text(original + " ")
+    try:
+        proc = labkit("reproduce", str(runs / "06-qlora-preview/manifest.json"))
+    finally:
+        adapter.write_text(original)
+    assert proc.returncode == 2
+    assert "has changed since the manifest was written" in proc.stderr
