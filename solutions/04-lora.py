@@ -68,6 +68,7 @@ import peft  # noqa: E402
 import minigpt  # noqa: E402
 import miniquant  # noqa: E402
 import minituner  # noqa: E402
+from labkit.forbid import forbid, refuse  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks  # noqa: E402
 
 torch.set_num_threads(1)   # small matrices: one thread is faster than several on a busy CPU
@@ -216,45 +217,22 @@ class MyLoRALinear(nn.Module):
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_lora_init", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-def _refuse(name):
-    def fail(*args, **kwargs):
-        raise AssertionError(f"{name} was called while your code ran: this exercise must be "
-                             "done without the reference (minituner) or PEFT")
-    return fail
+_WHY = "this exercise must be done without the reference (minituner) or PEFT"
+_REFERENCE = [(minituner, "LoRALinear"), (minituner.lora, "LoRALinear"),
+              (minituner, "lora_linear"), (minituner.lora, "lora_linear"),
+              (minituner, "wrap_lora"), (minituner.adapters, "wrap_lora"),
+              (minituner, "save_adapter"), (minituner.adapters, "save_adapter"),
+              (minituner, "load_adapter"), (minituner.adapters, "load_adapter"),
+              (minituner, "trainable_summary"), (minituner.adapters, "trainable_summary"),
+              (minituner.adapters, "_select"), (minituner.adapters, "_matches"),
+              (peft, "get_peft_model"), (peft, "LoraConfig"), (peft.PeftModel, "from_pretrained"),
+              (peft.PeftModel, "save_pretrained")]
 
 
-class _forbid_reference:
+def _forbid_reference():
     """While the block runs, minituner's LoRA code and PEFT's entry points raise if called
     (also through names the notebook imported from them)."""
-
-    TARGETS = [(minituner, "LoRALinear"), (minituner.lora, "LoRALinear"),
-               (minituner, "lora_linear"), (minituner.lora, "lora_linear"),
-               (minituner, "wrap_lora"), (minituner.adapters, "wrap_lora"),
-               (minituner, "save_adapter"), (minituner.adapters, "save_adapter"),
-               (minituner, "load_adapter"), (minituner.adapters, "load_adapter"),
-               (minituner, "trainable_summary"), (minituner.adapters, "trainable_summary"),
-               (minituner.adapters, "_select"), (minituner.adapters, "_matches"),
-               (peft, "get_peft_model"), (peft, "LoraConfig"), (peft.PeftModel, "from_pretrained"),
-               (peft.PeftModel, "save_pretrained")]
-
-    def __enter__(self):
-        self.saved = [(obj, name, obj.__dict__[name]) for obj, name in self.TARGETS
-                      if name in obj.__dict__]
-        originals = {id(value) for _, _, value in self.saved}
-        g = globals()
-        self.saved_globals = {k: v for k, v in g.items()
-                              if not k.startswith("_") and id(v) in originals}
-        for obj, name, _ in self.saved:
-            setattr(obj, name, _refuse(f"{getattr(obj, '__name__', obj)}.{name}"))
-        for k in self.saved_globals:
-            g[k] = _refuse(k)
-        return self
-
-    def __exit__(self, *exc):
-        for obj, name, value in self.saved:
-            setattr(obj, name, value)
-        globals().update(self.saved_globals)
-        return False
+    return forbid(_REFERENCE, globals(), why=_WHY)
 
 
 def _check_init(n_in, n_out, r, alpha, use_rslora=False, dtype=torch.float32, bias=True, what=""):
@@ -620,7 +598,7 @@ _gradcheck(8, 16, 5, 5, 0.125, seed=11, what="hidden: ")        # r = out
 _check_grads(33, 17, 9, 6, 1 / math.sqrt(6), seed=12, what="hidden: ")
 _check_grads(1, 64, 48, 8, 4.0, seed=13, what="hidden: ")
 # the backward is written, not delegated to autograd
-with mock.patch.object(torch.autograd, "grad", _refuse("torch.autograd.grad")):
+with mock.patch.object(torch.autograd, "grad", refuse("torch.autograd.grad", _WHY)):
     _check_grads(5, 12, 10, 2, 3.0, seed=14, what="hidden (autograd.grad switched off): ")
 # only x needs a gradient (A, B frozen): still fine
 _x = randn(4, 6, seed=15).requires_grad_()

@@ -96,7 +96,8 @@ class LoRALinear(nn.Module):
 
     Inputs are [..., in]; outputs [..., out] in the base's compute dtype (the weight dtype of
     an `nn.Linear`; `compute_dtype`, else the input dtype, of a `QuantizedLinear`). The LoRA
-    parameters keep their own dtype (float32) and are cast for the matmul, so their gradients
+    parameters keep their own dtype (float32; a model-wide `.to(dtype)` casts them too, as in
+    PEFT) and are cast for the matmul, so their gradients
     and optimizer state stay float32 over a low-precision base.
 
     `dropout` drops x on the LoRA path only, in training mode only (as PEFT). After `merge()`
