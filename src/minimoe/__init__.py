@@ -1,11 +1,19 @@
 """minimoe: Mixture-of-Experts routing and expert dispatch.
 
-Now: the softmax top-k router, the Switch load-balancing loss, and a plain PyTorch
-dispatch MoE MLP that MiniGPT-MoE is pretrained with. The Triton kernels (scatter2scatter,
-group, group_bwd_W, LoRA forms) arrive with Labs 07–10; see BLUEPRINT.md.
+Now: softmax, sigmoid (selection-only bias) and group-limited top-k routers, the Switch
+load-balancing and z losses, and a plain PyTorch
+dispatch MoE MLP that MiniGPT-MoE is pretrained with; the ScatterMoE dispatch (sort once,
+Triton scatter2scatter / group / group_bwd_W, `parallel_linear` with autograd) behind
+`MoEMLP(backend="triton")`. Fused LoRA kernels and NF4 experts arrive with Lab 10; see BLUEPRINT.md.
 """
 
-from .moe import MoEMLP, dispatch_torch, expert_swiglu
-from .routing import load_balancing_loss, route
+from . import reference
+from .moe import MoEMLP, dispatch_torch, dispatch_triton, expert_swiglu
+from .ops import group, group_bwd_W, scatter2scatter
+from .parallel_linear import parallel_linear
+from .routing import load_balancing_loss, route, router_z_loss, update_selection_bias
+from .sort import flatten_sort_count
 
-__all__ = ["MoEMLP", "dispatch_torch", "expert_swiglu", "load_balancing_loss", "route"]
+__all__ = ["MoEMLP", "dispatch_torch", "dispatch_triton", "expert_swiglu", "flatten_sort_count",
+           "group", "group_bwd_W", "load_balancing_loss", "parallel_linear", "reference",
+           "route", "router_z_loss", "scatter2scatter", "update_selection_bias"]

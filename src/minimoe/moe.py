@@ -10,9 +10,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .parallel_linear import parallel_linear
 from .routing import load_balancing_loss, route
+from .sort import flatten_sort_count
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "triton")
 
 
 def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -36,6 +38,22 @@ def dispatch_torch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
         y = expert_swiglu(x[token], w_gate[e], w_up[e], w_down[e])
         out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
     return out
+
+
+def dispatch_triton(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                    w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+                    ) -> torch.Tensor:
+    """ScatterMoE dispatch: sort the slots once, three `parallel_linear`s over sorted rows.
+
+    x [T, C]; weights, experts [T, k]; returns [T, C]. Same math as `dispatch_torch`.
+    """
+    k = experts.shape[1]
+    idx = flatten_sort_count(experts, w_gate.shape[0])          # 3 × [T·k] / [E]
+    g = parallel_linear(x, w_gate, k, *idx, grouped_out=True)   # [T·k, F] sorted
+    u = parallel_linear(x, w_up, k, *idx, grouped_out=True)     # [T·k, F] sorted
+    h = F.silu(g) * u                                           # [T·k, F] sorted
+    # Down projection from sorted rows back to tokens, the k outputs mixed by the gates.
+    return parallel_linear(h, w_down, k, *idx, gates=weights, grouped_in=True)  # [T, C]
 
 
 class MoEMLP(nn.Module):
@@ -71,5 +89,6 @@ class MoEMLP(nn.Module):
         weights, experts = route(logits, self.top_k, renormalize=self.top_k > 1)  # [T, k]
         self.aux_loss = load_balancing_loss(logits, experts)
         self.last_experts = experts.detach()
-        out = dispatch_torch(x, weights, experts, self.w_gate, self.w_up, self.w_down)
+        dispatch = dispatch_triton if self.backend == "triton" else dispatch_torch
+        out = dispatch(x, weights, experts, self.w_gate, self.w_up, self.w_down)
         return out.reshape(shape)

@@ -1,0 +1,170 @@
+"""Triton kernels of the ScatterMoE dispatch (private: call them through `ops.py`).
+
+Notation: T tokens, k experts per token, M = T·k routing slots, E experts, W [E, K, N].
+The M slots are sorted once by expert (`sort.flatten_sort_count`): row i of the sorted order
+is slot `s = sorted_scattered_idxs[i]` (token `s // k`) routed to `e = sorted_expert_idxs[i]`.
+"Grouped" tensors are in sorted order; "scattered" ones in slot order (row s = t·k + j).
+
+scatter2scatter — gather + per-expert GEMM + scatter, no padding:
+
+    # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))
+    i     = pid_m * BLOCK_M + arange(BLOCK_M)          # sorted rows of this tile
+    e_i   = sorted_expert_idxs[i];  s_i = sorted_scattered_idxs[i]
+    xrow  = i if X_GROUPED else s_i // FAN_OUT         # which row of X each sorted row reads
+    yrow  = i if Y_GROUPED else s_i                    # where its output goes
+    acc   = 0                                          # [BLOCK_M, BLOCK_N] float32
+    for e in e_i[first] .. e_i[last]:                  # ids are sorted: the tile's range
+        rows = (e_i == e)                              # a tile may span several experts
+        for kk in 0 .. K step BLOCK_K:
+            acc += X[xrow, kk:] * rows  @  W[e, kk:, n]   # other experts' rows load as 0
+    Y[yrow, n] = acc
+
+group — gather rows into sorted order, optionally scaled:
+
+    # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))
+    out[i, n] = X[s_i // FAN_OUT, n] * (coeff[s_i] if HAS_COEFF else 1)
+
+group_bwd_W — dW[e] = Σ_{sorted rows i of e} X[i]ᵀ · DY[i], both grouped, no atomics:
+
+    # grid = (E, cdiv(K, BLOCK_K), cdiv(N, BLOCK_N))
+    start, end = expert_offsets[e-1] (0 for e=0), expert_offsets[e]
+    acc = 0                                            # [BLOCK_K, BLOCK_N] float32
+    for m in start .. end step BLOCK_M:
+        acc += X[m:m+BLOCK_M, kk]ᵀ @ DY[m:m+BLOCK_M, n]   # masked: rows < end
+    dW[e, kk, n] = acc                                 # an expert with no rows stores 0
+
+The kernels use builtins only (no `tl.min`, `tl.sum`, ...: those are themselves @triton.jit
+helpers, which fail inside an interpreted kernel when triton was first imported without
+TRITON_INTERPRET; see miniquant/triton_dequant.py). The expert range of a row tile comes from
+loading the first and last expert id of the tile, which bound it because the ids are sorted.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402  (must follow the TRITON_INTERPRET decision above)
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _scatter2scatter_kernel(
+    X,              # [rows of X, K] input: token rows (scattered) or sorted rows (X_GROUPED)
+    W,              # [E, K, N] expert weights
+    Y,              # [M, N] output: slot order, or sorted order (Y_GROUPED)
+    expert_ids,     # [M] int64 sorted_expert_idxs (non-decreasing)
+    scattered_ids,  # [M] int64 sorted_scattered_idxs (slot s = token * FAN_OUT + j)
+    M, K, N,        # sizes (runtime ints)
+    sxm, sxk,       # strides of X
+    swe, swk, swn,  # strides of W
+    sym, syn,       # strides of Y
+    FAN_OUT: tl.constexpr,    # k: slots per token (X row of slot s is s // FAN_OUT)
+    X_GROUPED: tl.constexpr,  # True: X row of sorted row i is i
+    Y_GROUPED: tl.constexpr,  # True: output row of sorted row i is i (else its slot)
+    BLOCK_M: tl.constexpr,    # sorted rows per program
+    BLOCK_N: tl.constexpr,    # output columns per program
+    BLOCK_K: tl.constexpr,    # reduction step
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                     # [BM]
+    m_mask = i < M
+    e_i = tl.load(expert_ids + i, mask=m_mask, other=-1)           # [BM]
+    s_i = tl.load(scattered_ids + i, mask=m_mask, other=0)         # [BM]
+    if X_GROUPED:
+        xrow = i
+    else:
+        xrow = s_i // FAN_OUT
+    if Y_GROUPED:
+        yrow = i
+    else:
+        yrow = s_i
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BN]
+    n_mask = n < N
+    kk = tl.arange(0, BLOCK_K)                                      # [BK]
+    # Sorted ids: the first and last row of the tile bound its experts.
+    e_first = tl.load(expert_ids + pid_m * BLOCK_M)
+    e_last = tl.load(expert_ids + tl.minimum(pid_m * BLOCK_M + BLOCK_M, M) - 1)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for e in range(e_first, e_last + 1):
+        rows = m_mask & (e_i == e)                                  # [BM]
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + kk) < K
+            x = tl.load(X + xrow[:, None] * sxm + (k0 + kk)[None, :] * sxk,
+                        mask=rows[:, None] & k_mask[None, :], other=0.0)       # [BM, BK]
+            w = tl.load(W + e * swe + (k0 + kk)[:, None] * swk + n[None, :] * swn,
+                        mask=k_mask[:, None] & n_mask[None, :], other=0.0)     # [BK, BN]
+            acc += tl.dot(x, w, input_precision="ieee")
+    tl.store(Y + yrow[:, None] * sym + n[None, :] * syn, acc.to(Y.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _group_kernel(
+    X,              # [rows of X, N] input rows
+    coeff,          # [M] per-slot scale (read only if HAS_COEFF)
+    out,            # [M, N] output, sorted order
+    scattered_ids,  # [M] int64 sorted_scattered_idxs
+    M, N,           # sizes
+    sxm, sxn,       # strides of X
+    som, son,       # strides of out
+    FAN_OUT: tl.constexpr,    # X row of slot s is s // FAN_OUT
+    HAS_COEFF: tl.constexpr,  # multiply each row by coeff[slot]
+    BLOCK_M: tl.constexpr,    # rows per program
+    BLOCK_N: tl.constexpr,    # columns per program
+):
+    i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)          # [BM]
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)          # [BN]
+    m_mask = i < M
+    mask = m_mask[:, None] & (n < N)[None, :]
+    s_i = tl.load(scattered_ids + i, mask=m_mask, other=0)
+    x = tl.load(X + (s_i // FAN_OUT)[:, None] * sxm + n[None, :] * sxn, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if HAS_COEFF:
+        c = tl.load(coeff + s_i, mask=m_mask, other=0.0).to(tl.float32)
+        x = x * c[:, None]
+    tl.store(out + i[:, None] * som + n[None, :] * son, x.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _group_bwd_W_kernel(
+    DY,             # [M, N] output gradient, sorted order
+    X,              # [M, K] inputs, sorted order
+    DW,             # [E, K, N] weight gradient (every element written)
+    offsets,        # [E] int64 expert_offsets (inclusive cumulative counts = end rows)
+    K, N,           # sizes
+    sdym, sdyn,     # strides of DY
+    sxm, sxk,       # strides of X
+    swe, swk, swn,  # strides of DW
+    BLOCK_M: tl.constexpr,    # rows per reduction step
+    BLOCK_K: tl.constexpr,    # rows of dW[e] per program
+    BLOCK_N: tl.constexpr,    # columns of dW[e] per program
+):
+    e = tl.program_id(0)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)          # [BK]
+    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)          # [BN]
+    k_mask = k < K
+    n_mask = n < N
+    start = tl.load(offsets + e - 1, mask=e > 0, other=0)
+    end = tl.load(offsets + e)
+    mm = tl.arange(0, BLOCK_M)
+    acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        r_mask = (m0 + mm) < end
+        x = tl.load(X + (m0 + mm)[:, None] * sxm + k[None, :] * sxk,
+                    mask=r_mask[:, None] & k_mask[None, :], other=0.0)   # [BM, BK]
+        dy = tl.load(DY + (m0 + mm)[:, None] * sdym + n[None, :] * sdyn,
+                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BM, BN]
+        acc += tl.dot(tl.trans(x), dy, input_precision="ieee")
+    tl.store(DW + e * swe + k[:, None] * swk + n[None, :] * swn, acc.to(DW.dtype.element_ty),
+             mask=k_mask[:, None] & n_mask[None, :])
+
+
+def interpreting() -> bool:
+    """Whether these kernels were built for the Triton interpreter (decided at import)."""
+    return not isinstance(_scatter2scatter_kernel, triton.runtime.JITFunction)

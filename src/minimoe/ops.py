@@ -1,0 +1,155 @@
+"""Launchers of the dispatch kernels: check the inputs, allocate the output, launch.
+
+Shapes: M = T·k sorted rows, E experts, W [E, K, N]; see kernels.py for the pseudocode.
+Inputs that are not contiguous are copied to contiguous ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kernels  # before anything imports triton: it decides TRITON_INTERPRET
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tile(interp: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): the interpreter pays per program, so larger there."""
+    return (64, 64, 64) if interp else (64, 64, 32)
+
+
+def _check_float(t: torch.Tensor, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in DTYPES:
+        raise ValueError(f"{name} must be one of {DTYPES}, got {t.dtype}")
+    if kernels.interpreting():
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name} is {t.dtype}, but the Triton interpreter is float32-only")
+    elif t.device.type != "cuda":
+        raise ValueError(f"{name} is on {t.device}, but Triton compiles for CUDA here: move it "
+                         "to a GPU, or run on CPU with TRITON_INTERPRET=1 set before triton "
+                         "is imported")
+
+
+def _check_same(a: torch.Tensor, b: torch.Tensor, na: str, nb: str) -> None:
+    if a.dtype != b.dtype:
+        raise ValueError(f"{na} ({a.dtype}) and {nb} ({b.dtype}) must have the same dtype")
+    if a.device != b.device:
+        raise ValueError(f"{na} ({a.device}) and {nb} ({b.device}) must be on the same device")
+
+
+def _check_index(t: torch.Tensor, name: str, M: int, hi: int, device: torch.device
+                 ) -> torch.Tensor:
+    """A [M] integer index tensor with values in 0..hi-1, returned as contiguous int64."""
+    if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor")
+    if t.dim() != 1 or t.shape[0] != M:
+        raise ValueError(f"{name} must have shape [{M}], got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the data on {device}")
+    if M and (int(t.min()) < 0 or int(t.max()) >= hi):
+        raise ValueError(f"{name} must lie in 0..{hi - 1}, got {int(t.min())}..{int(t.max())}")
+    return t.long().contiguous()
+
+
+def scatter2scatter(X: torch.Tensor, W: torch.Tensor, sorted_expert_idxs: torch.Tensor,
+                    sorted_scattered_idxs: torch.Tensor, k: int, x_grouped: bool = False,
+                    y_grouped: bool = False) -> torch.Tensor:
+    """Y[row(i)] = X[xrow(i)] @ W[sorted_expert_idxs[i]] for every sorted row i.
+
+    X [T, K] (or [M, K] grouped), W [E, K, N] -> Y [M, N], M = len(sorted_expert_idxs);
+    xrow(i) = i if x_grouped else sorted_scattered_idxs[i] // k; row(i) = i if y_grouped
+    else sorted_scattered_idxs[i] (slot order t·k + j).
+    """
+    _check_same(X, W, "X", "W")
+    _check_float(X, "X")
+    _check_float(W, "W")
+    if X.dim() != 2 or W.dim() != 3 or X.shape[1] != W.shape[1]:
+        raise ValueError(f"X must be [rows, K] and W [E, K, N] with the same K, got "
+                         f"{tuple(X.shape)} and {tuple(W.shape)}")
+    E, K, N = W.shape
+    if not 1 <= k <= E:
+        raise ValueError(f"k must be in 1..{E} (the number of experts), got {k}")
+    M = sorted_expert_idxs.shape[0] if sorted_expert_idxs.dim() == 1 else -1
+    rows = M if x_grouped else M // k
+    if M < 0 or M % k or X.shape[0] != rows:
+        raise ValueError(f"X has {X.shape[0]} rows; expected {'M' if x_grouped else 'M / k'} "
+                         f"with M = {M} sorted rows and k = {k}")
+    sei = _check_index(sorted_expert_idxs, "sorted_expert_idxs", M, E, X.device)
+    ssi = _check_index(sorted_scattered_idxs, "sorted_scattered_idxs", M, M, X.device)
+    X, W = X.contiguous(), W.contiguous()
+    Y = torch.empty(M, N, dtype=X.dtype, device=X.device)                  # [M, N]
+    if M == 0:
+        return Y
+    BM, BN, BK = _tile(kernels.interpreting())
+    grid = (_cdiv(M, BM), _cdiv(N, BN))
+    kernels._scatter2scatter_kernel[grid](
+        X, W, Y, sei, ssi, M, K, N, X.stride(0), X.stride(1),
+        W.stride(0), W.stride(1), W.stride(2), Y.stride(0), Y.stride(1),
+        FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
+    return Y
+
+
+def group(X: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_out: int = 1,
+          coeff: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows into sorted order: out[i] = X[s_i // fan_out] (· coeff[s_i]), s_i the slot of i.
+
+    X [M / fan_out, N], coeff [M] (any shape of M elements) -> [M, N] in X's dtype.
+    """
+    _check_float(X, "X")
+    if X.dim() != 2:
+        raise ValueError(f"X must be [rows, N], got shape {tuple(X.shape)}")
+    if fan_out < 1:
+        raise ValueError(f"fan_out must be >= 1, got {fan_out}")
+    M = X.shape[0] * fan_out
+    ssi = _check_index(sorted_scattered_idxs, "sorted_scattered_idxs", M, M, X.device)
+    if coeff is not None:
+        if coeff.numel() != M or not coeff.dtype.is_floating_point or coeff.device != X.device:
+            raise ValueError(f"coeff must be a floating tensor of {M} elements on {X.device}")
+        coeff = coeff.reshape(-1).contiguous()
+    X = X.contiguous()
+    N = X.shape[1]
+    out = torch.empty(M, N, dtype=X.dtype, device=X.device)                # [M, N]
+    if M == 0:
+        return out
+    BM, BN, _ = _tile(kernels.interpreting())
+    kernels._group_kernel[(_cdiv(M, BM), _cdiv(N, BN))](
+        X, X if coeff is None else coeff, out, ssi, M, N,
+        X.stride(0), X.stride(1), out.stride(0), out.stride(1),
+        FAN_OUT=fan_out, HAS_COEFF=coeff is not None, BLOCK_M=BM, BLOCK_N=BN)
+    return out
+
+
+def group_bwd_W(DY: torch.Tensor, X: torch.Tensor, expert_offsets: torch.Tensor, E: int
+                ) -> torch.Tensor:
+    """dW[e] = X[rows of e]ᵀ @ DY[rows of e]: DY [M, N], X [M, K] grouped -> [E, K, N].
+
+    Rows of expert e are expert_offsets[e-1]..expert_offsets[e] (end offsets); an expert with
+    no rows gets an exact zero block.
+    """
+    _check_same(DY, X, "DY", "X")
+    _check_float(DY, "DY")
+    _check_float(X, "X")
+    if DY.dim() != 2 or X.dim() != 2 or DY.shape[0] != X.shape[0]:
+        raise ValueError(f"DY [M, N] and X [M, K] must have the same rows, got "
+                         f"{tuple(DY.shape)} and {tuple(X.shape)}")
+    if E < 1:
+        raise ValueError(f"E must be >= 1, got {E}")
+    M, N, K = DY.shape[0], DY.shape[1], X.shape[1]
+    offs = _check_index(expert_offsets, "expert_offsets", E, M + 1, X.device)
+    if E and (int(offs[-1]) != M or bool((offs[1:] < offs[:-1]).any())):
+        raise ValueError(f"expert_offsets must be non-decreasing end offsets ending at M={M}")
+    DY, X = DY.contiguous(), X.contiguous()
+    DW = torch.empty(E, K, N, dtype=X.dtype, device=X.device)              # [E, K, N]
+    BM, BN, BK = _tile(kernels.interpreting())
+    grid = (E, _cdiv(K, BK), _cdiv(N, BN))
+    kernels._group_bwd_W_kernel[grid](
+        DY, X, DW, offs, K, N, DY.stride(0), DY.stride(1), X.stride(0), X.stride(1),
+        DW.stride(0), DW.stride(1), DW.stride(2), BLOCK_M=BM, BLOCK_K=BK, BLOCK_N=BN)
+    return DW

@@ -1,0 +1,55 @@
+"""The naive references every kernel is checked against: Python loops over tokens and slots.
+
+Deliberately slow and obvious — one matrix-vector product per (token, chosen expert).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def linear_loop(x: torch.Tensor, W: torch.Tensor, expert_idxs: torch.Tensor,
+                gates: torch.Tensor | None = None, lora_A: torch.Tensor | None = None,
+                lora_B: torch.Tensor | None = None, scaling: float = 1.0) -> torch.Tensor:
+    """One expert linear per routing slot: x [T, K], W [E, K, N], expert_idxs [T, k].
+
+    Without gates: [T·k, N] with row t·k + j = y(t, e) for e = expert_idxs[t, j], where
+    y(t, e) = x[t] @ W[e]  (+ scaling · (x[t] @ A_eᵀ) @ B_eᵀ with lora_A [r·E, K] and lora_B
+    [N, r·E], A_e = lora_A[e·r:(e+1)·r], B_e = lora_B[:, e·r:(e+1)·r]).
+    With gates [T, k]: [T, N] with row t = Σ_j gates[t, j] · y(t, expert_idxs[t, j]).
+    """
+    T, k = expert_idxs.shape
+    r = 0 if lora_A is None else lora_A.shape[0] // W.shape[0]
+
+    def y(t: int, e: int) -> torch.Tensor:                               # [N]
+        out = x[t] @ W[e]
+        if r:
+            out = out + scaling * ((x[t] @ lora_A[e * r:(e + 1) * r].T)
+                                   @ lora_B[:, e * r:(e + 1) * r].T)
+        return out
+
+    rows = []
+    for t in range(T):
+        ys = [y(t, int(expert_idxs[t, j])) for j in range(k)]             # k × [N]
+        if gates is None:
+            rows.extend(ys)
+        else:
+            rows.append(sum(gates[t, j].to(ys[j].dtype) * ys[j] for j in range(k)))
+    return torch.stack(rows)
+
+
+def moe_loop(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+             w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MoE, token by token: x [T, C], weights/experts [T, k], w_gate/w_up [E, C, F],
+    w_down [E, F, C] -> [T, C] = Σ_j weights[t, j] · expert_{experts[t, j]}(x[t])."""
+    T, k = experts.shape
+    rows = []
+    for t in range(T):
+        out = torch.zeros_like(x[t])
+        for j in range(k):
+            e = int(experts[t, j])
+            h = F.silu(x[t] @ w_gate[e]) * (x[t] @ w_up[e])                  # [F]
+            out = out + weights[t, j].to(x.dtype) * (h @ w_down[e])        # [C]
+        rows.append(out)
+    return torch.stack(rows)
