@@ -1,0 +1,183 @@
+"""Frozen NF4 experts: dequantize only the experts a batch routed tokens to (QLoRA on MoE).
+
+A stacked expert weight W [E, K, N] (the minimoe layout) is stored once as NF4 with double
+quantization (miniquant, blocksize 64 by default): row-major, so expert e owns elements
+e·K·N .. (e+1)·K·N, and with K·N a multiple of the blocksize no block is shared by two
+experts — what `selective_dequantize_nf4` needs to read one expert without its neighbours.
+
+Per call, from the routing that `flatten_sort_count` produced:
+
+    counts   = diff(expert_offsets)                     # tokens (slots) per expert [E]
+    active   = nonzero(counts)                          # experts with tokens, ascending
+    Wc       = selective_dequantize_nf4(q, active)      # [n_active, K, N]: the only copy
+    remap    = full(E, -1); remap[active] = arange(n_active)
+    sei_c    = remap[sorted_expert_idxs]                # compact ids 0..n_active-1
+    offs_c   = expert_offsets[active]                   # end rows of the active experts
+    A_c, B_c = the active experts' LoRA rows / columns  # [r·n_active, K], [N, r·n_active]
+    out      = parallel_linear(x, Wc, k, sei_c, ssi, offs_c, gates, lora_A=A_c, lora_B=B_c)
+
+The sorted order does not change (active experts keep their relative order), so
+`sorted_scattered_idxs` is reused as is. The transient dequantized buffer is n_active·K·N
+elements instead of E·K·N; an expert without tokens is never read. The NF4 storage is held as
+buffers and `Wc` is a fresh tensor outside autograd, so gradients reach x, the gates and the
+LoRA factors only (selecting the active LoRA slices is an index, so the unused experts' LoRA
+rows get exactly-zero gradients).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+
+from miniquant.nf4 import NF4Weight, quantize_nf4
+from miniquant.triton_dequant import selective_dequantize_nf4
+
+from .parallel_linear import parallel_linear
+
+__all__ = ["NF4Experts", "active_experts", "nf4_parallel_linear", "quantize_experts"]
+
+
+def quantize_experts(W: torch.Tensor, blocksize: int = 64, double_quant: bool = True
+                     ) -> NF4Weight:
+    """W [E, K, N] -> NF4Weight of that shape; each expert's K·N must be whole blocks."""
+    if W.dim() != 3:
+        raise ValueError(f"W must be [E, K, N], got shape {tuple(W.shape)}")
+    E, K, N = W.shape
+    if (K * N) % blocksize:
+        raise ValueError(f"each expert's K·N = {K * N} elements must be a multiple of the "
+                         f"blocksize {blocksize}, so that no block spans two experts")
+    return quantize_nf4(W.detach(), blocksize=blocksize, double_quant=double_quant)
+
+
+def active_experts(expert_offsets: torch.Tensor) -> torch.Tensor:
+    """Inclusive end offsets [E] -> int64 ids of the experts with at least one row, ascending."""
+    counts = torch.diff(expert_offsets, prepend=expert_offsets.new_zeros(1))
+    return torch.nonzero(counts > 0).reshape(-1)
+
+
+def _compact_lora(lora_A, lora_B, active: torch.Tensor, E: int):
+    """A [r·E, K], B [N, r·E] -> the active experts' slices [r·n, K], [N, r·n] (autograd)."""
+    if lora_A is None and lora_B is None:
+        return None, None
+    if lora_A is None or lora_B is None:
+        raise ValueError("lora_A and lora_B must be given together")
+    if lora_A.dim() != 2 or lora_B.dim() != 2 or lora_A.shape[0] % E \
+            or lora_B.shape[1] != lora_A.shape[0]:
+        raise ValueError(f"lora_A must be [r·E, K] and lora_B [N, r·E] with E={E}, got "
+                         f"{tuple(lora_A.shape)} and {tuple(lora_B.shape)}")
+    r, K, N, n = lora_A.shape[0] // E, lora_A.shape[1], lora_B.shape[0], active.numel()
+    A_c = lora_A.reshape(E, r, K).index_select(0, active).reshape(n * r, K)
+    B_c = lora_B.reshape(N, E, r).index_select(1, active).reshape(N, n * r)
+    return A_c, B_c
+
+
+def nf4_parallel_linear(x: torch.Tensor, q: NF4Weight, k: int, sorted_expert_idxs: torch.Tensor,
+                        sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor,
+                        gates: torch.Tensor | None = None, grouped_in: bool = False,
+                        grouped_out: bool = False, lora_A=None, lora_B=None,
+                        scaling: float = 1.0, backend: str = "triton",
+                        stats: dict | None = None) -> torch.Tensor:
+    """`parallel_linear` with a frozen NF4 weight q [E, K, N]: same arguments and result,
+    computed in x's dtype, dequantizing only the experts that received rows.
+
+    If `stats` is a dict it receives `active` (the expert ids, list), `n_active`,
+    `n_experts` and `dequant_bytes` (nbytes of the transient compact weight buffer).
+    """
+    if not isinstance(q, NF4Weight) or len(q.shape) != 3:
+        raise ValueError("q must be an [E, K, N] NF4Weight (see quantize_experts)")
+    E = q.shape[0]
+    if expert_offsets.shape != (E,):
+        raise ValueError(f"expert_offsets must have shape [{E}] (E), "
+                         f"got {tuple(expert_offsets.shape)}")
+    active = active_experts(expert_offsets)                                    # [n]
+    n = active.numel()
+    if n < k:
+        # A top-k router gives k distinct experts per token, so n >= k whenever T >= 1.
+        raise ValueError(f"only {n} experts received rows, fewer than k={k}")
+    Wc = selective_dequantize_nf4(q, active.to(q.device), dtype=x.dtype)       # [n, K, N]
+    assert not Wc.requires_grad and Wc.grad_fn is None, "the NF4 weight must stay frozen"
+    remap = torch.full((E,), -1, dtype=torch.int64, device=active.device)
+    remap[active] = torch.arange(n, device=active.device)
+    sei_c = remap[sorted_expert_idxs]                                          # [M] in 0..n-1
+    offs_c = expert_offsets[active]                                            # [n]
+    A_c, B_c = _compact_lora(lora_A, lora_B, active, E)
+    if stats is not None:
+        stats.update(active=active.tolist(), n_active=n, n_experts=E,
+                     dequant_bytes=Wc.numel() * Wc.element_size())
+    return parallel_linear(x, Wc, k, sei_c, sorted_scattered_idxs, offs_c, gates=gates,
+                           grouped_in=grouped_in, grouped_out=grouped_out, lora_A=A_c,
+                           lora_B=B_c, scaling=scaling, backend=backend)
+
+
+class NF4Experts(nn.Module):
+    """A frozen [E, K, N] expert linear held in NF4 (buffers), with optional trainable expert
+    LoRA: `lora_A` [r·E, K] (kaiming-uniform, a=√5), `lora_B` [N, r·E] (zeros), scaling α/r.
+
+    `forward(x, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, gates=None,
+    grouped_in=False, grouped_out=False)` is `nf4_parallel_linear`; `last_stats` holds its
+    stats (active experts, dequant-buffer bytes) after each call.
+    """
+
+    def __init__(self, weight: NF4Weight, r: int = 0, alpha: float = 16.0,
+                 backend: str = "triton"):
+        super().__init__()
+        if len(weight.shape) != 3:
+            raise ValueError(f"weight must be an [E, K, N] NF4Weight, got {tuple(weight.shape)}")
+        self.n_experts, self.in_features, self.out_features = weight.shape
+        self.r, self.backend = r, backend
+        self.scaling = alpha / r if r else 1.0
+        # NF4Weight's tensors become buffers (frozen, saved, moved by .to()); the rest are
+        # the plain attributes needed to rebuild it (as miniquant.QuantizedLinear).
+        self._tensor_fields, self._static_fields = [], {}
+        for f in dataclasses.fields(weight):
+            value = getattr(weight, f.name)
+            if isinstance(value, torch.Tensor):
+                self.register_buffer(f.name, value)
+                self._tensor_fields.append(f.name)
+            else:
+                self._static_fields[f.name] = value
+        if r:
+            E, K, N = weight.shape
+            self.lora_A = nn.Parameter(torch.empty(r * E, K, device=weight.device))
+            self.lora_B = nn.Parameter(torch.zeros(N, r * E, device=weight.device))
+            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        else:
+            self.lora_A = self.lora_B = None
+        self.last_stats: dict = {}
+
+    @classmethod
+    def from_weight(cls, W: torch.Tensor, blocksize: int = 64, double_quant: bool = True,
+                    r: int = 0, alpha: float = 16.0, backend: str = "triton") -> NF4Experts:
+        return cls(quantize_experts(W, blocksize, double_quant), r=r, alpha=alpha,
+                   backend=backend)
+
+    def _apply(self, fn, recurse=True):
+        # A dtype cast must not round the float32 scales (as QuantizedLinear).
+        originals = {name: self._buffers[name] for name in self._tensor_fields}
+        super()._apply(fn, recurse)
+        for name, t in originals.items():
+            if self._buffers[name].dtype != t.dtype:
+                self._buffers[name] = t.to(self._buffers[name].device)
+        return self
+
+    @property
+    def weight_nf4(self) -> NF4Weight:
+        return NF4Weight(**{name: getattr(self, name) for name in self._tensor_fields},
+                         **self._static_fields)
+
+    def forward(self, x, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets,
+                gates=None, grouped_in=False, grouped_out=False):
+        self.last_stats = {}
+        return nf4_parallel_linear(x, self.weight_nf4, k, sorted_expert_idxs,
+                                   sorted_scattered_idxs, expert_offsets, gates=gates,
+                                   grouped_in=grouped_in, grouped_out=grouped_out,
+                                   lora_A=self.lora_A, lora_B=self.lora_B,
+                                   scaling=self.scaling, backend=self.backend,
+                                   stats=self.last_stats)
+
+    def extra_repr(self) -> str:
+        return (f"n_experts={self.n_experts}, in={self.in_features}, out={self.out_features}, "
+                f"nf4 blocksize={self._static_fields.get('blocksize')}, r={self.r}")

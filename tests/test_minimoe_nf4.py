@@ -1,0 +1,196 @@
+"""Frozen NF4 experts: only the experts with tokens are dequantized, into a compact buffer.
+
+`nf4_parallel_linear` must equal `parallel_linear` on the fully dequantized weight (output
+and the x / gates / LoRA gradients), never read an expert without tokens, keep the NF4
+storage out of autograd, and allocate a dequant buffer proportional to the active experts.
+On CPU the Triton kernels run in the interpreter: tiny shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from minimoe import NF4Experts, flatten_sort_count, nf4_parallel_linear, parallel_linear
+from minimoe.nf4_experts import active_experts, quantize_experts
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+RTOL = 1e-5
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _case(T=7, K=16, N=24, E=5, k=2, pool=None, seed=0):
+    """x [T, K], W [E, K, N], gates [T, k], experts [T, k] drawn from the first `pool`."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=gen)
+    W = torch.randn(E, K, N, generator=gen) / K ** 0.5
+    gates = torch.rand(T, k, generator=gen)
+    pool = pool or E
+    experts = torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(T)])
+    return x, W, gates, experts
+
+
+def _poison(q, keep: list[int]) -> None:
+    """Overwrite every stored byte and scale of the experts not in `keep` (NaN / 0xFF)."""
+    E = q.shape[0]
+    for t in (q.packed, q.block_absmax, q.absmax_codes):
+        if t is None:
+            continue
+        per_expert = t.view(E, -1)
+        for e in range(E):
+            if e not in keep:
+                per_expert[e] = float("nan") if t.is_floating_point() else 0xFF
+
+
+def test_quantize_experts_checks_blocks():
+    q = quantize_experts(torch.randn(3, 16, 24))                    # 384 = 6 blocks / expert
+    assert tuple(q.shape) == (3, 16, 24) and q.double_quant and q.blocksize == 64
+    with pytest.raises(ValueError, match="multiple of the blocksize"):
+        quantize_experts(torch.randn(3, 10, 10))
+
+
+def test_active_experts():
+    assert active_experts(torch.tensor([2, 2, 5, 5, 6])).tolist() == [0, 2, 4]
+    assert active_experts(torch.tensor([0, 0, 3])).tolist() == [2]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+@pytest.mark.parametrize("gated", [False, True], ids=["slots", "gates"])
+def test_matches_parallel_linear_on_dequantized(backend, lora, gated):
+    # Experts 3 and 4 of 5 get no tokens: the compact weight holds 3 experts.
+    x, W, gates, experts = _case(pool=3)
+    E, K, N = W.shape
+    k, r = experts.shape[1], 2
+    q = quantize_experts(W)
+    Wd = q.dequantize()                                             # the full [E, K, N]
+    gen = torch.Generator().manual_seed(2)
+    A, B = torch.randn(r * E, K, generator=gen), torch.randn(N, r * E, generator=gen)
+    idx = flatten_sort_count(experts, E)
+
+    def leaves():
+        return [t.clone().requires_grad_() for t in (x, gates, A, B)]
+
+    ours, ref = leaves(), leaves()
+    lo = dict(lora_A=ours[2], lora_B=ours[3], scaling=0.5) if lora else {}
+    lr = dict(lora_A=ref[2], lora_B=ref[3], scaling=0.5) if lora else {}
+    stats = {}
+    out = nf4_parallel_linear(ours[0], q, k, *idx, gates=ours[1] if gated else None,
+                              backend=backend, stats=stats, **lo)
+    want = parallel_linear(ref[0], Wd, k, *idx, gates=ref[1] if gated else None,
+                           backend=backend, **lr)
+    assert stats["active"] == [0, 1, 2] and stats["dequant_bytes"] == 3 * K * N * 4
+    dout = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    out.backward(dout)
+    want.backward(dout)
+    errs = {"out": _rel(out, want), "dx": _rel(ours[0].grad, ref[0].grad)}
+    if gated:
+        errs["dgates"] = _rel(ours[1].grad, ref[1].grad)
+    if lora:
+        errs["dA"] = _rel(ours[2].grad, ref[2].grad)
+        errs["dB"] = _rel(ours[3].grad, ref[3].grad)
+        # Experts without tokens: their LoRA rows / columns get exactly-zero gradients.
+        assert (ours[2].grad.view(E, r, K)[3:] == 0).all()
+        assert (ours[3].grad.view(N, E, r)[:, 3:] == 0).all()
+    assert max(errs.values()) <= RTOL, errs
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_experts_without_tokens_are_never_read(double_quant):
+    # E=6, experts 1 and 4 only; every other expert's codes and scales are poisoned (NaN
+    # scales / code 0xFF), which would show in the output or the gradients if read.
+    x, W, gates, experts = _case(T=5, E=6, k=2)
+    experts = torch.tensor([[1, 4], [4, 1], [1, 4], [4, 1], [1, 4]])
+    q = quantize_experts(W, double_quant=double_quant)
+    idx = flatten_sort_count(experts, 6)
+    A = torch.randn(2 * 6, 16)
+    B = torch.randn(24, 2 * 6)
+    clean = nf4_parallel_linear(x, q, 2, *idx, gates=gates, lora_A=A, lora_B=B)
+    _poison(q, keep=[1, 4])
+    xp = x.clone().requires_grad_()
+    got = nf4_parallel_linear(xp, q, 2, *idx, gates=gates, lora_A=A, lora_B=B)
+    assert torch.equal(got, clean)
+    got.sum().backward()
+    assert torch.isfinite(xp.grad).all()
+
+
+def test_module_only_lora_is_trainable():
+    x, W, gates, experts = _case()
+    E, K, N = W.shape
+    mod = NF4Experts.from_weight(W, r=2, alpha=4.0, backend="torch")
+    with torch.no_grad():
+        mod.lora_B.normal_()
+    assert [n for n, _ in mod.named_parameters()] == ["lora_A", "lora_B"]
+    assert all(not b.requires_grad for b in mod.buffers())
+    xl, gl = x.clone().requires_grad_(), gates.clone().requires_grad_()
+    out = mod(xl, 2, *flatten_sort_count(experts, E), gates=gl)
+
+    # Walk the autograd graph: the only leaves it accumulates into are x, gates and LoRA.
+    leaves, seen, stack = set(), set(), [out.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):
+            leaves.add(id(fn.variable))
+        stack.extend(f for f, _ in fn.next_functions)
+    assert leaves == {id(xl), id(gl), id(mod.lora_A), id(mod.lora_B)}
+    out.sum().backward()
+    assert mod.lora_A.grad is not None and mod.lora_B.grad is not None
+    assert all(b.grad is None for b in mod.buffers())
+    assert mod.last_stats["n_active"] == 5 and mod.last_stats["n_experts"] == 5
+    # state_dict holds the NF4 storage (uint8 codes etc.), a dtype cast keeps float32 scales.
+    assert mod.state_dict()["packed"].dtype == torch.uint8
+    assert mod.to(torch.float64).weight_nf4.absmax_scales.dtype == torch.float32
+
+
+class _AllocLedger(TorchDispatchMode):
+    """Bytes of every distinct storage allocated for a tensor shaped [*, K, N]."""
+
+    def __init__(self, K: int, N: int):
+        super().__init__()
+        self.K, self.N, self.storages = K, N, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dim() == 3 and tuple(t.shape[1:]) == (
+                    self.K, self.N):
+                s = t.untyped_storage()
+                self.storages.setdefault(StorageWeakRef(s).cdata, s.nbytes())
+        return out
+
+
+def test_dequant_buffer_scales_with_active_experts():
+    """The measurement for the issue: transient dequant bytes for 1, 2, 4, 8 of 8 experts."""
+    E, K, N, T = 8, 32, 64, 16                     # 2048 elements = 32 blocks per expert
+    x, W, _, _ = _case(T=T, K=K, N=N, E=E, k=1)
+    q = quantize_experts(W)
+    full = E * K * N * 4
+    rows = []
+    for n in (1, 2, 4, 8):
+        experts = (torch.arange(T) % n).reshape(T, 1)          # tokens spread over n experts
+        stats = {}
+        ledger = _AllocLedger(K, N)
+        with ledger:
+            nf4_parallel_linear(x, q, 1, *flatten_sort_count(experts, E), backend="torch",
+                                stats=stats)
+        seen = sum(ledger.storages.values())       # every [*, K, N] buffer allocated
+        assert stats["n_active"] == n
+        assert stats["dequant_bytes"] == seen == n * K * N * 4
+        rows.append((n, stats["dequant_bytes"], seen, stats["dequant_bytes"] / full))
+    print(f"\nNF4 experts E={E}, K={K}, N={N}, float32: dequant buffer per call "
+          f"(full dequant = {full} B)")
+    print(f"{'active':>7} {'recorded B':>11} {'ledger B':>9} {'of full':>8}")
+    for n, rec, seen, frac in rows:
+        print(f"{n:>4}/{E} {rec:>11} {seen:>9} {frac:>8.3f}")
+    print(f"NF4+DQ storage: {q.nbytes} B ({q.bits_per_param:.3f} bits/param)")
