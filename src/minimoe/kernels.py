@@ -70,8 +70,8 @@ def _scatter2scatter_kernel(
     BLOCK_N: tl.constexpr,    # output columns per program
     BLOCK_K: tl.constexpr,    # reduction step
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m = tl.program_id(0).to(tl.int64)   # int64: row · stride can pass 2**31 elements
+    pid_n = tl.program_id(1).to(tl.int64)
     i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                     # [BM]
     m_mask = i < M
     e_i = tl.load(expert_ids + i, mask=m_mask, other=-1)           # [BM]
@@ -118,8 +118,8 @@ def _group_kernel(
     BLOCK_M: tl.constexpr,    # rows per program
     BLOCK_N: tl.constexpr,    # columns per program
 ):
-    i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)          # [BM]
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)          # [BN]
+    i = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)   # [BM], int64
+    n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)   # [BN]
     m_mask = i < M
     mask = m_mask[:, None] & (n < N)[None, :]
     s_i = tl.load(scattered_ids + i, mask=m_mask, other=0)
@@ -145,7 +145,7 @@ def _group_bwd_W_kernel(
     BLOCK_K: tl.constexpr,    # rows of dW[e] per program
     BLOCK_N: tl.constexpr,    # columns of dW[e] per program
 ):
-    e = tl.program_id(0)
+    e = tl.program_id(0).to(tl.int64)       # int64: e · stride can pass 2**31 elements
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)          # [BK]
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)          # [BN]
     k_mask = k < K
