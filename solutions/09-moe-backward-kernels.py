@@ -1,0 +1,1085 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lab 09 — The MoE backward pass: dX, dW and the gate gradients as kernels
+#
+# In Lab 08 you wrote the forward half of ScatterMoE's dispatch: sort the `T·k` routing slots
+# once, then one kernel (`scatter2scatter`) gathers each slot's token, multiplies it by its
+# expert's weight and scatters the result, with no padding. Training needs the backward pass
+# too, and [ScatterMoE](https://arxiv.org/abs/2403.08245) gets it from very few pieces:
+#
+# * the **gate gradients** are dot products of each expert output with the output gradient;
+# * the **input gradient** `dX` is the forward kernel **again**, with `Wᵀ`, followed by a sum
+#   over each token's `k` copies;
+# * the **weight gradient** `dW[e] = Σ xᵀ·dy` over the rows routed to expert `e` is one new
+#   kernel, `group_bwd_W` (llama.cpp calls the same operation `OUT_PROD_ID`): a grouped outer
+#   product, one program per (expert, K tile, N tile), **no atomics**, and exact zeros for an
+#   expert that received no token.
+#
+# | # | you write | what it must match |
+# |---|---|---|
+# | 1 | `backward_by_hand(x, W, expert_idxs, gates, dout)`: dx, dW, dgates in PyTorch, no autograd | autograd of `reference.linear_loop` |
+# | 2 | `group_bwd_W_kernel` + `my_group_bwd_W(DY, X, expert_offsets, E)` | a per-expert loop, `minimoe.group_bwd_W` |
+# | 3 | `grouped_dy(dout, ssi, k, gates)` and `input_grad(dYg, W, sei, ssi, k, grouped_in)` | the gated `dY`; `dx` of autograd |
+# | 4 | `MyParallelLinear` (an autograd Function) + `my_parallel_linear(...)` | every gradient of `linear_loop`; a whole SwiGLU MoE step against `reference.moe_loop` |
+#
+# **No GPU needed.** As in Labs 03 and 08, the setup cell sets `TRITON_INTERPRET=1` **before**
+# `import triton` when there is no CUDA GPU, and every kernel runs in Triton's interpreter
+# (NumPy, one program after another, **float32 only**). The tests use tiny shapes: a few
+# dozen tokens, `K` and `N` of 24 or 40. On a GPU the same kernels run compiled.
+#
+# **How to work.** Run the cells from top to bottom; replace each `raise NotImplementedError()`
+# with your code; run the test cell below it and read its message if it fails: it says what
+# was expected and what came. Grading runs more (hidden) checks of the same specification —
+# an expert without tokens, every token to one expert, `k = 3`, `T = 1`, `E = 1` — and checks
+# that your code does not call the `minimoe` backward it rebuilds (the tests switch it off
+# while your code runs) and that your wrappers launch your kernels. You may use the forward
+# pieces you built in Lab 08, as `minimoe` has them: `flatten_sort_count`, `group` and
+# `scatter2scatter`. The whole notebook runs in about a minute on a laptop CPU.
+
+# %%
+import contextlib
+import importlib
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+# The interpreter must be chosen before triton is imported (see Lab 03): @triton.jit decides
+# at decoration time whether a function is compiled or interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import minimoe  # noqa: E402
+from labkit.forbid import forbid  # noqa: E402
+from minimoe import MoEMLP, flatten_sort_count, group, route, scatter2scatter  # noqa: E402
+from minimoe.reference import linear_loop, moe_loop  # noqa: E402
+
+# `minimoe.parallel_linear` is the function; the module of the same name is reached this way.
+_pl_module = importlib.import_module("minimoe.parallel_linear")
+_kernels_module = importlib.import_module("minimoe.kernels")
+_ops_module = importlib.import_module("minimoe.ops")
+_moe_module = importlib.import_module("minimoe.moe")
+
+# The interpreter runs one program at a time with NumPy; extra CPU threads only add overhead.
+torch.set_num_threads(1)
+torch.manual_seed(0)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+print(f"torch {torch.__version__} | triton {triton.__version__} | "
+      f"{'Triton interpreter on the CPU' if INTERPRET else 'compiled Triton on ' + DEVICE}")
+
+# %% [markdown]
+# ## Part A — the backward math
+#
+# Notation from Lab 08 (and `src/minimoe/kernels.py`): `x` `[T, K]`, `W` `[E, K, N]`,
+# `expert_idxs` `[T, k]`, gates `g` `[T, k]`; slot `s = t·k + j`, `M = T·k` slots;
+# `flatten_sort_count` gives `sei` (expert of each sorted row), `ssi` (slot of each sorted
+# row) and `expert_offsets` (end row of each expert). "Grouped" = sorted order (row `i`),
+# "scattered" = slot order (row `s`).
+#
+# The gated expert linear and its output gradient `dout` `[T, N]`:
+#
+# $$Y[s] = x[s /\!/ k]\; W[e(s)], \qquad \mathrm{out}[t] = \sum_j g[t,j]\; Y[t k + j].$$
+#
+# Differentiating each piece (the chain rule, one slot at a time):
+#
+# * **gates**: $\partial \mathrm{out}[t] / \partial g[t,j] = Y[tk+j]$, so
+#   $dg[t,j] = \langle Y[tk+j],\, \mathrm{dout}[t]\rangle$ — the forward must **save `Y`**;
+# * **slot outputs**: $dY[tk+j] = g[t,j]\cdot \mathrm{dout}[t]$ — the gate multiplies;
+# * **weights**: $dW[e] = \sum_{s:\,e(s)=e} x[s/\!/k]^\top\, dY[s]$ — a sum of outer products
+#   over the slots routed to `e`; an expert with no slot gets **exactly zero**;
+# * **input**: $dx[t] = \sum_j dY[tk+j]\; W[e(tk+j)]^\top$ — the forward map with `Wᵀ`,
+#   then a sum over the token's `k` copies.
+#
+# In the sorted order of the kernels, `dYg[i] = g[ssi[i]] · dout[ssi[i] // k]` is exactly
+# `group(dout, ssi, fan_out=k, coeff=gates)` (Lab 08's `group`), `Xg = group(x, ssi,
+# fan_out=k)`, and expert `e` owns the contiguous rows `offsets[e-1] … offsets[e]-1` of both:
+# that is why `dW` needs **no atomics** — each expert's rows are one slice, summed by one
+# program.
+#
+# Autograd of the naive loop is the ground truth every test uses. Run it on a tiny case:
+
+# %%
+def _loop_grads(x, W, idx, gates, dout):
+    """Reference gradients: torch.autograd through reference.linear_loop (float32)."""
+    xr, Wr = x.detach().clone().requires_grad_(), W.detach().clone().requires_grad_()
+    gr = None if gates is None else gates.detach().clone().requires_grad_()
+    out = linear_loop(xr, Wr, idx, gr)
+    out.backward(dout)
+    return xr.grad, Wr.grad, None if gr is None else gr.grad
+
+
+_g = torch.Generator().manual_seed(0)
+_x, _W = torch.randn(3, 4, generator=_g), torch.randn(3, 4, 2, generator=_g)
+_idx = torch.tensor([[0, 2], [2, 0], [0, 2]])             # expert 1 gets no token
+_gates = torch.rand(3, 2, generator=_g)
+_dout = torch.randn(3, 2, generator=_g)
+_dx, _dW, _dg = _loop_grads(_x, _W, _idx, _gates, _dout)
+print("dgates from autograd:\n", _dg)
+print("<Y, dout> by hand   :\n", torch.stack([torch.stack([(_x[t] @ _W[_idx[t, j]]) @ _dout[t]
+                                                          for j in range(2)]) for t in range(3)]))
+print("dW[1] (expert without tokens):", _dW[1].abs().max().item())
+
+# %% [markdown]
+# ### Why not `torch.autograd.gradcheck`?
+#
+# `gradcheck` compares analytic gradients with finite differences, and needs **float64**
+# to make the differences accurate. The Triton interpreter is float32-only (and on a GPU,
+# float64 `tl.dot` is not what the kernel would run in training anyway). So this lab checks
+# gradients the other way around: in float32, against autograd of the naive loop, with a
+# stated tolerance — here `1e-5` relative to the largest entry of each gradient (float32 has
+# about 7 significant digits; sums of a few dozen products lose one or two of them). The loop
+# itself can be gradchecked in float64, which is what makes it a trustworthy reference:
+
+# %%
+_x64 = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+_W64 = torch.randn(3, 3, 2, dtype=torch.float64, requires_grad=True)
+_g64 = torch.rand(2, 2, dtype=torch.float64, requires_grad=True)
+print("gradcheck of reference.linear_loop in float64:",
+      torch.autograd.gradcheck(lambda a, b, c: linear_loop(a, b, torch.tensor([[0, 2], [1, 0]]), c),
+                               (_x64, _W64, _g64)))
+try:
+    scatter2scatter(_x64.detach(), _W64.detach(), *flatten_sort_count(torch.tensor([[0, 2], [1, 0]]), 3)[:2], 2)
+except ValueError as err:
+    print("the Triton path in float64:", err)
+
+# %% [markdown]
+# ## Exercise 1 — the backward by hand, in PyTorch
+#
+# Write `backward_by_hand(x, W, expert_idxs, gates, dout)` returning `(dx, dW, dgates)` with
+# shapes `[T, K]`, `[E, K, N]`, `[T, k]` for the gated expert linear above, **without
+# autograd** (the tests call it under `torch.no_grad()`, with inputs that do not require
+# gradients). Plain PyTorch in slot order is fine — no sorting needed:
+#
+# 1. `xs = x.repeat_interleave(k, 0)` (`[M, K]`, row `s` is token `s // k`), `e = expert_idxs.reshape(-1)`;
+# 2. `Y[s] = xs[s] @ W[e[s]]` (recompute it: the forward did not save anything for you here),
+#    then `dgates`;
+# 3. `dY[s] = gates[s] · dout[s // k]`;
+# 4. `dW`: start from **zeros** and add each slot's outer product `xs[s]ᵀ dY[s]` into
+#    `dW[e[s]]` (`index_add_` does this in one call);
+# 5. `dx`: `dY[s] @ W[e[s]]ᵀ` per slot, summed over the `k` slots of each token.
+#
+# `reference.linear_loop` and everything in `minimoe.parallel_linear` / `minimoe.ops` are
+# switched off while the tests run your function.
+
+# %% nbgrader={"grade": false, "grade_id": "backward_by_hand", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def backward_by_hand(x: torch.Tensor, W: torch.Tensor, expert_idxs: torch.Tensor,
+                     gates: torch.Tensor, dout: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of out[t] = Σ_j gates[t, j] · x[t] @ W[expert_idxs[t, j]] given dout [T, N]:
+    (dx [T, K], dW [E, K, N], dgates [T, k])."""
+    ### BEGIN SOLUTION
+    T, k = expert_idxs.shape
+    K, N = W.shape[1], W.shape[2]
+    e = expert_idxs.reshape(-1).long()                                   # [M]
+    xs = x.repeat_interleave(k, 0)                                       # [M, K]
+    We = W[e]                                                            # [M, K, N]
+    Y = torch.einsum("mk,mkn->mn", xs, We)                               # [M, N]
+    dgates = (Y.view(T, k, N) * dout.unsqueeze(1)).sum(-1)               # [T, k]
+    dY = gates.reshape(-1, 1).to(dout.dtype) * dout.repeat_interleave(k, 0)   # [M, N]
+    dW = torch.zeros_like(W).index_add_(0, e, xs.unsqueeze(2) * dY.unsqueeze(1))
+    dxs = torch.einsum("mn,mkn->mk", dY, We)                             # [M, K]
+    dx = dxs.view(T, k, K).sum(1)                                        # [T, K]
+    return dx, dW, dgates.to(gates.dtype)
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_backward_by_hand", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# Helpers used by this and the later test cells.
+class _Refuse:
+    """A stand-in for a kernel that fails loudly when launched (kernel[grid](...))."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def _fail(self, *args, **kwargs):
+        raise AssertionError(f"{self.name} was launched while your code ran: this exercise "
+                             "rebuilds it, so it is switched off here")
+
+    __call__ = _fail
+    __getitem__ = _fail
+
+
+# The backward this lab rebuilds, and the loops the tests compare with. The forward pieces
+# (flatten_sort_count, group, scatter2scatter and their kernels) stay available.
+_REFERENCE = [(minimoe.reference, "linear_loop"), (minimoe.reference, "moe_loop"),
+              (minimoe, "parallel_linear"), (_pl_module, "parallel_linear"),
+              (_pl_module, "_torch_parallel_linear"), (_pl_module, "ParallelLinear"),
+              (_pl_module, "_with_lora"), (minimoe, "group_bwd_W"), (_ops_module, "group_bwd_W"),
+              (minimoe, "dispatch_torch"), (minimoe, "dispatch_triton"),
+              (_moe_module, "dispatch_torch"), (_moe_module, "dispatch_triton")]
+_REFERENCE_KERNELS = ("_group_bwd_W_kernel",)
+
+
+@contextlib.contextmanager
+def _no_reference(allow=()):
+    """While the block runs, minimoe's backward (and the loops) raise if reached; the names
+    in `allow` (attribute names) stay usable."""
+    saved = {name: getattr(_kernels_module, name) for name in _REFERENCE_KERNELS}
+    try:
+        for name in saved:
+            setattr(_kernels_module, name, _Refuse(f"minimoe.kernels.{name}"))
+        with forbid([t for t in _REFERENCE if t[1] not in allow], globals()):
+            yield
+    finally:
+        for name, value in saved.items():
+            setattr(_kernels_module, name, value)
+
+
+class _Spy:
+    """Stands in for a kernel or function and counts its launches / calls."""
+
+    def __init__(self, target):
+        self.target, self.grids, self.calls = target, [], 0
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.target[grid]
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.target(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+
+@contextlib.contextmanager
+def _spy_on(name):
+    """Replace the notebook's global `name` by a _Spy while the block runs."""
+    spy = _Spy(globals()[name])
+    globals()[name] = spy
+    try:
+        yield spy
+    finally:
+        globals()[name] = spy.target
+
+
+def _routing(T, k, E, seed=0, only=None, skip=None):
+    """expert_idxs [T, k]: k distinct experts per token; `only` restricts the choice to those
+    experts, `skip` leaves one expert without tokens."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = list(range(E)) if only is None else list(only)
+    if skip is not None:
+        allowed.remove(skip)
+    rows = [torch.tensor(allowed)[torch.randperm(len(allowed), generator=g)[:k]]
+            for _ in range(T)]
+    return torch.stack(rows).long()
+
+
+def _problem(T, K, N, E, k, seed=0, **routing):
+    """x [T, K], W [E, K, N], expert_idxs [T, k], gates [T, k] (positive), dout [T, N]."""
+    g = torch.Generator().manual_seed(seed + 100)
+    x = torch.randn(T, K, generator=g)
+    W = torch.randn(E, K, N, generator=g) / K ** 0.5
+    gates = torch.rand(T, k, generator=g) + 0.1
+    dout = torch.randn(T, N, generator=g)
+    idx = _routing(T, k, E, seed, **routing)
+    return x.to(DEVICE), W.to(DEVICE), idx.to(DEVICE), gates.to(DEVICE), dout.to(DEVICE)
+
+
+def _where(x, W, idx):
+    return (f"T={x.shape[0]}, K={x.shape[1]}, N={W.shape[2]}, E={W.shape[0]}, "
+            f"k={idx.shape[1]}, tokens per expert "
+            f"{torch.bincount(idx.reshape(-1).cpu(), minlength=W.shape[0]).tolist()}")
+
+
+RTOL = 1e-5   # relative to the largest entry of the expected tensor (see Part A)
+
+
+def _close(got, want, what, rtol=RTOL):
+    """|got - want| <= rtol · (|want| + max |want|), elementwise; a message that says where."""
+    assert isinstance(got, torch.Tensor), f"{what}: expected a tensor, got {type(got).__name__}"
+    assert got.shape == want.shape, \
+        f"{what}: expected shape {tuple(want.shape)}, got {tuple(got.shape)}"
+    assert got.dtype == want.dtype, f"{what}: expected dtype {want.dtype}, got {got.dtype}"
+    got, want = got.detach().float().cpu(), want.detach().float().cpu()
+    scale = max(float(want.abs().max()) if want.numel() else 0.0, 1e-12)
+    err = (got - want).abs()
+    bad = err > rtol * (want.abs() + scale)
+    if bad.any():
+        where = bad.nonzero()[0].tolist()
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {want.numel()} entries differ (tolerance {rtol:g} "
+            f"relative to max |expected| = {scale:.3g}); max error {float(err.max()):.3g}; "
+            f"first at index {where}: expected {float(want[tuple(where)]):.6g}, got "
+            f"{float(got[tuple(where)]):.6g}")
+
+
+def _zero_experts(dW, idx, what):
+    """Experts that received no token must have exactly-zero gradients."""
+    used = torch.bincount(idx.reshape(-1).cpu(), minlength=dW.shape[0]) > 0
+    for e in (~used).nonzero().flatten().tolist():
+        blk = dW[e].detach().cpu()
+        assert torch.equal(blk, torch.zeros_like(blk)), \
+            f"{what}: expert {e} received no token, so dW[{e}] must be exactly 0; got max " \
+            f"|dW[{e}]| = {float(blk.abs().nan_to_num(1e30).max()):.3g} " \
+            f"({'NaN' if blk.isnan().any() else 'garbage'}: allocate with zeros or write zeros)"
+
+
+def _check_by_hand(T, K, N, E, k, seed=0, **routing):
+    x, W, idx, gates, dout = _problem(T, K, N, E, k, seed, **routing)
+    want = _loop_grads(x, W, idx, gates, dout)
+    with _no_reference(), torch.no_grad():
+        got = backward_by_hand(x, W, idx, gates, dout)
+    assert isinstance(got, tuple) and len(got) == 3, \
+        f"backward_by_hand must return (dx, dW, dgates), got {type(got).__name__}"
+    where = f"backward_by_hand, {_where(x, W, idx)}"
+    for name, gt, wt in zip(("dx", "dW", "dgates"), got, want, strict=True):
+        _close(gt, wt, f"{where}: {name}")
+    _zero_experts(got[1], idx, where)
+
+
+# worked by hand: one token, two experts, W[e] = (e + 1)·I
+_x = torch.tensor([[1.0, 2.0]])
+_Wh = torch.stack([torch.eye(2), 2 * torch.eye(2), 3 * torch.eye(2)])
+_ih, _gh, _dh = torch.tensor([[0, 2]]), torch.tensor([[0.25, 0.75]]), torch.tensor([[1.0, -1.0]])
+with _no_reference(), torch.no_grad():
+    _dxh, _dWh, _dgh = backward_by_hand(_x, _Wh, _ih, _gh, _dh)
+# Y = [x, 3x] = [[1, 2], [3, 6]]: dgates = [<Y0, dout>, <Y1, dout>] = [-1, -3];
+# dx = (0.25·1 + 0.75·3)·dout = 2.5·dout
+assert torch.allclose(_dgh, torch.tensor([[-1.0, -3.0]])), \
+    f"dgates for Y = [[1, 2], [3, 6]], dout = [1, -1]: expected [[-1, -3]], got {_dgh.tolist()}"
+assert torch.allclose(_dxh, torch.tensor([[2.5, -2.5]])), \
+    f"dx: expected 0.25·W[0]·dout + 0.75·W[2]·dout = [[2.5, -2.5]], got {_dxh.tolist()}"
+assert torch.equal(_dWh[1], torch.zeros(2, 2)), f"dW[1] (no token) must be 0, got {_dWh[1]}"
+assert torch.allclose(_dWh[2], 0.75 * torch.outer(_x[0], _dh[0])), \
+    f"dW[2]: expected 0.75 · outer(x, dout) = {(0.75 * torch.outer(_x[0], _dh[0])).tolist()}, " \
+    f"got {_dWh[2].tolist()} (did the gate go into dY?)"
+_check_by_hand(7, 24, 40, 4, 2)
+_check_by_hand(33, 40, 24, 8, 2, seed=1)
+print("backward_by_hand matches autograd of reference.linear_loop (dx, dW, dgates)")
+
+### BEGIN HIDDEN TESTS
+_check_by_hand(9, 24, 24, 4, 3, seed=2, skip=2)        # k = 3, expert 2 without tokens
+_check_by_hand(1, 40, 24, 4, 2, seed=3)                # T = 1
+_check_by_hand(1, 24, 40, 4, 3, seed=4)                # T = 1, k = 3
+_check_by_hand(7, 24, 24, 1, 1, seed=5)                # E = 1
+_check_by_hand(13, 40, 40, 8, 1, seed=6, only=[5])     # every token to one expert
+_check_by_hand(12, 24, 40, 8, 3, seed=7, skip=0)       # k = 3, expert 0 unused
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Exercise 2 — `group_bwd_W`: the weight gradient as a Triton kernel
+#
+# In sorted order, expert `e`'s rows are the slice `start = offsets[e-1]` (0 for `e = 0`) to
+# `end = offsets[e]` of both the grouped inputs `Xg` `[M, K]` and the grouped output
+# gradients `DYg` `[M, N]`, and
+#
+# $$dW[e] = Xg[\mathrm{start}:\mathrm{end}]^\top \; DYg[\mathrm{start}:\mathrm{end}] \qquad [K, N].$$
+#
+# Write `group_bwd_W_kernel` for the grid `(E, cdiv(K, BLOCK_K), cdiv(N, BLOCK_N))`. Program
+# `(e, pk, pn)` owns the tile `dW[e, pk·BLOCK_K : …, pn·BLOCK_N : …]` and nobody else writes
+# it, so no atomics are needed:
+#
+# ```
+# k = pk·BLOCK_K + arange(BLOCK_K);  n = pn·BLOCK_N + arange(BLOCK_N)
+# start, end = offsets[e-1] (masked: 0 when e = 0), offsets[e]
+# acc = zeros([BLOCK_K, BLOCK_N], float32)
+# for m0 in range(start, end, BLOCK_M):          # runtime bounds: fine in a Triton loop
+#     rows = m0 + arange(BLOCK_M);  r_mask = rows < end
+#     x  = X [rows, k]   (masked r_mask & k < K, other 0)     # [BLOCK_M, BLOCK_K]
+#     dy = DY[rows, n]   (masked r_mask & n < N, other 0)     # [BLOCK_M, BLOCK_N]
+#     acc += tl.dot(tl.trans(x), dy, input_precision="ieee")
+# DW[e, k, n] = acc   (masked k < K and n < N)   # an expert with no rows stores its zeros
+# ```
+#
+# Two details decide correctness. **Mask the rows against `end`**, not `M`: the next expert's
+# rows follow directly. And **always store**: an expert with no rows skips the loop and must
+# still write its zero accumulator, because the wrapper may hand you uninitialised memory
+# (`torch.empty`) — the tests fill `DW` with NaN before launching. `input_precision="ieee"`
+# keeps a GPU from using TF32 for float32 dots (10-bit mantissa: errors near `1e-3`, far
+# outside this lab's tolerance); the interpreter ignores it. Block sizes are powers of two
+# `≥ 16` (a GPU's `tl.dot` needs 16).
+#
+# Then `my_group_bwd_W(DY, X, expert_offsets, E, block_m=32, block_k=32, block_n=32)` →
+# `[E, K, N]`: raise `ValueError` unless `DY` `[M, N]` and `X` `[M, K]` are 2-D float32 (under
+# the interpreter) with the same `M`, and `expert_offsets` is an `[E]` integer tensor that is
+# non-decreasing and ends at `M`; make the inputs contiguous (offsets as int64), allocate
+# `DW` (either way: your kernel writes every element) and launch **your** kernel.
+# `minimoe.group_bwd_W` and its kernel are switched off while the tests run yours.
+
+# %% nbgrader={"grade": false, "grade_id": "group_bwd_W", "locked": false, "schema_version": 3, "solution": true, "task": false}
+@triton.jit
+def group_bwd_W_kernel(
+    DY,             # [M, N] output gradient, sorted order
+    X,              # [M, K] inputs, sorted order
+    DW,             # [E, K, N] weight gradient (every element written)
+    offsets,        # [E] int64 expert_offsets (inclusive cumulative counts = end rows)
+    K, N,           # sizes
+    sdym, sdyn,     # strides of DY
+    sxm, sxk,       # strides of X
+    swe, swk, swn,  # strides of DW
+    BLOCK_M: tl.constexpr,    # rows per reduction step
+    BLOCK_K: tl.constexpr,    # rows of dW[e] per program
+    BLOCK_N: tl.constexpr,    # columns of dW[e] per program
+):
+    """DW[e, k, n] = Σ_{rows m of expert e} X[m, k] · DY[m, n] for this program's tile."""
+    ### BEGIN SOLUTION
+    e = tl.program_id(0)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)          # [BK]
+    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)          # [BN]
+    k_mask = k < K
+    n_mask = n < N
+    start = tl.load(offsets + e - 1, mask=e > 0, other=0)
+    end = tl.load(offsets + e)
+    mm = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        r_mask = (m0 + mm) < end
+        x = tl.load(X + (m0 + mm)[:, None] * sxm + k[None, :] * sxk,
+                    mask=r_mask[:, None] & k_mask[None, :], other=0.0)   # [BM, BK]
+        dy = tl.load(DY + (m0 + mm)[:, None] * sdym + n[None, :] * sdyn,
+                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BM, BN]
+        acc += tl.dot(tl.trans(x.to(tl.float32)), dy.to(tl.float32), input_precision="ieee")
+    tl.store(DW + e * swe + k[:, None] * swk + n[None, :] * swn, acc.to(DW.dtype.element_ty),
+             mask=k_mask[:, None] & n_mask[None, :])
+    ### END SOLUTION
+
+
+def my_group_bwd_W(DY: torch.Tensor, X: torch.Tensor, expert_offsets: torch.Tensor, E: int,
+                   block_m: int = 32, block_k: int = 32, block_n: int = 32) -> torch.Tensor:
+    """dW [E, K, N], dW[e] = X[rows of e]ᵀ @ DY[rows of e] (grouped rows), by your kernel."""
+    ### BEGIN SOLUTION
+    for name, t in (("DY", DY), ("X", X)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor")
+        if INTERPRET and t.dtype != torch.float32:
+            raise ValueError(f"{name} is {t.dtype}, but the Triton interpreter is float32-only")
+    if DY.dtype != X.dtype or DY.shape[0] != X.shape[0]:
+        raise ValueError(f"DY {DY.dtype}{tuple(DY.shape)} and X {X.dtype}{tuple(X.shape)} "
+                         "must share dtype and rows")
+    if not isinstance(E, int) or E < 1:
+        raise ValueError(f"E must be a positive int, got {E!r}")
+    offs = expert_offsets
+    if not isinstance(offs, torch.Tensor) or offs.dtype.is_floating_point \
+            or offs.dtype == torch.bool or offs.shape != (E,):
+        raise ValueError(f"expert_offsets must be an integer tensor of shape [{E}]")
+    M, K, N = X.shape[0], X.shape[1], DY.shape[1]
+    offs = offs.long().contiguous()
+    if int(offs[-1]) != M or (offs < 0).any() or (offs[1:] < offs[:-1]).any():
+        raise ValueError(f"expert_offsets must be non-decreasing end rows ending at M={M}, "
+                         f"got {offs.tolist()}")
+    DY, X = DY.contiguous(), X.contiguous()
+    DW = torch.empty(E, K, N, dtype=X.dtype, device=X.device)
+    grid = (E, triton.cdiv(K, block_k), triton.cdiv(N, block_n))
+    group_bwd_W_kernel[grid](DY, X, DW, offs, K, N, DY.stride(0), DY.stride(1),
+                             X.stride(0), X.stride(1), DW.stride(0), DW.stride(1), DW.stride(2),
+                             BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_N=block_n)
+    return DW
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_group_bwd_W_kernel", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+def _where_rows(Xg, DYg, E, idx):
+    return (f"M={Xg.shape[0]}, K={Xg.shape[1]}, N={DYg.shape[1]}, E={E}, rows per expert "
+            f"{torch.bincount(idx.reshape(-1).cpu(), minlength=E).tolist()}")
+
+
+def _grouped_problem(T, K, N, E, k, seed=0, **routing):
+    """Grouped X [M, K], DY [M, N], offsets [E], and dW by a per-expert loop."""
+    x, W, idx, gates, dout = _problem(T, K, N, E, k, seed, **routing)
+    sei, ssi, offs = flatten_sort_count(idx, E)
+    g = torch.Generator().manual_seed(seed + 7)
+    Xg = x[ssi // k]                                                   # [M, K]
+    DYg = torch.randn(T * k, N, generator=g).to(DEVICE)                # [M, N]
+    want = torch.zeros(E, K, N, device=DEVICE)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        for i in range(start, end):
+            want[e] += torch.outer(Xg[i], DYg[i])
+        start = end
+    return Xg, DYg, offs, idx, want
+
+
+def _launch_bwd_W(T, K, N, E, k, BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, seed=0, **routing):
+    """Launch group_bwd_W_kernel directly on strided views over NaN-filled buffers."""
+    Xg, DYg, offs, idx, want = _grouped_problem(T, K, N, E, k, seed, **routing)
+    M = Xg.shape[0]
+    xbuf = torch.full((M + BLOCK_M, K + 3), float("nan"), device=DEVICE)
+    xbuf[:M, :K] = Xg
+    ybuf = torch.full((M + BLOCK_M, N + 5), float("nan"), device=DEVICE)
+    ybuf[:M, :N] = DYg
+    X, DY = xbuf[:M, :K], ybuf[:M, :N]          # past row M and column K / N: NaN, never read
+    wbuf = torch.full((E, K + 2, N + 4), float("nan"), device=DEVICE)
+    DW = wbuf[:, :K, :N]                        # starts as NaN: every element must be written
+    grid = (E, triton.cdiv(K, BLOCK_K), triton.cdiv(N, BLOCK_N))
+    group_bwd_W_kernel[grid](DY, X, DW, offs, K, N, DY.stride(0), DY.stride(1),
+                             X.stride(0), X.stride(1), DW.stride(0), DW.stride(1), DW.stride(2),
+                             BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N)
+    where = (f"group_bwd_W_kernel[{grid}], {_where_rows(Xg, DYg, E, idx)}, "
+             f"BLOCK_M/K/N = {BLOCK_M}/{BLOCK_K}/{BLOCK_N}")
+    assert not DW.isnan().any(), \
+        f"{where}: NaN left in dW at {DW.isnan().nonzero()[0].tolist()} — an element was never " \
+        "written (store the accumulator even when the expert has no rows) or a row past " \
+        "`end` was read (mask the rows against end)"
+    _close(DW, want, where)
+    _zero_experts(DW, idx, where)
+    outside = wbuf.clone()
+    outside[:, :K, :N] = float("nan")
+    assert outside.isnan().all(), \
+        f"{where} wrote outside dW[:, :K, :N]: mask the store with k < K and n < N"
+
+
+def _no_atomics(kernel):
+    fn = getattr(kernel, "fn", kernel)
+    names = [n for n in getattr(getattr(fn, "__code__", None), "co_names", ()) if "atomic" in n]
+    assert not names, f"group_bwd_W_kernel uses {names}: each program owns its dW tile, so no " \
+                      "atomics are needed (and they make the sum order non-deterministic)"
+
+
+_no_atomics(group_bwd_W_kernel)
+_launch_bwd_W(7, 24, 40, 4, 2)                       # partial K and N tiles
+_launch_bwd_W(33, 40, 24, 8, 2, seed=1)              # rows loop over several BLOCK_M steps
+_launch_bwd_W(9, 24, 24, 4, 3, seed=2, skip=2)       # k = 3, expert 2 without rows
+print("group_bwd_W_kernel matches a per-expert loop, writes exact zeros for empty experts, "
+      "stays inside dW")
+
+### BEGIN HIDDEN TESTS
+_launch_bwd_W(1, 24, 40, 4, 2, seed=3)                             # T = 1: two experts empty
+_launch_bwd_W(7, 40, 40, 1, 1, seed=4)                             # E = 1
+_launch_bwd_W(33, 24, 24, 8, 1, seed=5, only=[3])                  # every token to expert 3
+_launch_bwd_W(33, 24, 40, 8, 3, seed=6, skip=0)                    # first expert empty
+_launch_bwd_W(33, 40, 24, 4, 2, seed=7, skip=3)                    # last expert empty
+_launch_bwd_W(12, 40, 24, 8, 2, seed=8, only=[0, 2, 7])            # gaps between experts
+_launch_bwd_W(33, 40, 40, 8, 2, BLOCK_M=32, BLOCK_K=32, BLOCK_N=32, seed=9)
+_launch_bwd_W(7, 24, 24, 4, 2, BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, seed=10)  # one tile each
+_launch_bwd_W(20, 24, 40, 4, 2, BLOCK_M=16, BLOCK_K=32, BLOCK_N=16, seed=11)
+### END HIDDEN TESTS
+
+# %% nbgrader={"grade": true, "grade_id": "test_my_group_bwd_W", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+_bwd_W_reference = minimoe.group_bwd_W          # compared with before it is switched off
+
+
+def _check_my_bwd_W(T, K, N, E, k, seed=0, **routing):
+    Xg, DYg, offs, idx, want = _grouped_problem(T, K, N, E, k, seed, **routing)
+    ref = _bwd_W_reference(DYg, Xg, offs, E)
+    _close(ref, want, "minimoe.group_bwd_W against the loop (the reference itself)")
+    with _no_reference(), _spy_on("group_bwd_W_kernel") as spy:
+        got = my_group_bwd_W(DYg, Xg, offs, E)
+    where = f"my_group_bwd_W, {_where_rows(Xg, DYg, E, idx)}"
+    assert spy.grids, f"{where}: group_bwd_W_kernel was not launched"
+    _close(got, ref, where)
+    _zero_experts(got, idx, where)
+
+
+_check_my_bwd_W(7, 24, 40, 4, 2)
+_check_my_bwd_W(33, 40, 24, 8, 2, seed=1, skip=5)
+print("my_group_bwd_W matches minimoe.group_bwd_W and launches your kernel")
+
+### BEGIN HIDDEN TESTS
+_check_my_bwd_W(1, 24, 24, 1, 1, seed=2)
+_check_my_bwd_W(13, 40, 40, 8, 3, seed=3, only=[1, 6, 7])
+# a transposed (non-contiguous) X
+_Xg, _DYg, _offs, _idx, _want = _grouped_problem(7, 24, 40, 4, 2, seed=4)
+_Xt = _Xg.T.contiguous().T
+with _no_reference():
+    _close(my_group_bwd_W(_DYg, _Xt, _offs, 4), _want, "my_group_bwd_W with a non-contiguous X")
+# bad inputs
+_bad_calls = [
+    ("DY with other rows", lambda: my_group_bwd_W(_DYg[:-1], _Xg, _offs, 4)),
+    ("1-D X", lambda: my_group_bwd_W(_DYg, _Xg[:, 0], _offs, 4)),
+    ("offsets of the wrong length", lambda: my_group_bwd_W(_DYg, _Xg, _offs[:-1], 4)),
+    ("offsets not ending at M", lambda: my_group_bwd_W(_DYg, _Xg, _offs - 1, 4)),
+    ("decreasing offsets", lambda: my_group_bwd_W(_DYg, _Xg, _offs.flip(0), 4)),
+    ("float offsets", lambda: my_group_bwd_W(_DYg, _Xg, _offs.float(), 4)),
+]
+if INTERPRET:
+    _bad_calls.append(("float64 under the interpreter",
+                       lambda: my_group_bwd_W(_DYg.double(), _Xg.double(), _offs, 4)))
+for _what, _call in _bad_calls:
+    try:
+        with _no_reference():
+            _call()
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"my_group_bwd_W accepted {_what}; expected ValueError")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Which programs exist, and what each one loops over
+#
+# The grid of `group_bwd_W` does not depend on the routing: every expert gets its
+# `cdiv(K, BLOCK_K) · cdiv(N, BLOCK_N)` programs whether it received 60 rows or none. What
+# the routing changes is how many rows each program's loop walks: the busiest expert's
+# programs take the longest (on a GPU, that is the tail of the launch), and an empty
+# expert's programs run no iteration and only store zeros. The picture takes a skewed
+# top-2 routing of 48 tokens over 8 experts and your kernel's tiling for `K = N = 40` with
+# blocks of 32 (2 × 2 tiles per expert); the check below it confirms the empty experts' blocks
+# came out exactly zero.
+
+# %%
+_gs = torch.Generator().manual_seed(5)
+_Es, _Ts, _ks, _Ks, _Ns, _B = 8, 48, 2, 40, 40, 32
+_pop = torch.tensor([0.30, 0.22, 0.0, 0.18, 0.12, 0.0, 0.10, 0.08])     # experts 2 and 5: none
+_choice = torch.multinomial(_pop.expand(_Ts, _Es), _ks, replacement=False, generator=_gs)
+_sei_s, _ssi_s, _off_s = flatten_sort_count(_choice, _Es)
+_rows = torch.diff(_off_s, prepend=torch.zeros(1, dtype=torch.long))    # rows per expert
+_nk, _nn = triton.cdiv(_Ks, _B), triton.cdiv(_Ns, _B)
+_map = _rows[:, None].expand(_Es, _nk * _nn).float()                   # [E, programs per e]
+
+fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [1, 1.2]})
+ax0.bar(range(_Es), _rows.tolist(), color=["tab:red" if r == 0 else "tab:blue" for r in _rows])
+ax0.set_xlabel("expert")
+ax0.set_ylabel("sorted rows (token slots)")
+ax0.set_title(f"rows per expert: T={_Ts}, top-{_ks} of {_Es}", fontsize=9)
+im = ax1.imshow(_map.T.numpy(), cmap="Blues", aspect="auto")
+for e in range(_Es):
+    for p in range(_nk * _nn):
+        r = int(_rows[e])
+        ax1.text(e, p, f"{r} rows\n{triton.cdiv(r, _B)} steps" if r else "0 rows\nstores 0",
+                 ha="center", va="center", fontsize=7, color="red" if r == 0 else "black")
+ax1.set_xticks(range(_Es), [f"e={e}" for e in range(_Es)])
+ax1.set_yticks(range(_nk * _nn), [f"K tile {p // _nn}, N tile {p % _nn}" for p in range(_nk * _nn)])
+ax1.set_title(f"program (e, K tile, N tile): grid = ({_Es}, {_nk}, {_nn}), BLOCK_M = {_B}",
+              fontsize=9)
+plt.colorbar(im, ax=ax1, label="rows looped over")
+plt.tight_layout()
+plt.show()
+
+_Xs = torch.randn(_Ts * _ks, _Ks, generator=_gs).to(DEVICE)
+_DYs = torch.randn(_Ts * _ks, _Ns, generator=_gs).to(DEVICE)
+try:
+    _dWs = my_group_bwd_W(_DYs, _Xs, _off_s.to(DEVICE), _Es, block_m=_B, block_k=_B, block_n=_B)
+    for e in (_rows == 0).nonzero().flatten().tolist():
+        print(f"expert {e}: no rows, dW[{e}] exactly zero: {bool((_dWs[e] == 0).all())}")
+    print("busiest expert's programs loop", int(_rows.max()), "rows; the reduction depth of "
+          "dW is the expert's token count, not M")
+except NotImplementedError:
+    print("(write my_group_bwd_W in Exercise 2 to run the check)")
+
+# %% [markdown]
+# ## Exercise 3 — the gated output gradient and dX through the forward kernel
+#
+# Two small functions that the autograd Function of Exercise 4 will call.
+#
+# `grouped_dy(dout, sorted_scattered_idxs, k, gates=None)` → `dYg` `[M, N]` in sorted order:
+#
+# * with gates, `dout` is the gradient of the **mixed** output `[T, N]`, and
+#   `dYg[i] = gates[s_i] · dout[s_i // k]` (`s_i = ssi[i]`, `gates` read flat as `[M]`);
+# * without gates, `dout` is the gradient of the per-slot output `[M, N]` in **slot order**,
+#   and `dYg[i] = dout[s_i]`.
+#
+# Lab 08's `group(X, ssi, fan_out, coeff)` does exactly these gathers (use it, or index).
+#
+# `input_grad(dYg, W, sorted_expert_idxs, sorted_scattered_idxs, k, grouped_in=False)` → `dx`:
+# the input of sorted row `i` is multiplied by `W[e_i]` in the forward, so its gradient is
+# `dYg[i] @ W[e_i]ᵀ` — **the forward kernel with `Wᵀ`**:
+# `scatter2scatter(dYg, W.transpose(1, 2), sei, ssi, 1, x_grouped=True, y_grouped=...)`
+# (`k = 1` here: each sorted row reads its own row of `dYg`). Then:
+#
+# * `grouped_in=False` (the forward read token rows `x[s // k]`): ask for the result in **slot
+#   order** (`y_grouped=False`) and sum each token's `k` consecutive slots → `[T, K]`;
+# * `grouped_in=True` (the forward read sorted rows `x[i]` directly, as MoE's down
+#   projection does): keep it per sorted row (`y_grouped=True`) → `[M, K]`, no sum.
+#
+# `W.transpose(1, 2)` is a view; `scatter2scatter` makes it contiguous (one copy of `W`).
+
+# %% nbgrader={"grade": false, "grade_id": "dx", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def grouped_dy(dout: torch.Tensor, sorted_scattered_idxs: torch.Tensor, k: int,
+               gates: torch.Tensor | None = None) -> torch.Tensor:
+    """dYg [M, N] sorted: gates[s_i] · dout[s_i // k] with gates, dout[s_i] without."""
+    ### BEGIN SOLUTION
+    if gates is None:
+        return group(dout, sorted_scattered_idxs, fan_out=1)
+    return group(dout, sorted_scattered_idxs, fan_out=k, coeff=gates)
+    ### END SOLUTION
+
+
+def input_grad(dYg: torch.Tensor, W: torch.Tensor, sorted_expert_idxs: torch.Tensor,
+               sorted_scattered_idxs: torch.Tensor, k: int, grouped_in: bool = False
+               ) -> torch.Tensor:
+    """dx [T, K] (sum over each token's k slots), or [M, K] sorted if grouped_in."""
+    ### BEGIN SOLUTION
+    dXs = scatter2scatter(dYg, W.transpose(1, 2), sorted_expert_idxs, sorted_scattered_idxs, 1,
+                          x_grouped=True, y_grouped=grouped_in)          # [M, K]
+    if grouped_in or k == 1:
+        return dXs
+    return dXs.view(-1, k, dXs.shape[1]).sum(1)                          # [T, K]
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_grouped_dy", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+def _check_grouped_dy(T, N, E, k, seed=0, gated=True, **routing):
+    x, W, idx, gates, dout = _problem(T, 24, N, E, k, seed, **routing)
+    sei, ssi, _ = flatten_sort_count(idx, E)
+    if gated:
+        want = gates.reshape(-1)[ssi, None] * dout[ssi // k]
+    else:
+        dout = torch.randn(T * k, N, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        gates, want = None, dout[ssi]
+    with _no_reference():
+        got = grouped_dy(dout, ssi, k, gates)
+    _close(got, want, f"grouped_dy(gates={'[T, k]' if gated else None}), {_where(x, W, idx)}"
+           + (" — did the gate multiply dout?" if gated else ""))
+
+
+_check_grouped_dy(7, 40, 4, 2)
+_check_grouped_dy(7, 24, 4, 2, seed=1, gated=False)
+print("grouped_dy puts gates · dout into sorted order")
+
+### BEGIN HIDDEN TESTS
+_check_grouped_dy(9, 24, 4, 3, seed=2, skip=1)
+_check_grouped_dy(1, 40, 4, 2, seed=3)
+_check_grouped_dy(13, 40, 8, 1, seed=4, only=[2])
+_check_grouped_dy(9, 40, 8, 3, seed=5, gated=False)
+### END HIDDEN TESTS
+
+# %% nbgrader={"grade": true, "grade_id": "test_input_grad", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _check_input_grad(T, K, N, E, k, seed=0, grouped_in=False, **routing):
+    x, W, idx, gates, dout = _problem(T, K, N, E, k, seed, **routing)
+    sei, ssi, _ = flatten_sort_count(idx, E)
+    dYg = gates.reshape(-1)[ssi, None] * dout[ssi // k]                # [M, N] sorted
+    if grouped_in:
+        # the forward read sorted rows xg [M, K]: out[t] = Σ_j g · xg[i(t, j)] @ W[e]
+        xg = x[ssi // k].detach().clone().requires_grad_()
+        Yg = torch.einsum("mk,mkn->mn", xg, W[sei])
+        Y = torch.empty_like(Yg).index_copy(0, ssi, Yg)
+        (gates.unsqueeze(-1) * Y.view(T, k, N)).sum(1).backward(dout)
+        want = xg.grad
+    else:
+        want = _loop_grads(x, W, idx, gates, dout)[0]
+    with _no_reference(), torch.no_grad():
+        got = input_grad(dYg, W, sei, ssi, k, grouped_in=grouped_in)
+    _close(got, want, f"input_grad(grouped_in={grouped_in}), {_where(x, W, idx)}"
+           + ("" if grouped_in else " — the k copies of a token must be summed"))
+
+
+_check_input_grad(7, 24, 40, 4, 2)
+_check_input_grad(9, 40, 24, 4, 3, seed=1, skip=2)
+_check_input_grad(7, 24, 24, 4, 2, seed=2, grouped_in=True)
+print("input_grad matches the dx of autograd (scatter2scatter with Wᵀ, summed over k)")
+
+### BEGIN HIDDEN TESTS
+_check_input_grad(1, 40, 40, 4, 2, seed=3)                         # T = 1
+_check_input_grad(7, 24, 40, 1, 1, seed=4)                         # E = 1, k = 1
+_check_input_grad(33, 40, 24, 8, 2, seed=5, only=[4, 6])           # two experts, every token
+_check_input_grad(12, 24, 40, 8, 3, seed=6, grouped_in=True, skip=0)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Exercise 4 — the autograd Function
+#
+# Put the pieces together as `minimoe.parallel_linear` does: a `torch.autograd.Function`
+# whose forward runs the Lab 08 kernel and whose backward runs yours.
+#
+# `MyParallelLinear.forward(ctx, x, W, gates, k, sei, ssi, offsets, grouped_in, grouped_out)`:
+#
+# * `Y = scatter2scatter(x, W, sei, ssi, k, x_grouped=grouped_in, y_grouped=grouped_out)`
+#   (`[M, N]`);
+# * with `gates` (`[T, k]`, only with `grouped_out=False`): `out[t] = Σ_j gates[t, j] ·
+#   Y[t·k + j]` → `[T, N]`; without: `out = Y`;
+# * save what the backward needs: `x`, `W`, `gates`, the indices, and `Y` when there are gates
+#   (`ctx.save_for_backward`; plain Python values go on `ctx` directly).
+#
+# `MyParallelLinear.backward(ctx, dout)` returns one gradient per forward input, in order:
+# `(dx, dW, dgates, None, None, None, None, None, None)`:
+#
+# * `dgates[t, j] = ⟨Y[t·k + j], dout[t]⟩` (with gates; else `None`);
+# * `dYg`: your `grouped_dy` — or `dout` itself when `grouped_out` (it is already sorted);
+# * `Xg = x` if `grouped_in`, else `group(x, ssi, fan_out=k)`;
+# * `dW = my_group_bwd_W(dYg, Xg, offsets, E)`, `dx = input_grad(dYg, W, sei, ssi, k,
+#   grouped_in)` (use `ctx.needs_input_grad` to skip what nobody asked for, if you like).
+#
+# `dout` may arrive non-contiguous; make it contiguous first. Then
+# `my_parallel_linear(x, W, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets,
+# gates=None, grouped_in=False, grouped_out=False)` raises `ValueError` if `gates` is given
+# together with `grouped_out=True`, and returns `MyParallelLinear.apply(...)`. It has the
+# signature of `minimoe.parallel_linear` (without LoRA), so the last test slots it into
+# `minimoe.MoEMLP(backend="triton")` in place of the reference and trains a SwiGLU MoE step.
+
+# %% nbgrader={"grade": false, "grade_id": "parallel_linear", "locked": false, "schema_version": 3, "solution": true, "task": false}
+class MyParallelLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, W, gates, k, sei, ssi, offsets, grouped_in, grouped_out):
+        ### BEGIN SOLUTION
+        Y = scatter2scatter(x, W, sei, ssi, k, x_grouped=grouped_in, y_grouped=grouped_out)
+        if gates is None:
+            out = Y
+        else:
+            T, N = gates.shape[0], Y.shape[1]
+            out = (gates.to(Y.dtype).unsqueeze(-1) * Y.view(T, k, N)).sum(1)    # [T, N]
+        ctx.save_for_backward(x, W, gates, sei, ssi, offsets, None if gates is None else Y)
+        ctx.k, ctx.grouped_in, ctx.grouped_out = k, grouped_in, grouped_out
+        return out
+        ### END SOLUTION
+
+    @staticmethod
+    def backward(ctx, dout):
+        ### BEGIN SOLUTION
+        x, W, gates, sei, ssi, offsets, Y = ctx.saved_tensors
+        k, E = ctx.k, W.shape[0]
+        dout = dout.contiguous()
+        dgates = None
+        if gates is not None:
+            T, N = dout.shape
+            dgates = (Y.view(T, k, N) * dout.unsqueeze(1)).sum(-1).to(gates.dtype)    # [T, k]
+            dYg = grouped_dy(dout, ssi, k, gates)
+        elif ctx.grouped_out:
+            dYg = dout
+        else:
+            dYg = grouped_dy(dout, ssi, k)
+        Xg = x if ctx.grouped_in else group(x, ssi, fan_out=k)
+        dW = my_group_bwd_W(dYg, Xg, offsets, E) if ctx.needs_input_grad[1] else None
+        dx = input_grad(dYg, W, sei, ssi, k, ctx.grouped_in) if ctx.needs_input_grad[0] else None
+        return dx, dW, dgates, None, None, None, None, None, None
+        ### END SOLUTION
+
+
+def my_parallel_linear(x: torch.Tensor, W: torch.Tensor, k: int,
+                       sorted_expert_idxs: torch.Tensor, sorted_scattered_idxs: torch.Tensor,
+                       expert_offsets: torch.Tensor, gates: torch.Tensor | None = None,
+                       grouped_in: bool = False, grouped_out: bool = False) -> torch.Tensor:
+    """The expert linear over the routing slots, differentiable through your kernels."""
+    ### BEGIN SOLUTION
+    if gates is not None and grouped_out:
+        raise ValueError("gates mix each token's k outputs: use grouped_out=False with gates")
+    return MyParallelLinear.apply(x, W, gates, k, sorted_expert_idxs, sorted_scattered_idxs,
+                                  expert_offsets, grouped_in, grouped_out)
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_parallel_linear", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+def _leaf(t):
+    return t.detach().clone().requires_grad_()
+
+
+def _ours_and_torch(x, W, idx, gates, dout, grouped_in=False, grouped_out=False):
+    """(your output and gradients, minimoe's backend="torch" output and gradients)."""
+    E, k = W.shape[0], idx.shape[1]
+    sei, ssi, offs = flatten_sort_count(idx, E)
+    xin = x[ssi // k] if grouped_in else x
+    kw = dict(gates=gates, grouped_in=grouped_in, grouped_out=grouped_out)
+    results = {}
+    for which in ("torch", "yours"):
+        xr, Wr = _leaf(xin), _leaf(W)
+        gr = None if gates is None else _leaf(gates)
+        args = (xr, Wr, k, sei, ssi, offs)
+        if which == "torch":
+            out = minimoe.parallel_linear(*args, **{**kw, "gates": gr}, backend="torch")
+            out.backward(dout)
+        else:
+            with _no_reference(), _spy_on("my_group_bwd_W") as spy:
+                out = my_parallel_linear(*args, **{**kw, "gates": gr})
+                out.backward(dout)
+            assert spy.calls, "the backward of MyParallelLinear did not call my_group_bwd_W"
+        results[which] = (out.detach(), xr.grad, Wr.grad, None if gr is None else gr.grad)
+    return results["yours"], results["torch"]
+
+
+def _check_pl(T, K, N, E, k, seed=0, gated=True, grouped_in=False, grouped_out=False,
+              **routing):
+    x, W, idx, gates, dout = _problem(T, K, N, E, k, seed, **routing)
+    if not gated:
+        dout = torch.randn(T * k, N, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    gates = gates if gated else None
+    ours, ref = _ours_and_torch(x, W, idx, gates, dout, grouped_in, grouped_out)
+    if not grouped_in and not grouped_out:              # the naive loop, where it applies
+        loop = linear_loop(x, W, idx, gates)
+        want_grads = _loop_grads(x, W, idx, gates, dout)
+        _close(ref[0], loop, "minimoe backend='torch' against the loop (the reference itself)")
+    else:
+        loop, want_grads = ref[0], ref[1:]
+    where = (f"my_parallel_linear(gates={'[T, k]' if gated else None}, grouped_in={grouped_in},"
+             f" grouped_out={grouped_out}), {_where(x, W, idx)}")
+    _close(ours[0], loop, f"{where}: output")
+    for name, got, want in zip(("dx", "dW", "dgates"), ours[1:], want_grads, strict=True):
+        if want is None:
+            assert got is None, f"{where}: {name} should be None (no gates), got a tensor"
+        else:
+            _close(got, want, f"{where}: {name}")
+    _zero_experts(ours[2], idx, f"{where}: dW")
+    return ours, ref
+
+
+_check_pl(7, 24, 40, 4, 2)
+_check_pl(9, 40, 24, 4, 3, seed=1, skip=2)
+_check_pl(7, 24, 24, 4, 2, seed=2, gated=False)
+print("my_parallel_linear: output, dx, dW and dgates match autograd of reference.linear_loop")
+
+### BEGIN HIDDEN TESTS
+_check_pl(1, 24, 40, 4, 2, seed=3)                                 # T = 1
+_check_pl(7, 40, 40, 1, 1, seed=4)                                 # E = 1
+_check_pl(33, 24, 24, 8, 2, seed=5, only=[1, 6])                   # two experts, every token
+_check_pl(12, 40, 24, 8, 3, seed=6, skip=0)
+_check_pl(7, 24, 40, 4, 2, seed=7, gated=False, grouped_out=True)
+_check_pl(7, 40, 24, 4, 2, seed=8, grouped_in=True)                # the down projection
+_check_pl(9, 24, 24, 8, 3, seed=9, gated=False, grouped_in=True, grouped_out=True, skip=3)
+# gates together with grouped_out
+_xx, _WW, _ii, _gg, _ = _problem(4, 24, 24, 4, 2, seed=10)
+_ss = flatten_sort_count(_ii, 4)
+try:
+    with _no_reference():
+        my_parallel_linear(_xx, _WW, 2, *_ss, gates=_gg, grouped_out=True)
+except ValueError:
+    pass
+else:
+    raise AssertionError("my_parallel_linear accepted gates with grouped_out=True; expected "
+                         "ValueError")
+# only x requires a gradient: W's gradient is not needed (and must not break the backward)
+_xr = _leaf(_xx)
+with _no_reference():
+    my_parallel_linear(_xr, _WW, 2, *_ss, gates=_gg).sum().backward()
+_close(_xr.grad, _loop_grads(_xx, _WW, _ii, _gg, torch.ones(4, 24))[0],
+       "my_parallel_linear: dx when W and gates do not require gradients")
+### END HIDDEN TESTS
+
+# %% nbgrader={"grade": true, "grade_id": "test_moe_step", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _moe_step(C, Fd, E, k, T, seed=0, use_yours=True):
+    """One forward/backward of MoEMLP(backend="triton") (its parallel_linear replaced by
+    yours) and of reference.moe_loop on the same parameters and routing."""
+    torch.manual_seed(seed)
+    moe = MoEMLP(C, Fd, E, k, backend="triton").to(DEVICE)
+    moe.reset_parameters(std=0.3)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, C, generator=g).to(DEVICE)
+    dout = torch.randn(T, C, generator=g).to(DEVICE)
+    xa = _leaf(x)
+    saved = _moe_module.parallel_linear
+    try:
+        with _no_reference(allow=("dispatch_triton",)):
+            _moe_module.parallel_linear = my_parallel_linear if use_yours else saved
+            out = moe(xa)
+            out.backward(dout)
+    finally:
+        _moe_module.parallel_linear = saved
+    grads = {"x": xa.grad, **{n: p.grad for n, p in moe.named_parameters()}}
+    # the loop on copies of the same parameters, routed by the same (float32) router
+    ref = {n: _leaf(p) for n, p in moe.named_parameters()}
+    xb = _leaf(x)
+    logits = F.linear(xb, ref["router.weight"])
+    weights, experts = route(logits, k, renormalize=k > 1)
+    assert torch.equal(experts, moe.last_experts), "routing differs between the two runs"
+    out_loop = moe_loop(xb, weights, experts, ref["w_gate"], ref["w_up"], ref["w_down"])
+    out_loop.backward(dout)
+    want = {"x": xb.grad, **{n: p.grad for n, p in ref.items()}}
+    where = f"MoEMLP(backend='triton') with my_parallel_linear, C={C}, F={Fd}, E={E}, k={k}, T={T}"
+    _close(out.detach(), out_loop.detach(), f"{where}: output")
+    for name in want:
+        _close(grads[name], want[name], f"{where}: gradient of {name}")
+    for name in ("w_gate", "w_up", "w_down"):
+        _zero_experts(grads[name], experts, f"{where}: {name}")
+    return grads, want
+
+
+_moe_step(24, 40, 4, 2, 9)
+print("a SwiGLU MoE step through my_parallel_linear matches reference.moe_loop: x, router, "
+      "w_gate, w_up, w_down")
+
+### BEGIN HIDDEN TESTS
+_moe_step(40, 24, 8, 2, 13, seed=1)
+_moe_step(24, 24, 4, 1, 7, seed=2)                   # top-1: the Switch gate, not renormalised
+_moe_step(24, 40, 8, 3, 5, seed=3)                   # k = 3, few tokens: empty experts
+_moe_step(40, 40, 1, 1, 3, seed=4)                   # a single expert
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### How far from the loop, shape by shape
+#
+# Both your Function and `minimoe`'s `backend="torch"` path (the same sorted order in
+# PyTorch, differentiated by autograd) are compared here with autograd of the naive loop. The
+# bars are the largest gradient error of each (over dx, dW and dgates), relative to the
+# largest entry of that gradient; the dashed line is the tolerance the tests use. Errors near
+# `1e-7` are float32 rounding (the sums run in a different order); a missing gate, a missing
+# sum over `k` or a garbage `dW` block would show as `1e-1` or more.
+
+# %%
+_shapes = [(7, 24, 40, 4, 2), (9, 40, 24, 4, 3), (33, 40, 40, 8, 2), (1, 24, 24, 4, 2),
+           (13, 24, 40, 8, 1)]
+_errs = {"yours": [], "torch backend": []}
+try:
+    for _i, (T, K, N, E, k) in enumerate(_shapes):
+        x, W, idx, gates, dout = _problem(T, K, N, E, k, seed=50 + _i)
+        want = _loop_grads(x, W, idx, gates, dout)
+        ours, ref = _ours_and_torch(x, W, idx, gates, dout)
+        for key, res in (("yours", ours), ("torch backend", ref)):
+            _errs[key].append(max(float((g - w).abs().max() / w.abs().max())
+                                  for g, w in zip(res[1:], want, strict=True)))
+    fig, ax = plt.subplots(figsize=(9, 3.4))
+    _w = 0.38
+    for j, (key, color) in enumerate((("yours", "tab:green"), ("torch backend", "tab:gray"))):
+        ax.bar([i + (j - 0.5) * _w for i in range(len(_shapes))],
+               [max(e, 1e-10) for e in _errs[key]], _w, label=key, color=color)
+    ax.axhline(RTOL, ls="--", color="tab:red", label=f"test tolerance {RTOL:g}")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(_shapes)), [f"T={s[0]} K={s[1]} N={s[2]}\nE={s[3]} k={s[4]}"
+                                        for s in _shapes], fontsize=8)
+    ax.set_ylabel("max |grad − loop grad| / max |loop grad|")
+    ax.set_title("largest gradient error against autograd of reference.linear_loop (float32)",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()
+    for s, a, b in zip(_shapes, _errs["yours"], _errs["torch backend"], strict=True):
+        print(f"T,K,N,E,k = {s}: yours {a:.2e}, torch backend {b:.2e}")
+except NotImplementedError:
+    print("(finish Exercises 2-4 to draw the comparison)")
+
+# %% [markdown]
+# ### A word on timing
+#
+# On this CPU both paths run in the Triton interpreter or in PyTorch, so timings say nothing
+# about the kernels. `benchmarks/bench_moe.py` (on an NVIDIA GPU) times forward and
+# forward+backward of `parallel_linear` at Mixtral, Qwen3-MoE and OLMoE shapes against the
+# sorted PyTorch path and a per-expert loop; its `--tiny` mode is the interpreter smoke test.
+# The backward costs about twice the forward (two GEMM-sized kernels, `dX` and `dW`, for one
+# in the forward), which is where the `×3` of its fwd+bwd TFLOP/s count comes from.
+
+# %%
+_x, _W, _idx, _gates, _dout = _problem(33, 40, 40, 8, 2, seed=60)
+_ss = flatten_sort_count(_idx, 8)
+try:
+    for _name, _fn in (("yours", my_parallel_linear), ("minimoe (triton)", minimoe.parallel_linear)):
+        _xr, _Wr, _gr = _leaf(_x), _leaf(_W), _leaf(_gates)
+        _t0 = time.perf_counter()
+        _o = _fn(_xr, _Wr, 2, *_ss, gates=_gr)
+        _t1 = time.perf_counter()
+        _o.backward(_dout)
+        _t2 = time.perf_counter()
+        print(f"{_name:>17}: forward {1e3 * (_t1 - _t0):6.1f} ms, backward {1e3 * (_t2 - _t1):6.1f} ms "
+              f"({'interpreter: not a kernel timing' if INTERPRET else DEVICE})")
+except NotImplementedError:
+    print("(finish Exercise 4 to time it)")
+
+# %% [markdown]
+# ## Where this goes next
+#
+# You now have every piece of a trainable MoE layer built from two kernels and a gather.
+# Lab 10 puts LoRA on the experts: `A` `[r·E, K]` and `B` `[N, r·E]`, where expert `e` owns
+# rows (columns) `e·r:(e+1)·r` — viewed as `[E, K, r]` and `[E, r, N]` weights, their
+# gradients are exactly the `dW` and `dX` rules of this lab — and freezes the experts in NF4,
+# dequantizing only those that received tokens.
+#
+# ### Reflection
+#
+# 1. `group_bwd_W`'s grid has `E · cdiv(K, BLOCK_K) · cdiv(N, BLOCK_N)` programs whatever the
+#    routing. What is the longest program's work for the skewed routing above, and how would
+#    you split the reduction of a very busy expert over several programs — and what would
+#    that cost you (hint: atomics, or a second pass)?
+# 2. Why does `dX` not need a new kernel, while `dW` does? Write both as sums over sorted
+#    rows and point at the index that is shared by the rows of one output element.
+# 3. The forward saves `Y` `[M, N]` for the gate gradients. What would it cost to recompute
+#    `Y` in the backward instead, and when would that trade be worth making?
+# 4. A `dW` allocated with `torch.empty` works in your kernel because every program stores.
+#    Which other implementation of the same sum (for example one with atomics, or one that
+#    launches programs only for experts with tokens) would then return garbage, and how?
+# 5. `gradcheck` needs float64; the interpreter has only float32. What would a float32
+#    finite-difference check of `dW` with a step of `1e-3` give for the error, and why is a
+#    comparison with autograd of a loop a better test here?
