@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_miniquant_triton import poison
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -36,18 +37,6 @@ def _case(T=7, K=16, N=24, E=5, k=2, pool=None, seed=0):
     pool = pool or E
     experts = torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(T)])
     return x, W, gates, experts
-
-
-def _poison(q, keep: list[int]) -> None:
-    """Overwrite every stored byte and scale of the experts not in `keep` (NaN / 0xFF)."""
-    E = q.shape[0]
-    for t in (q.packed, q.block_absmax, q.absmax_codes):
-        if t is None:
-            continue
-        per_expert = t.view(E, -1)
-        for e in range(E):
-            if e not in keep:
-                per_expert[e] = float("nan") if t.is_floating_point() else 0xFF
 
 
 def test_quantize_experts_checks_blocks():
@@ -114,7 +103,7 @@ def test_experts_without_tokens_are_never_read(double_quant):
     A = torch.randn(2 * 6, 16)
     B = torch.randn(24, 2 * 6)
     clean = nf4_parallel_linear(x, q, 2, *idx, gates=gates, lora_A=A, lora_B=B)
-    _poison(q, keep=[1, 4])
+    poison(q, keep=[1, 4])
     xp = x.clone().requires_grad_()
     got = nf4_parallel_linear(xp, q, 2, *idx, gates=gates, lora_A=A, lora_B=B)
     assert torch.equal(got, clean)

@@ -41,15 +41,7 @@ loading the first and last expert id of the tile, which bound it because the ids
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import triton  # noqa: E402  (must follow the TRITON_INTERPRET decision above)
-import triton.language as tl  # noqa: E402
+from miniquant.triton_env import interpreted, tl, triton
 
 
 @triton.jit
@@ -167,4 +159,4 @@ def _group_bwd_W_kernel(
 
 def interpreting() -> bool:
     """Whether these kernels were built for the Triton interpreter (decided at import)."""
-    return not isinstance(_scatter2scatter_kernel, triton.runtime.JITFunction)
+    return interpreted(_scatter2scatter_kernel)

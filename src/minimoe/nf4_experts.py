@@ -26,12 +26,12 @@ rows get exactly-zero gradients).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 import torch.nn as nn
 
+from miniquant.linear import NF4Buffers
 from miniquant.nf4 import NF4Weight, quantize_nf4
 from miniquant.triton_dequant import selective_dequantize_nf4
 
@@ -112,7 +112,7 @@ def nf4_parallel_linear(x: torch.Tensor, q: NF4Weight, k: int, sorted_expert_idx
                            lora_B=B_c, scaling=scaling, backend=backend)
 
 
-class NF4Experts(nn.Module):
+class NF4Experts(NF4Buffers):
     """A frozen [E, K, N] expert linear held in NF4 (buffers), with optional trainable expert
     LoRA: `lora_A` [r·E, K] (kaiming-uniform, a=√5), `lora_B` [N, r·E] (zeros), scaling α/r.
 
@@ -129,16 +129,7 @@ class NF4Experts(nn.Module):
         self.n_experts, self.in_features, self.out_features = weight.shape
         self.r, self.backend = r, backend
         self.scaling = alpha / r if r else 1.0
-        # NF4Weight's tensors become buffers (frozen, saved, moved by .to()); the rest are
-        # the plain attributes needed to rebuild it (as miniquant.QuantizedLinear).
-        self._tensor_fields, self._static_fields = [], {}
-        for f in dataclasses.fields(weight):
-            value = getattr(weight, f.name)
-            if isinstance(value, torch.Tensor):
-                self.register_buffer(f.name, value)
-                self._tensor_fields.append(f.name)
-            else:
-                self._static_fields[f.name] = value
+        self.hold_nf4(weight)
         if r:
             E, K, N = weight.shape
             self.lora_A = nn.Parameter(torch.empty(r * E, K, device=weight.device))
@@ -153,20 +144,6 @@ class NF4Experts(nn.Module):
                     r: int = 0, alpha: float = 16.0, backend: str = "triton") -> NF4Experts:
         return cls(quantize_experts(W, blocksize, double_quant), r=r, alpha=alpha,
                    backend=backend)
-
-    def _apply(self, fn, recurse=True):
-        # A dtype cast must not round the float32 scales (as QuantizedLinear).
-        originals = {name: self._buffers[name] for name in self._tensor_fields}
-        super()._apply(fn, recurse)
-        for name, t in originals.items():
-            if self._buffers[name].dtype != t.dtype:
-                self._buffers[name] = t.to(self._buffers[name].device)
-        return self
-
-    @property
-    def weight_nf4(self) -> NF4Weight:
-        return NF4Weight(**{name: getattr(self, name) for name in self._tensor_fields},
-                         **self._static_fields)
 
     def forward(self, x, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets,
                 gates=None, grouped_in=False, grouped_out=False):

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels  # before anything imports triton: it decides TRITON_INTERPRET
+from miniquant.triton_env import not_on_cuda
+
+from . import kernels
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -31,9 +33,7 @@ def _check_float(t: torch.Tensor, name: str) -> None:
         if t.dtype != torch.float32:
             raise ValueError(f"{name} is {t.dtype}, but the Triton interpreter is float32-only")
     elif t.device.type != "cuda":
-        raise ValueError(f"{name} is on {t.device}, but Triton compiles for CUDA here: move it "
-                         "to a GPU, or run on CPU with TRITON_INTERPRET=1 set before triton "
-                         "is imported")
+        raise not_on_cuda(name, t.device)
 
 
 def _check_same(a: torch.Tensor, b: torch.Tensor, na: str, nb: str) -> None:

@@ -18,22 +18,14 @@ import torch.nn.functional as F
 from .nf4 import NF4Weight, quantize_nf4
 
 
-class QuantizedLinear(nn.Module):
-    """y = x · dequant(W)ᵀ + b with W held as NF4 (optionally double-quantized) buffers.
-
-    `compute_dtype=None` computes in the dtype of the input.
+class NF4Buffers(nn.Module):
+    """Base of modules that hold one frozen NF4Weight as buffers (QuantizedLinear, minimoe's
+    NF4Experts): its tensors become buffers under their field names (saved in `state_dict`,
+    moved by `.to(device)`, invisible to optimizers); the rest (shape, dtype, blocksize, ...)
+    are plain attributes needed to rebuild it as `weight_nf4`.
     """
 
-    def __init__(self, weight: NF4Weight, bias: torch.Tensor | None = None,
-                 compute_dtype: torch.dtype | None = None):
-        super().__init__()
-        if len(weight.shape) != 2:
-            raise ValueError(f"weight must be a 2-D [out, in] NF4Weight, got shape "
-                             f"{tuple(weight.shape)}")
-        self.out_features, self.in_features = weight.shape
-        self.compute_dtype = compute_dtype
-        # NF4Weight's tensors become buffers under their field names; the rest (shape,
-        # dtype, blocksize, ...) are plain attributes needed to rebuild it.
+    def hold_nf4(self, weight: NF4Weight) -> None:
         self._tensor_fields, self._static_fields = [], {}
         for f in dataclasses.fields(weight):
             value = getattr(weight, f.name)
@@ -42,16 +34,6 @@ class QuantizedLinear(nn.Module):
                 self._tensor_fields.append(f.name)
             else:
                 self._static_fields[f.name] = value
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, blocksize: int = 64, double_quant: bool = True,
-                    compute_dtype: torch.dtype | None = None) -> QuantizedLinear:
-        """Quantize `linear.weight` to NF4; the bias (if any) is kept, frozen, as is."""
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        q = quantize_nf4(linear.weight.detach(), blocksize=blocksize, double_quant=double_quant)
-        return cls(q, linear.bias, compute_dtype=compute_dtype)
 
     def _apply(self, fn, recurse=True):
         # `.to(device)` moves the NF4 storage, but a dtype cast (`.half()`, `.to(bf16)`)
@@ -67,6 +49,33 @@ class QuantizedLinear(nn.Module):
     def weight_nf4(self) -> NF4Weight:
         return NF4Weight(**{name: getattr(self, name) for name in self._tensor_fields},
                          **self._static_fields)
+
+
+class QuantizedLinear(NF4Buffers):
+    """y = x · dequant(W)ᵀ + b with W held as NF4 (optionally double-quantized) buffers.
+
+    `compute_dtype=None` computes in the dtype of the input.
+    """
+
+    def __init__(self, weight: NF4Weight, bias: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype | None = None):
+        super().__init__()
+        if len(weight.shape) != 2:
+            raise ValueError(f"weight must be a 2-D [out, in] NF4Weight, got shape "
+                             f"{tuple(weight.shape)}")
+        self.out_features, self.in_features = weight.shape
+        self.compute_dtype = compute_dtype
+        self.hold_nf4(weight)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, blocksize: int = 64, double_quant: bool = True,
+                    compute_dtype: torch.dtype | None = None) -> QuantizedLinear:
+        """Quantize `linear.weight` to NF4; the bias (if any) is kept, frozen, as is."""
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        q = quantize_nf4(linear.weight.detach(), blocksize=blocksize, double_quant=double_quant)
+        return cls(q, linear.bias, compute_dtype=compute_dtype)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float weight [out, in] this layer computes with; raises if it is not finite."""

@@ -33,40 +33,35 @@ experts, so a neighbour's group scale may be read, never its codes) and the offs
 Running on a CPU: the Triton interpreter. `triton.jit` decides at *decoration* time whether
 a function becomes a compiled `JITFunction` or an `InterpretedFunction`, by reading
 `triton.knobs.runtime.interpret`, which (triton 3.x) reads the environment variable
-`TRITON_INTERPRET` at each access. So this module sets `TRITON_INTERPRET=1` when no CUDA
-device is present and the variable is unset, before it imports triton, and its kernel is
-interpreted even if triton was imported earlier by something else. What that cannot fix: the
-helpers in `triton.language.standard` (`tl.interleave`, `tl.cdiv`, `tl.sum`, `tl.sigmoid`, ...)
-are themselves `@triton.jit` functions, decorated when triton was first imported; if that
-happened with the variable unset they stay compiled, and calling one from an interpreted
-kernel fails with "Cannot call @triton.jit'd outside of the scope of a kernel" (seen with
-triton 3.9). The kernel below therefore uses builtins only (`tl.join` + `tl.reshape` rather
-than `tl.interleave`), and runs whichever module imported triton first; the tests check this
-in a fresh process. An explicit `TRITON_INTERPRET` (0 or 1) is always respected; note that
-setting it affects every kernel decorated afterwards in the process, which on a machine
-without CUDA is the only way they can run at all. The interpreter computes with NumPy: the
-arithmetic stays in float32 and only the store casts. fp16 stores round correctly there, but
-its float32 -> bfloat16 conversion truncates (triton 3.9 passes it no rounding mode), which
-leaves about half of the values one bf16 ulp off; in the interpreter the kernel therefore
-rounds to nearest even with integer operations on the bits (BF16_BY_HAND), and a compiled
-kernel uses the hardware conversion.
+`TRITON_INTERPRET` at each access. So `miniquant.triton_env` (where this module gets triton)
+sets `TRITON_INTERPRET=1` when no CUDA device is present and the variable is unset, before
+it imports triton, and the kernel is interpreted even if triton was imported earlier by
+something else. What that cannot fix: the helpers in `triton.language.standard`
+(`tl.interleave`, `tl.cdiv`, `tl.sum`, `tl.sigmoid`, ...) are themselves `@triton.jit`
+functions, decorated when triton was first imported; if that happened with the variable
+unset they stay compiled, and calling one from an interpreted kernel fails with "Cannot call
+@triton.jit'd outside of the scope of a kernel" (seen with triton 3.9). The kernel below
+therefore uses builtins only (`tl.join` + `tl.reshape` rather than `tl.interleave`), and
+runs whichever module imported triton first; the tests check this in a fresh process. An
+explicit `TRITON_INTERPRET` (0 or 1) is always respected; note that setting it affects every
+kernel decorated afterwards in the process, which on a machine without CUDA is the only way
+they can run at all. The interpreter computes with NumPy: the arithmetic stays in float32
+and only the store casts. fp16 stores round correctly there, but its float32 -> bfloat16
+conversion truncates (triton 3.9 passes it no rounding mode), which leaves about half of the
+values one bf16 ulp off; in the interpreter the kernel therefore rounds to nearest even with
+integer operations on the bits (BF16_BY_HAND), and a compiled kernel uses the hardware
+conversion.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import triton  # noqa: E402  (must follow the TRITON_INTERPRET decision above)
-import triton.language as tl  # noqa: E402
-
-from .dynamic import DYNAMIC_CODE  # noqa: E402
-from .nf4 import NESTED_BLOCKSIZE, NF4_CODE, NF4_DTYPES, NF4Weight  # noqa: E402
+from .dynamic import DYNAMIC_CODE
+from .nf4 import NESTED_BLOCKSIZE, NF4_CODE, NF4_DTYPES, NF4Weight
+from .triton_env import interpreted, not_on_cuda, tl, triton
 
 __all__ = ["selective_dequantize_nf4", "triton_dequantize_nf4"]
 
@@ -147,7 +142,7 @@ def _on_device(table: str, device: torch.device) -> torch.Tensor:
 
 def _interpreting() -> bool:
     """Whether our kernel was built for the interpreter (decided when this module loaded)."""
-    return not isinstance(_nf4_dequant_kernel, triton.runtime.JITFunction)
+    return interpreted(_nf4_dequant_kernel)
 
 
 def _check_weight(q, name: str, dtype: torch.dtype | None) -> torch.dtype:
@@ -155,10 +150,7 @@ def _check_weight(q, name: str, dtype: torch.dtype | None) -> torch.dtype:
     if not isinstance(q, NF4Weight):
         raise ValueError(f"{name} must be an NF4Weight, got {type(q).__name__}")
     if q.packed.device.type != "cuda" and not _interpreting():
-        raise ValueError(
-            f"{name} is on {q.packed.device}, but Triton compiles for CUDA here: move it to a "
-            "GPU, or run on CPU with TRITON_INTERPRET=1 set before triton is imported"
-        )
+        raise not_on_cuda(name, q.packed.device)
     dtype = q.dtype if dtype is None else dtype
     if dtype not in NF4_DTYPES:
         raise ValueError(f"dtype must be one of {NF4_DTYPES}, got {dtype}")
