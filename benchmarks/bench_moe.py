@@ -8,7 +8,10 @@ with the gates mixing each token's k outputs: out[t] = Σ_j g[t,j] · x[t] @ W[e
 (`parallel_linear(x, W, k, *flatten_sort_count(experts, E), gates=g)`). Methods, all timed
 from the [T, k] routing (the sort / the per-expert masks are inside the timing):
 
-- `triton`: `parallel_linear(backend="triton")` (ScatterMoE: sort once, one grouped GEMM);
+- `triton`: `parallel_linear(backend="triton")` (ScatterMoE: sort once, one grouped GEMM),
+  expert LoRA fused into the same kernels (`scatter2scatter_lora`, `group_bwd_lora`);
+- `triton_split`: the same, with LoRA as two more expert linears (`lora_path="split"`);
+  without LoRA it is `triton` timed a second time (a measure of the timing noise);
 - `torch_sorted`: `parallel_linear(backend="torch")`, the same sorted order in PyTorch
   (gather, one matmul per expert slice, scatter), autograd backward;
 - `loop`: the per-expert PyTorch loop of Hugging Face's Mixtral / `minimoe.dispatch_torch`
@@ -49,7 +52,7 @@ MODELS = {
     "olmoe-1b-7b": (64, 8, 2048, 1024),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-METHODS = ("triton", "torch_sorted", "loop")
+METHODS = ("triton", "triton_split", "torch_sorted", "loop")
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -116,12 +119,13 @@ def make_method(name: str, k: int):
 
     if name == "loop":
         return per_expert_loop
-    backend = "triton" if name == "triton" else "torch"
+    backend = "torch" if name == "torch_sorted" else "triton"
+    lora_path = "split" if name == "triton_split" else "fused"
 
     def sorted_method(x, W, gates, experts, lora_A=None, lora_B=None, scaling=1.0):
         idx = flatten_sort_count(experts, W.shape[0])
         return parallel_linear(x, W, k, *idx, gates=gates, lora_A=lora_A, lora_B=lora_B,
-                               scaling=scaling, backend=backend)
+                               scaling=scaling, backend=backend, lora_path=lora_path)
 
     return sorted_method
 

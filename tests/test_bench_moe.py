@@ -33,7 +33,8 @@ def test_tiny_cpu_benchmark(tmp_path):
     rows = report["results"]
     assert {r["model"] for r in rows} == {"mixtral-8x7b", "olmoe-1b-7b"}
     assert {(r["method"], r["pass"], r["lora_rank"]) for r in rows} == {
-        (m, p, lr) for m in ("triton", "torch_sorted", "loop") for p in ("fwd", "fwd+bwd")
+        (m, p, lr) for m in ("triton", "triton_split", "torch_sorted", "loop")
+        for p in ("fwd", "fwd+bwd")
         for lr in (0, 4)}
     for r in rows:
         assert r["median_s"] > 0 and r["tflops"] > 0 and r["speedup_vs_loop"] > 0

@@ -16,14 +16,17 @@ import pytest
 import torch
 
 from minimoe import (
+    ExpertLinear,
     MoEMLP,
     dispatch_triton,
     flatten_sort_count,
     group,
+    group_bwd_lora,
     group_bwd_W,
     parallel_linear,
     reference,
     scatter2scatter,
+    scatter2scatter_lora,
 )
 from minimoe.kernels import interpreting
 
@@ -72,27 +75,44 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def _linear_errors(case, backend: str, gated: bool) -> dict[str, float]:
-    """Max relative errors of parallel_linear vs reference.linear_loop: out and each grad."""
+def _linear_errors(case, backend: str, gated: bool, lora_path: str | None = None,
+                   r: int = 3) -> dict[str, float]:
+    """Max relative errors of parallel_linear vs reference.linear_loop: out and each grad.
+
+    With `lora_path` ("fused" | "split"), expert LoRA A [r·E, K], B [N, r·E] too (dA, dB).
+    """
     x, W, experts, gates = _inputs(case)
-    E = W.shape[0]
-    leaves = [t.clone().requires_grad_() for t in (x, W, gates)]
-    ref_leaves = [t.clone().requires_grad_() for t in (x, W, gates)]
+    E, K, N = W.shape
+    gen = torch.Generator().manual_seed(5)
+    ab = (torch.randn(r * E, K, generator=gen), torch.randn(N, r * E, generator=gen)) \
+        if lora_path else ()
+    leaves = [t.clone().requires_grad_() for t in (x, W, gates, *ab)]
+    ref_leaves = [t.clone().requires_grad_() for t in (x, W, gates, *ab)]
     idx = flatten_sort_count(experts, E)
     k = experts.shape[1]
+    lora = dict(lora_A=leaves[3], lora_B=leaves[4], scaling=0.5,
+                lora_path=lora_path) if lora_path else {}
     out = parallel_linear(leaves[0], leaves[1], k, *idx, gates=leaves[2] if gated else None,
-                          backend=backend)
+                          backend=backend, **lora)
+    ref_lora = dict(lora_A=ref_leaves[3], lora_B=ref_leaves[4], scaling=0.5) \
+        if lora_path else {}
     ref = reference.linear_loop(ref_leaves[0], ref_leaves[1], experts,
-                                ref_leaves[2] if gated else None)
+                                ref_leaves[2] if gated else None, **ref_lora)
     dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
     out.backward(dout)
     ref.backward(dout)
-    errs = {"out": _rel(out, ref), "dx": _rel(leaves[0].grad, ref_leaves[0].grad),
-            "dW": _rel(leaves[1].grad, ref_leaves[1].grad)}
-    if gated:
-        errs["dgates"] = _rel(leaves[2].grad, ref_leaves[2].grad)
+    names = ("dx", "dW", "dgates", "dA", "dB")
+    errs = {"out": _rel(out, ref)}
+    errs.update({n: _rel(a.grad, b.grad) for n, a, b in zip(names, leaves, ref_leaves,
+                                                             strict=False)
+                 if n != "dgates" or gated})
     unused = torch.bincount(experts.reshape(-1), minlength=E) == 0
-    errs["dW_unused_zero"] = bool((leaves[1].grad[unused] == 0).all())
+    zero = bool((leaves[1].grad[unused] == 0).all())
+    if lora_path:
+        unused_r = unused.repeat_interleave(r)
+        zero &= bool((leaves[3].grad[unused_r] == 0).all())
+        zero &= bool((leaves[4].grad[:, unused_r] == 0).all())
+    errs["unused_zero"] = zero
     return errs
 
 
@@ -110,7 +130,7 @@ def test_flatten_sort_count():
 def test_parallel_linear_matches_loop(case, backend):
     for gated in (False, True):
         errs = _linear_errors(case, backend, gated)
-        assert errs.pop("dW_unused_zero"), "an expert with no tokens must get dW exactly 0"
+        assert errs.pop("unused_zero"), "an expert with no tokens must get dW exactly 0"
         assert max(errs.values()) <= RTOL, (gated, errs)
 
 
@@ -137,33 +157,52 @@ def test_parallel_linear_grouped_in_out(case):
             assert _rel(xin.grad, want_dx) <= RTOL
 
 
-LORA_CASES = [CASES[1], CASES[4], CASES[12], CASES[14]]
+LORA_CASES = [CASES[1], CASES[4], CASES[12], CASES[14], CASES[9], CASES[16]]
+# (backend, lora_path): the fused kernels, the split path on the kernels, and PyTorch.
+LORA_PATHS = [("triton", "fused"), ("triton", "split"), ("torch", "split")]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("path", LORA_PATHS, ids="-".join)
 @pytest.mark.parametrize("case", LORA_CASES, ids=_case_id)
-def test_parallel_linear_expert_lora_matches_loop(case, backend):
-    """A [r·E, K], B [N, r·E]: output and grads of x, W, A, B, gates vs the loop."""
-    x, W, experts, gates = _inputs(case)
-    E, K, N = W.shape
-    r, scaling = 3, 0.5
-    gen = torch.Generator().manual_seed(5)
+def test_parallel_linear_expert_lora_matches_loop(case, path):
+    """A [r·E, K], B [N, r·E]: output and grads of x, W, A, B, gates vs the loop; experts
+    without tokens get exactly-zero dW, dA rows and dB columns."""
+    for gated in (True, False):
+        errs = _linear_errors(case, *path[:1], gated, lora_path=path[1])
+        assert errs.pop("unused_zero"), "unused experts must get exact-zero dW / dA / dB"
+        assert max(errs.values()) <= RTOL, (gated, errs)
+
+
+@pytest.mark.parametrize("r", [1, 16, 20])
+def test_lora_ranks_not_a_power_of_two(r):
+    """The rank block pads r to a power of two >= 16: r = 1, exactly 16, and 20 (-> 32)."""
+    errs = _linear_errors((7, 40, 24, 4, 2, "zero"), "triton", True, lora_path="fused", r=r)
+    assert errs.pop("unused_zero") and max(errs.values()) <= RTOL, errs
+
+
+def test_fused_lora_kernels_directly():
+    """scatter2scatter_lora (slot and sorted order) and group_bwd_lora vs naive loops."""
+    T, K, N, E, k, r, s = 9, 40, 24, 5, 2, 3, 0.7
+    x, W, experts, _ = _inputs((T, K, N, E, k, "zero"))
+    gen = torch.Generator().manual_seed(7)
     A, B = torch.randn(r * E, K, generator=gen), torch.randn(N, r * E, generator=gen)
-    runs = []
-    for fn in ("kernel", "loop"):
-        lv = [t.clone().requires_grad_() for t in (x, W, gates, A, B)]
-        if fn == "kernel":
-            idx = flatten_sort_count(experts, E)
-            out = parallel_linear(lv[0], lv[1], experts.shape[1], *idx, gates=lv[2],
-                                  lora_A=lv[3], lora_B=lv[4], scaling=scaling, backend=backend)
-        else:
-            out = reference.linear_loop(lv[0], lv[1], experts, lv[2], lv[3], lv[4], scaling)
-        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(6)))
-        runs.append([out] + [t.grad for t in lv])
-    for got, want in zip(*runs, strict=True):
-        assert _rel(got, want) <= RTOL
-    unused = (torch.bincount(experts.reshape(-1), minlength=E) == 0).repeat_interleave(r)
-    assert bool((runs[0][4][unused] == 0).all()) and bool((runs[0][5][:, unused] == 0).all())
+    sei, ssi, offs = flatten_sort_count(experts, E)
+    want = reference.linear_loop(x, W, experts, lora_A=A, lora_B=B, scaling=s)    # [M, N]
+    assert _rel(scatter2scatter_lora(x, W, A, B, s, sei, ssi, k), want) <= RTOL
+    assert _rel(scatter2scatter_lora(x, W, A, B, s, sei, ssi, k, y_grouped=True),
+                want[ssi]) <= RTOL
+    dy, xg = torch.randn(T * k, N, generator=gen), x[ssi // k]                    # sorted
+    dA, dB = group_bwd_lora(dy, xg, A, B, offs, s)
+    want_dA, want_dB = torch.zeros_like(A), torch.zeros_like(B)
+    for i in range(T * k):                                     # one row's outer products
+        e = int(sei[i])
+        rows = slice(e * r, (e + 1) * r)
+        want_dA[rows] += s * torch.outer(dy[i] @ B[:, rows], xg[i])
+        want_dB[:, rows] += s * torch.outer(dy[i], xg[i] @ A[rows].T)
+    assert _rel(dA, want_dA) <= RTOL and _rel(dB, want_dB) <= RTOL
+    last = slice((E - 1) * r, E * r)                           # expert E-1 has no tokens
+    assert torch.equal(dA[last], torch.zeros(r, K)) and torch.equal(dB[:, last],
+                                                                    torch.zeros(N, r))
 
 
 def test_group_and_group_bwd_W():
@@ -229,6 +268,46 @@ def test_moe_dispatch_matches_loop(case, backend):
     assert max(errs.values()) <= RTOL, errs
 
 
+@pytest.mark.parametrize("path", LORA_PATHS, ids="-".join)
+@pytest.mark.parametrize("case", MLP_CASES[:4], ids=_case_id)
+def test_moe_expert_lora_matches_loop(case, path):
+    """SwiGLU MoE with LoRA on every expert of gate / up / down (ExpertLinear modules with
+    their base weights made trainable for the check): output and the gradients of x, the
+    router logits, W_gate, W_up, W_down and each A, B vs reference.moe_loop."""
+    T, C, F, E, k, mode = case
+    backend, lora_path = path
+    r, s = 2, 0.75
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(T, C, generator=gen)
+    shapes = [(C, F), (C, F), (F, C)]
+    ws = [torch.randn(E, i, o, generator=gen) / i ** 0.5 for i, o in shapes]
+    abs_ = [t for i, o in shapes for t in (torch.randn(r * E, i, generator=gen),
+                                           torch.randn(o, r * E, generator=gen))]
+    logits = torch.randn(T, k, generator=gen)
+    experts = _routing(T, E, k, mode, gen)
+    dout = torch.randn(T, C, generator=gen)
+    runs = []
+    for kernel in (True, False):
+        leaves = [torch.nn.Parameter(t.clone()) for t in (x, logits, *ws, *abs_)]
+        if kernel:
+            mods = [ExpertLinear(w, r=r, alpha=s * r, backend=backend) for w in leaves[2:5]]
+            for m, a, b in zip(mods, leaves[5::2], leaves[6::2], strict=True):
+                m.weight.requires_grad_(True)
+                m.lora_A, m.lora_B, m.lora_path = a, b, lora_path
+            out = dispatch_triton(leaves[0], leaves[1].softmax(-1), experts, *mods,
+                                  backend=backend)
+        else:
+            lora = tuple(zip(leaves[5::2], leaves[6::2], strict=True))
+            out = reference.moe_loop(leaves[0], leaves[1].softmax(-1), experts, *leaves[2:5],
+                                     lora=lora, scaling=s)
+        out.backward(dout)
+        runs.append([out] + [t.grad for t in leaves])
+    names = ("out", "dx", "dlogits", "dW_gate", "dW_up", "dW_down", "dA_gate", "dB_gate",
+             "dA_up", "dB_up", "dA_down", "dB_down")
+    errs = {n: _rel(g, w) for n, g, w in zip(names, *runs, strict=True)}
+    assert max(errs.values()) <= RTOL, errs
+
+
 def test_moemlp_triton_backend_same_as_torch():
     """Same parameters (a torch-backend state dict loads as is), same outputs and grads."""
     torch.manual_seed(0)
@@ -263,17 +342,17 @@ def test_experiment00_checkpoint_runs_on_triton_backend():
 
 def test_error_table():
     """The gradient-check matrix: max relative error per case × backend (run with -s)."""
-    rows = []
-    for case in CASES:
-        for backend in BACKENDS:
-            e = _linear_errors(case, backend, gated=True)
-            worst = max(v for n, v in e.items() if n != "dW_unused_zero")
-            rows.append((_case_id(case), backend, worst, e))
-    print(f"\n{'case':28} {'backend':7} {'out':>8} {'dx':>8} {'dW':>8} {'dgates':>8}")
-    for cid, backend, worst, e in rows:
-        print(f"{cid:28} {backend:7} " + " ".join(f"{e[n]:8.1e}" for n in
-                                                  ("out", "dx", "dW", "dgates")))
-        assert worst <= RTOL
+    cols = ("out", "dx", "dW", "dgates", "dA", "dB")
+    runs = [(c, b, None) for c in CASES for b in BACKENDS] + \
+           [(c, b, lp) for c in LORA_CASES for b, lp in LORA_PATHS]
+    print(f"\n{'case':28} {'path':13} " + " ".join(f"{n:>8}" for n in cols))
+    for case, backend, lora_path in runs:
+        e = _linear_errors(case, backend, gated=True, lora_path=lora_path)
+        assert e.pop("unused_zero")
+        label = backend + (f"+{lora_path}" if lora_path else "")
+        print(f"{_case_id(case):28} {label:13} "
+              + " ".join(f"{e[n]:8.1e}" if n in e else f"{'-':>8}" for n in cols))
+        assert max(e.values()) <= RTOL
 
 
 # --- bad inputs -----------------------------------------------------------------------------
@@ -304,6 +383,17 @@ def test_bad_inputs_raise_clear_errors():
                         lora_B=torch.zeros(40, 6))
     with pytest.raises(ValueError, match="backend"):
         parallel_linear(x, W, 2, sei, ssi, offs, backend="cuda")
+    A, B = torch.zeros(8, 24), torch.zeros(40, 8)
+    with pytest.raises(ValueError, match="lora_path"):
+        parallel_linear(x, W, 2, sei, ssi, offs, lora_A=A, lora_B=B, lora_path="fast")
+    with pytest.raises(ValueError, match="lora_A"):
+        scatter2scatter_lora(x, W, A.double(), B, 1.0, sei, ssi, 2)
+    with pytest.raises(ValueError, match="lora_A must be"):
+        scatter2scatter_lora(x, W, A[:, :20], B, 1.0, sei, ssi, 2)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        group_bwd_lora(torch.zeros(14, 40), x[ssi // 2], A, B, offs - 1, 1.0)
+    with pytest.raises(ValueError, match="same rows"):
+        group_bwd_lora(torch.zeros(13, 40), x[ssi // 2], A, B, offs, 1.0)
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter-only check")
@@ -371,3 +461,25 @@ def test_gpu_bf16_norm_relative(case):
     pairs = [(out, ref)] + [(a.grad, b.grad) for a, b in zip(leaves, ref_leaves, strict=True)]
     for got, want in pairs:
         assert float((got.float() - want).norm() / want.norm()) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [CASES[4], CASES[9], CASES[14]], ids=_case_id)
+def test_gpu_fused_lora_float32_ieee(case):
+    """The fused LoRA kernels compiled: output and dx, dW, dA, dB vs the loop on the GPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    x, W, experts, gates = [t.cuda() for t in _inputs(case)]
+    E, K, N = W.shape
+    A, B = torch.randn(3 * E, K, device="cuda"), torch.randn(N, 3 * E, device="cuda")
+    runs = []
+    for fused in (True, False):
+        lv = [t.clone().requires_grad_() for t in (x, W, gates, A, B)]
+        if fused:
+            out = parallel_linear(lv[0], lv[1], experts.shape[1], *flatten_sort_count(experts, E),
+                                  gates=lv[2], lora_A=lv[3], lora_B=lv[4], scaling=0.5)
+        else:
+            out = reference.linear_loop(lv[0], lv[1], experts, lv[2], lv[3], lv[4], 0.5)
+        out.backward(torch.ones_like(out))
+        runs.append([out] + [t.grad for t in lv])
+    for got, want in zip(*runs, strict=True):
+        assert _rel(got, want) <= 1e-5

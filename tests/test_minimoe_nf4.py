@@ -183,3 +183,59 @@ def test_dequant_buffer_scales_with_active_experts():
     for n, rec, seen, frac in rows:
         print(f"{n:>4}/{E} {rec:>11} {seen:>9} {frac:>8.3f}")
     print(f"NF4+DQ storage: {q.nbytes} B ({q.bits_per_param:.3f} bits/param)")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_moemlp_nf4_experts_with_lora(backend):
+    """attach_expert_lora(nf4=True) == attach_expert_lora(nf4=False) on the dequantized
+    weights with the same LoRA: output, x / router / LoRA gradients; the NF4 base gets none."""
+    import copy
+
+    from minimoe import MoEMLP, attach_expert_lora
+    from miniquant.nf4 import dequantize_nf4
+
+    torch.manual_seed(0)
+    base = MoEMLP(32, 64, 4, 2, backend=backend)               # 32·64 = 32 blocks / expert
+    quant, flt = copy.deepcopy(base), copy.deepcopy(base)
+    assert attach_expert_lora(quant, r=2, alpha=4.0, nf4=True) == ["w_gate", "w_up", "w_down"]
+    with torch.no_grad():
+        for name in ("w_gate", "w_up", "w_down"):
+            getattr(flt, name).copy_(dequantize_nf4(getattr(quant, name).weight_nf4))
+    attach_expert_lora(flt, r=2, alpha=4.0, nf4=False)
+    with torch.no_grad():
+        for name in ("w_gate", "w_up", "w_down"):
+            q, f = getattr(quant, name), getattr(flt, name)
+            q.lora_B.normal_()
+            f.lora_A.copy_(q.lora_A)
+            f.lora_B.copy_(q.lora_B)
+    x = torch.randn(3, 5, 32)
+    outs, grads = [], []
+    for m in (quant, flt):
+        xl = x.clone().requires_grad_()
+        out = m(xl)
+        out.square().sum().backward()
+        outs.append(out)
+        grads.append([xl.grad] + [p.grad for n, p in m.named_parameters()
+                                  if "lora" in n or "router" in n])
+    assert _rel(outs[0], outs[1]) <= RTOL
+    for g0, g1 in zip(*grads, strict=True):
+        assert _rel(g0, g1) <= RTOL
+    trainable = sorted(n for n, p in quant.named_parameters() if p.requires_grad)
+    assert trainable == sorted(["router.weight"] + [f"{p}.lora_{ab}" for p in
+                                                    ("w_gate", "w_up", "w_down")
+                                                    for ab in "AB"])
+    assert quant.w_down.last_stats["n_active"] <= 4
+
+
+def test_attach_expert_lora_refuses_bad_input():
+    from minimoe import MoEMLP, attach_expert_lora
+
+    mlp = MoEMLP(24, 36, 4, 2)                                 # 24·36 = 864: 13.5 blocks of 64
+    with pytest.raises(ValueError, match="multiple of the blocksize 64"):
+        attach_expert_lora(mlp, nf4=True)
+    assert isinstance(mlp.w_gate, torch.nn.Parameter)           # untouched
+    with pytest.raises(ValueError, match="r must be"):
+        attach_expert_lora(mlp, r=-1)
+    attach_expert_lora(mlp, r=2)
+    with pytest.raises(ValueError, match="not yet wrapped"):
+        attach_expert_lora(mlp, r=2)

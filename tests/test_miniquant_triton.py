@@ -20,6 +20,7 @@ from miniquant.nf4 import NF4_CODE, NF4Weight, dequantize_nf4, quantize_nf4
 from miniquant.triton_dequant import (
     BYTES_PER_PROGRAM,
     selective_dequantize_nf4,
+    selective_dequantize_nf4_torch,
     triton_dequantize_nf4,
 )
 
@@ -82,6 +83,9 @@ def experts(n_experts=5, d_out=16, d_in=160, blocksize=64, double_quant=False, s
     return quantize_nf4(w, blocksize=blocksize, double_quant=double_quant)
 
 
+SELECTIVE = [selective_dequantize_nf4, selective_dequantize_nf4_torch]
+
+
 def poison(q: NF4Weight, keep: list[int]) -> None:
     """Overwrite every stored byte and scale of the experts not in `keep`, in place."""
     n_experts = q.shape[0]
@@ -95,19 +99,21 @@ def poison(q: NF4Weight, keep: list[int]) -> None:
 
 
 @pytest.mark.parametrize("dtype", OUT_DTYPES)
-def test_selective_reads_only_listed_experts(dtype):
+@pytest.mark.parametrize("fn", SELECTIVE, ids=["triton", "torch"])
+def test_selective_reads_only_listed_experts(dtype, fn):
     # Experts of 2560 elements (more than one tile, 40 blocks each); codes 0xFF (level 1.0)
     # and NaN scales in the others would show up in any output that read them.
     q = experts()
     active = torch.tensor([3, 1])
     expected = dequantize_nf4(q, dtype)[active]
     poison(q, keep=[1, 3])
-    got = selective_dequantize_nf4(q, active, dtype)
+    got = fn(q, active, dtype)
     assert got.shape == (2, 16, 160) and got.dtype == dtype
     assert torch.equal(got, expected)
 
 
-def test_selective_double_quant_reads_only_listed_codes():
+@pytest.mark.parametrize("fn", SELECTIVE, ids=["triton", "torch"])
+def test_selective_double_quant_reads_only_listed_codes(fn):
     # Blocksize 32 and 256*32 elements per expert: each expert owns whole groups of 256 nested
     # codes, so the other experts' group scales can be poisoned too.
     q = experts(n_experts=3, d_out=64, d_in=128, blocksize=32, double_quant=True)
@@ -115,35 +121,39 @@ def test_selective_double_quant_reads_only_listed_codes():
     expected = dequantize_nf4(q)[active]
     poison(q, keep=[0, 2])
     q.absmax_scales[1] = float("nan")
-    assert torch.equal(selective_dequantize_nf4(q, active), expected)
+    assert torch.equal(fn(q, active), expected)
 
 
-def test_selective_double_quant_with_shared_nested_groups():
+@pytest.mark.parametrize("fn", SELECTIVE, ids=["triton", "torch"])
+def test_selective_double_quant_with_shared_nested_groups(fn):
     # 40 blocks per expert: nested groups of 256 codes straddle experts (the group scale is
     # shared and read); the other experts' codes are poisoned.
     q = experts(double_quant=True)
     active = torch.tensor([4, 0])
     expected = dequantize_nf4(q)[active]
     poison(q, keep=[0, 4])
-    assert torch.equal(selective_dequantize_nf4(q, active), expected)
+    assert torch.equal(fn(q, active), expected)
 
 
 @pytest.mark.parametrize("double_quant", [False, True])
-def test_selective_shuffled_with_repeats(double_quant):
+@pytest.mark.parametrize("fn", SELECTIVE, ids=["triton", "torch"])
+def test_selective_shuffled_with_repeats(double_quant, fn):
     q = experts(n_experts=6, d_out=8, d_in=24, blocksize=32, double_quant=double_quant)
     active = torch.tensor([5, 0, 5, 2, 0, 3], dtype=torch.int32)  # rows follow `active`
-    got = selective_dequantize_nf4(q, active, torch.bfloat16)
+    got = fn(q, active, torch.bfloat16)
     assert torch.equal(got, dequantize_nf4(q, torch.bfloat16)[active.long()])
 
 
-def test_selective_all_experts_equals_full():
+@pytest.mark.parametrize("fn", SELECTIVE, ids=["triton", "torch"])
+def test_selective_all_experts_equals_full(fn):
     q = experts(n_experts=4, d_out=4, d_in=32, blocksize=128)
-    assert torch.equal(selective_dequantize_nf4(q, torch.arange(4)), triton_dequantize_nf4(q))
+    assert torch.equal(fn(q, torch.arange(4)), triton_dequantize_nf4(q))
 
 
-def test_selective_empty_active():
+@pytest.mark.parametrize("fn", SELECTIVE, ids=["triton", "torch"])
+def test_selective_empty_active(fn):
     q = experts(n_experts=3, d_out=4, d_in=16)
-    got = selective_dequantize_nf4(q, torch.empty(0, dtype=torch.long))
+    got = fn(q, torch.empty(0, dtype=torch.long))
     assert got.shape == (0, 4, 16) and got.dtype == torch.float32
 
 

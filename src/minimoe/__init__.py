@@ -5,18 +5,22 @@ load-balancing and z losses, and a plain PyTorch
 dispatch MoE MLP that MiniGPT-MoE is pretrained with; the ScatterMoE dispatch (sort once,
 Triton scatter2scatter / group / group_bwd_W, `parallel_linear` with autograd) behind
 `MoEMLP(backend="triton")`; frozen NF4 experts (`NF4Experts`, `nf4_parallel_linear`) that
-dequantize only the experts with tokens. Fused LoRA kernels arrive with Lab 10; see BLUEPRINT.md.
+dequantize only the experts with tokens; expert LoRA fused into the kernels
+(`scatter2scatter_lora`, `group_bwd_lora`) or split, and `attach_expert_lora` to put it on a
+`MoEMLP` over a float or an NF4 base. See BLUEPRINT.md.
 """
 
 from . import reference
-from .moe import MoEMLP, dispatch_torch, dispatch_triton, expert_swiglu
+from .experts import ExpertLinear
+from .moe import MoEMLP, attach_expert_lora, dispatch_torch, dispatch_triton, expert_swiglu
 from .nf4_experts import NF4Experts, nf4_parallel_linear, quantize_experts
-from .ops import group, group_bwd_W, scatter2scatter
+from .ops import group, group_bwd_lora, group_bwd_W, scatter2scatter, scatter2scatter_lora
 from .parallel_linear import parallel_linear
 from .routing import load_balancing_loss, route, router_z_loss, update_selection_bias
 from .sort import flatten_sort_count
 
-__all__ = ["MoEMLP", "NF4Experts", "dispatch_torch", "dispatch_triton", "expert_swiglu",
-           "flatten_sort_count", "group", "group_bwd_W", "load_balancing_loss",
-           "nf4_parallel_linear", "parallel_linear", "quantize_experts", "reference", "route",
-           "router_z_loss", "scatter2scatter", "update_selection_bias"]
+__all__ = ["ExpertLinear", "MoEMLP", "NF4Experts", "attach_expert_lora", "dispatch_torch",
+           "dispatch_triton", "expert_swiglu", "flatten_sort_count", "group", "group_bwd_W",
+           "group_bwd_lora", "load_balancing_loss", "nf4_parallel_linear", "parallel_linear",
+           "quantize_experts", "reference", "route", "router_z_loss", "scatter2scatter",
+           "scatter2scatter_lora", "update_selection_bias"]

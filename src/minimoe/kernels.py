@@ -33,6 +33,23 @@ group_bwd_W — dW[e] = Σ_{sorted rows i of e} X[i]ᵀ · DY[i], both grouped, 
         acc += X[m:m+BLOCK_M, kk]ᵀ @ DY[m:m+BLOCK_M, n]   # masked: rows < end
     dW[e, kk, n] = acc                                 # an expert with no rows stores 0
 
+scatter2scatter_lora — the same kernel with HAS_LORA: per expert of the tile, also
+
+    xa  = Σ_kk X[xrow, kk:] * rows @ A[e·R:(e+1)·R, kk:]ᵀ   # [BLOCK_M, R], same x loads
+    acc += scaling · xa @ B[n, e·R:(e+1)·R]ᵀ                # rank-R update of the tile
+
+and dX with LoRA is that kernel again on (dY, Wᵀ, A := Bᵀ, B := Aᵀ): dY·W_eᵀ + s·(dY·B_e)·A_e.
+
+group_bwd_lora — one kernel for both LoRA gradients (no atomics, exact zeros if no rows):
+
+    # OUT[p, e·R + r] = scaling · Σ_{rows m of e} U[m, p] · (V[m] @ L[:, e·R:(e+1)·R])[r]
+    # grid = (E, cdiv(P, BLOCK_P));  dB = this(U=dY, V=X, L=Aᵀ);  dAᵀ = this(U=X, V=dY, L=B)
+    acc = 0                                            # [BLOCK_P, R] float32
+    for m in start .. end step BLOCK_M:
+        vl  = V[m:m+BLOCK_M] @ L_e                     # [BLOCK_M, R], looped over Q
+        acc += U[m:m+BLOCK_M, p]ᵀ @ vl
+    OUT[p, e·R:(e+1)·R] = scaling · acc
+
 The kernels use builtins only (no `tl.min`, `tl.sum`, ...: those are themselves @triton.jit
 helpers, which fail inside an interpreted kernel when triton was first imported without
 TRITON_INTERPRET; see miniquant/triton_dequant.py). The expert range of a row tile comes from
@@ -55,12 +72,18 @@ def _scatter2scatter_kernel(
     sxm, sxk,       # strides of X
     swe, swk, swn,  # strides of W
     sym, syn,       # strides of Y
+    A, B,           # LoRA factors A [R·E, K], B [N, R·E] (read only if HAS_LORA)
+    R, scaling,     # LoRA rank per expert, and the factor on its product
+    sar, sak,       # strides of A
+    sbn, sbr,       # strides of B
     FAN_OUT: tl.constexpr,    # k: slots per token (X row of slot s is s // FAN_OUT)
     X_GROUPED: tl.constexpr,  # True: X row of sorted row i is i
     Y_GROUPED: tl.constexpr,  # True: output row of sorted row i is i (else its slot)
+    HAS_LORA: tl.constexpr,   # add scaling · (x @ A_eᵀ) @ B_eᵀ (scatter2scatter_lora)
     BLOCK_M: tl.constexpr,    # sorted rows per program
     BLOCK_N: tl.constexpr,    # output columns per program
     BLOCK_K: tl.constexpr,    # reduction step
+    BLOCK_R: tl.constexpr,    # LoRA rank, padded to a power of two (>= 16 for tl.dot)
 ):
     pid_m = tl.program_id(0).to(tl.int64)   # int64: row · stride can pass 2**31 elements
     pid_n = tl.program_id(1).to(tl.int64)
@@ -82,9 +105,12 @@ def _scatter2scatter_kernel(
     # Sorted ids: the first and last row of the tile bound its experts.
     e_first = tl.load(expert_ids + pid_m * BLOCK_M)
     e_last = tl.load(expert_ids + tl.minimum(pid_m * BLOCK_M + BLOCK_M, M) - 1)
+    rr = tl.arange(0, BLOCK_R)                                      # [BR]
+    r_mask = rr < R
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for e in range(e_first, e_last + 1):
         rows = m_mask & (e_i == e)                                  # [BM]
+        xa = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)           # x @ A_eᵀ, LoRA only
         for k0 in range(0, K, BLOCK_K):
             k_mask = (k0 + kk) < K
             x = tl.load(X + xrow[:, None] * sxm + (k0 + kk)[None, :] * sxk,
@@ -92,6 +118,15 @@ def _scatter2scatter_kernel(
             w = tl.load(W + e * swe + (k0 + kk)[:, None] * swk + n[None, :] * swn,
                         mask=k_mask[:, None] & n_mask[None, :], other=0.0)     # [BK, BN]
             acc += tl.dot(x, w, input_precision="ieee")
+            if HAS_LORA:
+                a = tl.load(A + (e * R + rr)[None, :] * sar + (k0 + kk)[:, None] * sak,
+                            mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # [BK, BR]
+                xa += tl.dot(x, a, input_precision="ieee")
+        if HAS_LORA:
+            b = tl.load(B + n[None, :] * sbn + (e * R + rr)[:, None] * sbr,
+                        mask=r_mask[:, None] & n_mask[None, :], other=0.0)     # [BR, BN]
+            # Rows of other experts loaded x as 0, so their xa is 0: no mask needed here.
+            acc += tl.dot((xa * scaling).to(b.dtype), b, input_precision="ieee")
     tl.store(Y + yrow[:, None] * sym + n[None, :] * syn, acc.to(Y.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
@@ -155,6 +190,51 @@ def _group_bwd_W_kernel(
         acc += tl.dot(tl.trans(x), dy, input_precision="ieee")
     tl.store(DW + e * swe + k[:, None] * swk + n[None, :] * swn, acc.to(DW.dtype.element_ty),
              mask=k_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _group_bwd_lora_kernel(
+    U,              # [M, P] grouped rows whose columns index the output rows
+    V,              # [M, Q] grouped rows multiplied into the LoRA factor
+    L,              # [Q, R·E] LoRA factor; expert e owns columns e·R:(e+1)·R
+    OUT,            # [P, R·E] gradient (every element of each expert's columns written)
+    offsets,        # [E] int64 expert_offsets (inclusive cumulative counts = end rows)
+    P, Q, R,        # sizes
+    scaling,        # LoRA scaling s
+    s_um, s_up,     # strides of U
+    s_vm, s_vq,     # strides of V
+    s_lq, s_lr,     # strides of L
+    s_op, s_or,     # strides of OUT
+    BLOCK_M: tl.constexpr,    # rows per reduction step
+    BLOCK_P: tl.constexpr,    # output rows per program
+    BLOCK_Q: tl.constexpr,    # inner reduction step over Q
+    BLOCK_R: tl.constexpr,    # LoRA rank, padded to a power of two (>= 16 for tl.dot)
+):
+    e = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)          # [BP]
+    p_mask = p < P
+    rr = tl.arange(0, BLOCK_R)                                      # [BR]
+    r_mask = rr < R
+    qq = tl.arange(0, BLOCK_Q)
+    mm = tl.arange(0, BLOCK_M)
+    start = tl.load(offsets + e - 1, mask=e > 0, other=0)
+    end = tl.load(offsets + e)
+    acc = tl.full((BLOCK_P, BLOCK_R), 0.0, tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        rows = (m0 + mm) < end
+        vl = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)           # V[rows] @ L_e
+        for q0 in range(0, Q, BLOCK_Q):
+            q_mask = (q0 + qq) < Q
+            v = tl.load(V + (m0 + mm)[:, None] * s_vm + (q0 + qq)[None, :] * s_vq,
+                        mask=rows[:, None] & q_mask[None, :], other=0.0)      # [BM, BQ]
+            lf = tl.load(L + (q0 + qq)[:, None] * s_lq + (e * R + rr)[None, :] * s_lr,
+                         mask=q_mask[:, None] & r_mask[None, :], other=0.0)   # [BQ, BR]
+            vl += tl.dot(v, lf, input_precision="ieee")
+        u = tl.load(U + (m0 + mm)[:, None] * s_um + p[None, :] * s_up,
+                    mask=rows[:, None] & p_mask[None, :], other=0.0)          # [BM, BP]
+        acc += tl.dot(tl.trans(u), vl.to(u.dtype), input_precision="ieee")
+    tl.store(OUT + p[:, None] * s_op + (e * R + rr)[None, :] * s_or,
+             (acc * scaling).to(OUT.dtype.element_ty), mask=p_mask[:, None] & r_mask[None, :])
 
 
 def interpreting() -> bool:

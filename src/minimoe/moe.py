@@ -10,11 +10,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .experts import ExpertLinear
+from .nf4_experts import NF4Experts
 from .parallel_linear import parallel_linear
 from .routing import load_balancing_loss, route
 from .sort import flatten_sort_count
 
 BACKENDS = ("torch", "triton")
+PROJECTIONS = ("w_gate", "w_up", "w_down")
 
 
 def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -40,24 +43,38 @@ def dispatch_torch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     return out
 
 
-def dispatch_triton(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                    w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
-                    ) -> torch.Tensor:
-    """ScatterMoE dispatch: sort the slots once, three `parallel_linear`s over sorted rows.
+def _expert_linear(w, x, k, idx, backend, **kw) -> torch.Tensor:
+    """A stacked weight [E, K, N] through `parallel_linear`, or an expert module (ExpertLinear,
+    NF4Experts: frozen base + expert LoRA) through its own forward, on `backend`."""
+    if isinstance(w, torch.Tensor):
+        return parallel_linear(x, w, k, *idx, backend=backend, **kw)
+    return w(x, k, *idx, backend=backend, **kw)
 
-    x [T, C]; weights, experts [T, k]; returns [T, C]. Same math as `dispatch_torch`.
+
+def dispatch_triton(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                    w_gate, w_up, w_down, backend: str = "triton") -> torch.Tensor:
+    """ScatterMoE dispatch: sort the slots once, three expert linears over sorted rows.
+
+    x [T, C]; weights, experts [T, k]; returns [T, C]. Same math as `dispatch_torch`. Each
+    w_* is a stacked weight (w_gate/w_up [E, C, F], w_down [E, F, C]) or an expert module
+    (`ExpertLinear`, `NF4Experts`) of that shape; `backend="torch"` runs the same sorted
+    order in PyTorch.
     """
     k = experts.shape[1]
-    idx = flatten_sort_count(experts, w_gate.shape[0])          # 3 × [T·k] / [E]
-    g = parallel_linear(x, w_gate, k, *idx, grouped_out=True)   # [T·k, F] sorted
-    u = parallel_linear(x, w_up, k, *idx, grouped_out=True)     # [T·k, F] sorted
-    h = F.silu(g) * u                                           # [T·k, F] sorted
+    n_experts = w_gate.shape[0] if isinstance(w_gate, torch.Tensor) else w_gate.n_experts
+    idx = flatten_sort_count(experts, n_experts)                 # 3 × [T·k] / [E]
+    g = _expert_linear(w_gate, x, k, idx, backend, grouped_out=True)   # [T·k, F] sorted
+    u = _expert_linear(w_up, x, k, idx, backend, grouped_out=True)     # [T·k, F] sorted
+    h = F.silu(g) * u                                                  # [T·k, F] sorted
     # Down projection from sorted rows back to tokens, the k outputs mixed by the gates.
-    return parallel_linear(h, w_down, k, *idx, gates=weights, grouped_in=True)  # [T, C]
+    return _expert_linear(w_down, h, k, idx, backend, gates=weights, grouped_in=True)  # [T, C]
 
 
 class MoEMLP(nn.Module):
-    """Top-k routed SwiGLU experts. After each forward, `aux_loss` holds the balancing loss."""
+    """Top-k routed SwiGLU experts. After each forward, `aux_loss` holds the balancing loss.
+
+    `attach_expert_lora` turns w_gate / w_up / w_down into expert modules (a frozen float or
+    NF4 base plus per-expert LoRA); the routing and the forward stay the same."""
 
     def __init__(self, n_embd: int, d_ff: int, n_experts: int, top_k: int,
                  backend: str = "torch"):
@@ -89,6 +106,33 @@ class MoEMLP(nn.Module):
         weights, experts = route(logits, self.top_k, renormalize=self.top_k > 1)  # [T, k]
         self.aux_loss = load_balancing_loss(logits, experts)
         self.last_experts = experts.detach()
-        dispatch = dispatch_triton if self.backend == "triton" else dispatch_torch
-        out = dispatch(x, weights, experts, self.w_gate, self.w_up, self.w_down)
+        ws = (self.w_gate, self.w_up, self.w_down)
+        if self.backend == "torch" and all(isinstance(w, nn.Parameter) for w in ws):
+            out = dispatch_torch(x, weights, experts, *ws)
+        else:       # the Triton kernels, or expert modules (LoRA, NF4) on either backend
+            out = dispatch_triton(x, weights, experts, *ws, backend=self.backend)
         return out.reshape(shape)
+
+
+def attach_expert_lora(mlp: nn.Module, r: int = 8, alpha: float = 16.0, nf4: bool = False,
+                       blocksize: int = 64, double_quant: bool = True) -> list[str]:
+    """Replace a MoEMLP's w_gate / w_up / w_down by expert linears with LoRA, in place.
+
+    nf4=False: `ExpertLinear` over the same float Parameter (frozen); nf4=True: `NF4Experts`
+    (NF4 + double quant at `blocksize`; each expert's K·N must be whole blocks). The router
+    is left as it is. Returns the names replaced. Everything is built before anything is
+    swapped in, so a bad argument leaves `mlp` untouched.
+    """
+    current = {name: getattr(mlp, name, None) for name in PROJECTIONS}
+    if not all(isinstance(w, nn.Parameter) for w in current.values()):
+        raise ValueError(f"mlp must be a MoEMLP with float {PROJECTIONS} parameters (not yet "
+                         f"wrapped), got {[type(w).__name__ for w in current.values()]}")
+    backend = getattr(mlp, "backend", "triton")
+    new = {name: (NF4Experts.from_weight(w.detach(), blocksize, double_quant, r=r, alpha=alpha,
+                                         backend=backend) if nf4 else
+                  ExpertLinear(w, r=r, alpha=alpha, backend=backend))
+           for name, w in current.items()}
+    for name, module in new.items():
+        delattr(mlp, name)
+        setattr(mlp, name, module)
+    return list(PROJECTIONS)

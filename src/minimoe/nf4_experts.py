@@ -26,15 +26,14 @@ rows get exactly-zero gradients).
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn as nn
 
 from miniquant.linear import NF4Buffers
 from miniquant.nf4 import NF4Weight, quantize_nf4
-from miniquant.triton_dequant import selective_dequantize_nf4
+from miniquant.triton_dequant import selective_dequantize_nf4, selective_dequantize_nf4_torch
 
+from .experts import init_expert_lora
+from .ops import check_expert_lora
 from .parallel_linear import parallel_linear
 
 __all__ = ["NF4Experts", "active_experts", "nf4_parallel_linear", "quantize_experts"]
@@ -58,17 +57,12 @@ def active_experts(expert_offsets: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(counts > 0).reshape(-1)
 
 
-def _compact_lora(lora_A, lora_B, active: torch.Tensor, E: int):
+def _compact_lora(lora_A, lora_B, active: torch.Tensor, shape):
     """A [r·E, K], B [N, r·E] -> the active experts' slices [r·n, K], [N, r·n] (autograd)."""
     if lora_A is None and lora_B is None:
         return None, None
-    if lora_A is None or lora_B is None:
-        raise ValueError("lora_A and lora_B must be given together")
-    if lora_A.dim() != 2 or lora_B.dim() != 2 or lora_A.shape[0] % E \
-            or lora_B.shape[1] != lora_A.shape[0]:
-        raise ValueError(f"lora_A must be [r·E, K] and lora_B [N, r·E] with E={E}, got "
-                         f"{tuple(lora_A.shape)} and {tuple(lora_B.shape)}")
-    r, K, N, n = lora_A.shape[0] // E, lora_A.shape[1], lora_B.shape[0], active.numel()
+    E, K, N = shape
+    r, n = check_expert_lora(lora_A, lora_B, E, K, N), active.numel()
     A_c = lora_A.reshape(E, r, K).index_select(0, active).reshape(n * r, K)
     B_c = lora_B.reshape(N, E, r).index_select(1, active).reshape(N, n * r)
     return A_c, B_c
@@ -79,7 +73,7 @@ def nf4_parallel_linear(x: torch.Tensor, q: NF4Weight, k: int, sorted_expert_idx
                         gates: torch.Tensor | None = None, grouped_in: bool = False,
                         grouped_out: bool = False, lora_A=None, lora_B=None,
                         scaling: float = 1.0, backend: str = "triton",
-                        stats: dict | None = None) -> torch.Tensor:
+                        stats: dict | None = None, lora_path: str = "fused") -> torch.Tensor:
     """`parallel_linear` with a frozen NF4 weight q [E, K, N]: same arguments and result,
     computed in x's dtype, dequantizing only the experts that received rows.
 
@@ -97,28 +91,31 @@ def nf4_parallel_linear(x: torch.Tensor, q: NF4Weight, k: int, sorted_expert_idx
     if n < k:
         # A top-k router gives k distinct experts per token, so n >= k whenever T >= 1.
         raise ValueError(f"only {n} experts received rows, fewer than k={k}")
-    Wc = selective_dequantize_nf4(q, active.to(q.device), dtype=x.dtype)       # [n, K, N]
+    # The kernel on a GPU (or in the interpreter); the same bits from PyTorch on backend="torch".
+    dequant = selective_dequantize_nf4 if backend == "triton" else selective_dequantize_nf4_torch
+    Wc = dequant(q, active.to(q.device), dtype=x.dtype)                        # [n, K, N]
     assert not Wc.requires_grad and Wc.grad_fn is None, "the NF4 weight must stay frozen"
     remap = torch.full((E,), -1, dtype=torch.int64, device=active.device)
     remap[active] = torch.arange(n, device=active.device)
     sei_c = remap[sorted_expert_idxs]                                          # [M] in 0..n-1
     offs_c = expert_offsets[active]                                            # [n]
-    A_c, B_c = _compact_lora(lora_A, lora_B, active, E)
+    A_c, B_c = _compact_lora(lora_A, lora_B, active, q.shape)
     if stats is not None:
         stats.update(active=active.tolist(), n_active=n, n_experts=E,
                      dequant_bytes=Wc.numel() * Wc.element_size())
     return parallel_linear(x, Wc, k, sei_c, sorted_scattered_idxs, offs_c, gates=gates,
                            grouped_in=grouped_in, grouped_out=grouped_out, lora_A=A_c,
-                           lora_B=B_c, scaling=scaling, backend=backend)
+                           lora_B=B_c, scaling=scaling, backend=backend, lora_path=lora_path)
 
 
 class NF4Experts(NF4Buffers):
     """A frozen [E, K, N] expert linear held in NF4 (buffers), with optional trainable expert
-    LoRA: `lora_A` [r·E, K] (kaiming-uniform, a=√5), `lora_B` [N, r·E] (zeros), scaling α/r.
+    LoRA (`experts.init_expert_lora`): `lora_A` [r·E, K] (kaiming-uniform, a=√5), `lora_B`
+    [N, r·E] (zeros), scaling α/r.
 
     `forward(x, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, gates=None,
-    grouped_in=False, grouped_out=False)` is `nf4_parallel_linear`; `last_stats` holds its
-    stats (active experts, dequant-buffer bytes) after each call.
+    grouped_in=False, grouped_out=False, backend=None)` is `nf4_parallel_linear`;
+    `last_stats` holds its stats (active experts, dequant-buffer bytes) after each call.
     """
 
     def __init__(self, weight: NF4Weight, r: int = 0, alpha: float = 16.0,
@@ -127,16 +124,9 @@ class NF4Experts(NF4Buffers):
         if len(weight.shape) != 3:
             raise ValueError(f"weight must be an [E, K, N] NF4Weight, got {tuple(weight.shape)}")
         self.n_experts, self.in_features, self.out_features = weight.shape
-        self.r, self.backend = r, backend
-        self.scaling = alpha / r if r else 1.0
+        self.backend, self.lora_path = backend, "fused"
         self.hold_nf4(weight)
-        if r:
-            E, K, N = weight.shape
-            self.lora_A = nn.Parameter(torch.empty(r * E, K, device=weight.device))
-            self.lora_B = nn.Parameter(torch.zeros(N, r * E, device=weight.device))
-            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        else:
-            self.lora_A = self.lora_B = None
+        init_expert_lora(self, *weight.shape, r, alpha, weight.device)
         self.last_stats: dict = {}
 
     @classmethod
@@ -146,14 +136,14 @@ class NF4Experts(NF4Buffers):
                    backend=backend)
 
     def forward(self, x, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets,
-                gates=None, grouped_in=False, grouped_out=False):
+                gates=None, grouped_in=False, grouped_out=False, backend=None):
         self.last_stats = {}
         return nf4_parallel_linear(x, self.weight_nf4, k, sorted_expert_idxs,
                                    sorted_scattered_idxs, expert_offsets, gates=gates,
                                    grouped_in=grouped_in, grouped_out=grouped_out,
                                    lora_A=self.lora_A, lora_B=self.lora_B,
-                                   scaling=self.scaling, backend=self.backend,
-                                   stats=self.last_stats)
+                                   scaling=self.scaling, backend=backend or self.backend,
+                                   stats=self.last_stats, lora_path=self.lora_path)
 
     def extra_repr(self) -> str:
         return (f"n_experts={self.n_experts}, in={self.in_features}, out={self.out_features}, "

@@ -57,6 +57,30 @@ def _check_index(t: torch.Tensor, name: str, M: int, hi: int, device: torch.devi
     return t.long().contiguous()
 
 
+def _check_offsets(expert_offsets: torch.Tensor, E: int, M: int, device) -> torch.Tensor:
+    """[E] non-decreasing end offsets ending at M, as contiguous int64."""
+    offs = _check_index(expert_offsets, "expert_offsets", E, M + 1, device)
+    if int(offs[-1]) != M or bool((offs[1:] < offs[:-1]).any()):
+        raise ValueError(f"expert_offsets must be non-decreasing end offsets ending at M={M}")
+    return offs
+
+
+def check_expert_lora(lora_A, lora_B, E: int, K: int, N: int) -> int:
+    """Expert LoRA A [r·E, K], B [N, r·E] (expert e: rows / columns e·r:(e+1)·r) -> r."""
+    if lora_A is None or lora_B is None:
+        raise ValueError("lora_A and lora_B must be given together")
+    rE = lora_A.shape[0] if lora_A.dim() == 2 else -1
+    if rE <= 0 or rE % E or lora_A.shape[1] != K or tuple(lora_B.shape) != (N, rE):
+        raise ValueError(f"lora_A must be [r·E, K] = [r·{E}, {K}] and lora_B [N, r·E] = "
+                         f"[{N}, r·{E}], got {tuple(lora_A.shape)} and {tuple(lora_B.shape)}")
+    return rE // E
+
+
+def _rank_block(r: int) -> int:
+    """The LoRA rank padded to a power of two, at least 16 (tl.dot's smallest dimension)."""
+    return max(16, 1 << (r - 1).bit_length())
+
+
 def scatter2scatter(X: torch.Tensor, W: torch.Tensor, sorted_expert_idxs: torch.Tensor,
                     sorted_scattered_idxs: torch.Tensor, k: int, x_grouped: bool = False,
                     y_grouped: bool = False) -> torch.Tensor:
@@ -66,6 +90,24 @@ def scatter2scatter(X: torch.Tensor, W: torch.Tensor, sorted_expert_idxs: torch.
     xrow(i) = i if x_grouped else sorted_scattered_idxs[i] // k; row(i) = i if y_grouped
     else sorted_scattered_idxs[i] (slot order t·k + j).
     """
+    return _scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_grouped,
+                            y_grouped, None)
+
+
+def scatter2scatter_lora(X: torch.Tensor, W: torch.Tensor, lora_A: torch.Tensor,
+                         lora_B: torch.Tensor, scaling: float, sorted_expert_idxs: torch.Tensor,
+                         sorted_scattered_idxs: torch.Tensor, k: int, x_grouped: bool = False,
+                         y_grouped: bool = False) -> torch.Tensor:
+    """`scatter2scatter` plus each row's expert LoRA, fused into the same tiles:
+    Y[row(i)] = x @ W[e] + scaling · (x @ A_eᵀ) @ B_eᵀ with e = sorted_expert_idxs[i],
+    A [r·E, K], B [N, r·E], A_e = A[e·r:(e+1)·r], B_e = B[:, e·r:(e+1)·r]."""
+    return _scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_grouped,
+                            y_grouped, (lora_A, lora_B, float(scaling)))
+
+
+def _scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_grouped, y_grouped,
+                     lora) -> torch.Tensor:
+    """Check, allocate and launch the scatter2scatter kernel; lora = (A, B, scaling) or None."""
     _check_same(X, W, "X", "W")
     _check_float(X, "X")
     _check_float(W, "W")
@@ -83,6 +125,13 @@ def scatter2scatter(X: torch.Tensor, W: torch.Tensor, sorted_expert_idxs: torch.
     sei = _check_index(sorted_expert_idxs, "sorted_expert_idxs", M, E, X.device)
     ssi = _check_index(sorted_scattered_idxs, "sorted_scattered_idxs", M, M, X.device)
     X, W = X.contiguous(), W.contiguous()
+    A, B, r, scaling = X, X, 0, 1.0          # never read without LoRA (a constexpr branch)
+    if lora is not None:
+        A, B, scaling = lora
+        r = check_expert_lora(A, B, E, K, N)
+        for t, name in ((A, "lora_A"), (B, "lora_B")):
+            _check_same(X, t, "X", name)
+        A, B = A.contiguous(), B.contiguous()
     Y = torch.empty(M, N, dtype=X.dtype, device=X.device)                  # [M, N]
     if M == 0:
         return Y
@@ -91,8 +140,9 @@ def scatter2scatter(X: torch.Tensor, W: torch.Tensor, sorted_expert_idxs: torch.
     kernels._scatter2scatter_kernel[grid](
         X, W, Y, sei, ssi, M, K, N, X.stride(0), X.stride(1),
         W.stride(0), W.stride(1), W.stride(2), Y.stride(0), Y.stride(1),
-        FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
+        A, B, r, scaling, A.stride(0), A.stride(1), B.stride(0), B.stride(1),
+        FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped, HAS_LORA=lora is not None,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=_rank_block(max(r, 1)))
     return Y
 
 
@@ -142,9 +192,7 @@ def group_bwd_W(DY: torch.Tensor, X: torch.Tensor, expert_offsets: torch.Tensor,
     if E < 1:
         raise ValueError(f"E must be >= 1, got {E}")
     M, N, K = DY.shape[0], DY.shape[1], X.shape[1]
-    offs = _check_index(expert_offsets, "expert_offsets", E, M + 1, X.device)
-    if E and (int(offs[-1]) != M or bool((offs[1:] < offs[:-1]).any())):
-        raise ValueError(f"expert_offsets must be non-decreasing end offsets ending at M={M}")
+    offs = _check_offsets(expert_offsets, E, M, X.device)
     DY, X = DY.contiguous(), X.contiguous()
     DW = torch.empty(E, K, N, dtype=X.dtype, device=X.device)              # [E, K, N]
     BM, BN, BK = _tile(kernels.interpreting())
@@ -153,3 +201,44 @@ def group_bwd_W(DY: torch.Tensor, X: torch.Tensor, expert_offsets: torch.Tensor,
         DY, X, DW, offs, K, N, DY.stride(0), DY.stride(1), X.stride(0), X.stride(1),
         DW.stride(0), DW.stride(1), DW.stride(2), BLOCK_M=BM, BLOCK_K=BK, BLOCK_N=BN)
     return DW
+
+
+def group_bwd_lora(DY: torch.Tensor, X: torch.Tensor, lora_A: torch.Tensor,
+                   lora_B: torch.Tensor, expert_offsets: torch.Tensor, scaling: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert LoRA gradients from grouped rows: DY [M, N], X [M, K], A [r·E, K], B [N, r·E].
+
+    dA_e = scaling · (DY_e @ B_e)ᵀ @ X_e  -> dA [r·E, K]
+    dB_e = scaling · DY_eᵀ @ (X_e @ A_eᵀ) -> dB [N, r·E]
+    with X_e, DY_e the rows expert_offsets[e-1]..expert_offsets[e]; an expert with no rows
+    gets exact zeros. One kernel computes both (see kernels.py).
+    """
+    for t, name in ((X, "X"), (lora_A, "lora_A"), (lora_B, "lora_B")):
+        _check_same(DY, t, "DY", name)
+    for t, name in ((DY, "DY"), (X, "X")):
+        _check_float(t, name)
+    if DY.dim() != 2 or X.dim() != 2 or DY.shape[0] != X.shape[0]:
+        raise ValueError(f"DY [M, N] and X [M, K] must have the same rows, got "
+                         f"{tuple(DY.shape)} and {tuple(X.shape)}")
+    M, N, K = DY.shape[0], DY.shape[1], X.shape[1]
+    E = expert_offsets.shape[0] if expert_offsets.dim() == 1 else 0
+    if E < 1:
+        raise ValueError(f"expert_offsets must be a non-empty [E] tensor, got "
+                         f"{tuple(expert_offsets.shape)}")
+    r = check_expert_lora(lora_A, lora_B, E, K, N)
+    offs = _check_offsets(expert_offsets, E, M, X.device)
+    DY, X, A, B = (t.contiguous() for t in (DY, X, lora_A, lora_B))
+    dA = torch.empty_like(A)                                               # [r·E, K]
+    dB = torch.empty_like(B)                                               # [N, r·E]
+    BM, BP, BQ = _tile(kernels.interpreting())
+    BR = _rank_block(r)
+    # dB[n, e·r + j] = s · Σ DY[m, n] · (X[m] @ A_eᵀ)[j];  dAᵀ[k, e·r + j] likewise with
+    # U = X, V = DY, L = B — dA written through its transposed strides.
+    for U, V, L, OUT, sl, so in ((DY, X, A, dB, (A.stride(1), A.stride(0)), dB.stride()),
+                                 (X, DY, B, dA, B.stride(), (dA.stride(1), dA.stride(0)))):
+        P, Q = U.shape[1], V.shape[1]
+        kernels._group_bwd_lora_kernel[(E, _cdiv(P, BP))](
+            U, V, L, OUT, offs, P, Q, r, float(scaling), U.stride(0), U.stride(1),
+            V.stride(0), V.stride(1), *sl, *so,
+            BLOCK_M=BM, BLOCK_P=BP, BLOCK_Q=BQ, BLOCK_R=BR)
+    return dA, dB

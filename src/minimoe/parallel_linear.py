@@ -12,9 +12,14 @@ Triton backend (`ParallelLinear`, ScatterMoE's decomposition), M = T·k sorted r
                     summed over the k slots of each token       # (kept [M, K] if grouped_in)
 
 Expert LoRA (A [r·E, K], B [N, r·E]; expert e owns rows / columns e·r:(e+1)·r) adds
-scaling · (x @ A_eᵀ) @ B_eᵀ to each slot before the gates mix them. Here it is composed from
-two more parallel_linears over views A → [E, K, r], B → [E, r, N] (not yet the fused
-scatter2scatter_lora / group_bwd_lora kernels), so its gradients come from the same kernels.
+scaling · (x @ A_eᵀ) @ B_eᵀ to each slot before the gates mix them. Fused (default):
+
+    forward   Y  = scatter2scatter_lora(x, W, A, B)             # base + LoRA in one kernel
+    backward  dA, dB = group_bwd_lora(dYg, Xg, A, B)            # one kernel, both factors
+              dX  = scatter2scatter_lora(dYg, Wᵀ, Bᵀ, Aᵀ)      # dY W_eᵀ + s (dY B_e) A_e
+
+Split (`lora_path="split"`): two more parallel_linears over views A -> [E, K, r],
+B -> [E, r, N], so A and B get their gradients from the dW and dX rules above.
 
 Torch backend: the same sorted order in plain PyTorch (gather, one matmul per expert slice,
 scatter), differentiated by autograd.
@@ -27,6 +32,7 @@ import torch
 from . import ops
 
 BACKENDS = ("torch", "triton")
+LORA_PATHS = ("fused", "split")
 
 
 def _combine(Y: torch.Tensor, gates: torch.Tensor, k: int) -> torch.Tensor:
@@ -37,18 +43,26 @@ def _combine(Y: torch.Tensor, gates: torch.Tensor, k: int) -> torch.Tensor:
 
 class ParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, W, gates, k, sei, ssi, offsets, grouped_in, grouped_out):
-        Y = ops.scatter2scatter(x, W, sei, ssi, k, x_grouped=grouped_in,
-                                y_grouped=grouped_out)                       # [M, N]
+    def forward(ctx, x, W, gates, k, sei, ssi, offsets, grouped_in, grouped_out,
+                lora_A=None, lora_B=None, scaling=1.0):
+        if lora_A is None:
+            Y = ops.scatter2scatter(x, W, sei, ssi, k, x_grouped=grouped_in,
+                                    y_grouped=grouped_out)                   # [M, N]
+        else:
+            Y = ops.scatter2scatter_lora(x, W, lora_A, lora_B, scaling, sei, ssi, k,
+                                         x_grouped=grouped_in, y_grouped=grouped_out)
         out = Y if gates is None else _combine(Y, gates, k)                 # [T, N] w/ gates
-        ctx.save_for_backward(x, W, gates, sei, ssi, offsets, Y if gates is not None else None)
+        ctx.save_for_backward(x, W, gates, sei, ssi, offsets, Y if gates is not None else None,
+                              lora_A, lora_B)
         ctx.k, ctx.grouped_in, ctx.grouped_out = k, grouped_in, grouped_out
+        ctx.scaling = scaling
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        x, W, gates, sei, ssi, offsets, Y = ctx.saved_tensors
+        x, W, gates, sei, ssi, offsets, Y, lora_A, lora_B = ctx.saved_tensors
         k, E = ctx.k, W.shape[0]
+        need = ctx.needs_input_grad
         dout = dout.contiguous()
         dgates = None
         if gates is not None:                                   # dout [T, N]
@@ -61,13 +75,22 @@ class ParallelLinear(torch.autograd.Function):
         else:
             dYg = ops.group(dout, ssi, fan_out=1)                                     # [M, N]
         Xg = x if ctx.grouped_in else ops.group(x, ssi, fan_out=k)                    # [M, K]
-        dW = ops.group_bwd_W(dYg, Xg, offsets, E) if ctx.needs_input_grad[1] else None
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dXs = ops.scatter2scatter(dYg, W.transpose(1, 2), sei, ssi, 1, x_grouped=True,
-                                      y_grouped=ctx.grouped_in)                       # [M, K]
+        dW = ops.group_bwd_W(dYg, Xg, offsets, E) if need[1] else None
+        dA = dB = dx = None
+        if lora_A is not None and (need[9] or need[10]):
+            dA, dB = ops.group_bwd_lora(dYg, Xg, lora_A, lora_B, offsets, ctx.scaling)
+        if need[0]:
+            # dX = dY @ W_eᵀ (+ s · (dY @ B_e) @ A_e): the forward kernel on transposed weights.
+            Wt = W.transpose(1, 2)                                                    # [E, N, K]
+            if lora_A is None:
+                dXs = ops.scatter2scatter(dYg, Wt, sei, ssi, 1, x_grouped=True,
+                                          y_grouped=ctx.grouped_in)                   # [M, K]
+            else:
+                dXs = ops.scatter2scatter_lora(dYg, Wt, lora_B.t(), lora_A.t(), ctx.scaling,
+                                               sei, ssi, 1, x_grouped=True,
+                                               y_grouped=ctx.grouped_in)
             dx = dXs if ctx.grouped_in or k == 1 else dXs.view(-1, k, dXs.shape[1]).sum(1)
-        return dx, dW, dgates, None, None, None, None, None, None
+        return dx, dW, dgates, None, None, None, None, None, None, dA, dB, None
 
 
 def _torch_parallel_linear(x, W, k, sei, ssi, offsets, gates, grouped_in, grouped_out):
@@ -82,23 +105,13 @@ def _torch_parallel_linear(x, W, k, sei, ssi, offsets, gates, grouped_in, groupe
     return Y if gates is None else _combine(Y, gates, k)
 
 
-def _expert_lora_weights(lora_A, lora_B, E: int, K: int, N: int):
-    """A [r·E, K], B [N, r·E] -> views WA [E, K, r], WB [E, r, N] (expert e: rows e·r:(e+1)·r)."""
-    if lora_A is None or lora_B is None:
-        raise ValueError("lora_A and lora_B must be given together")
-    rE = lora_A.shape[0]
-    if lora_A.dim() != 2 or lora_B.dim() != 2 or rE % E or lora_A.shape[1] != K \
-            or tuple(lora_B.shape) != (N, rE):
-        raise ValueError(f"lora_A must be [r·E, K] = [r·{E}, {K}] and lora_B [N, r·E] = "
-                         f"[{N}, r·{E}], got {tuple(lora_A.shape)} and {tuple(lora_B.shape)}")
-    r = rE // E
-    return lora_A.reshape(E, r, K).transpose(1, 2), lora_B.reshape(N, E, r).permute(1, 2, 0)
-
-
-def _with_lora(x, W, k, idx, gates, grouped_in, grouped_out, lora_A, lora_B, scaling, backend):
-    """Base + scaling · LoRA per slot, then the gates: four parallel_linears, autograd."""
+def _split_lora(x, W, k, idx, gates, grouped_in, grouped_out, lora_A, lora_B, scaling, backend):
+    """The split path: base + scaling · (x A_eᵀ) B_eᵀ per slot from three parallel_linears
+    over views A -> [E, K, r], B -> [E, r, N] (their gradients come from the same rules)."""
     E, K, N = W.shape
-    WA, WB = _expert_lora_weights(lora_A, lora_B, E, K, N)             # [E, K, r], [E, r, N]
+    r = ops.check_expert_lora(lora_A, lora_B, E, K, N)
+    WA = lora_A.reshape(E, r, K).transpose(1, 2)                            # [E, K, r]
+    WB = lora_B.reshape(N, E, r).permute(1, 2, 0)                           # [E, r, N]
     go = grouped_out and gates is None
     base = parallel_linear(x, W, k, *idx, grouped_in=grouped_in, grouped_out=go,
                            backend=backend)                             # [M, N]
@@ -113,13 +126,17 @@ def parallel_linear(x: torch.Tensor, W: torch.Tensor, k: int, sorted_expert_idxs
                     sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor,
                     gates: torch.Tensor | None = None, grouped_in: bool = False,
                     grouped_out: bool = False, lora_A=None, lora_B=None, scaling: float = 1.0,
-                    backend: str = "triton") -> torch.Tensor:
+                    backend: str = "triton", lora_path: str = "fused") -> torch.Tensor:
     """Expert linear over the routing slots: x [T, K] (or [M, K] sorted if grouped_in),
     W [E, K, N] -> [M, N] (slot order, or sorted if grouped_out), or [T, N] with gates [T, k]
     combining each token's k outputs. Indices from `flatten_sort_count`. With lora_A
-    [r·E, K] and lora_B [N, r·E], each slot adds scaling · (x @ A_eᵀ) @ B_eᵀ."""
+    [r·E, K] and lora_B [N, r·E], each slot adds scaling · (x @ A_eᵀ) @ B_eᵀ: on the triton
+    backend fused into the base kernels (`lora_path="fused"`, scatter2scatter_lora and
+    group_bwd_lora) or as separate expert linears (`"split"`, what the torch backend does)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if lora_path not in LORA_PATHS:
+        raise ValueError(f"lora_path must be one of {LORA_PATHS}, got {lora_path!r}")
     if W.dim() != 3 or not 1 <= k <= W.shape[0]:
         raise ValueError(f"W must be [E, K, N] and k in 1..E, got W {tuple(W.shape)}, k={k}")
     if expert_offsets.shape != (W.shape[0],):
@@ -131,12 +148,16 @@ def parallel_linear(x: torch.Tensor, W: torch.Tensor, k: int, sorted_expert_idxs
         M = sorted_scattered_idxs.shape[0]
         if gates.shape != (M // k, k):
             raise ValueError(f"gates must have shape [{M // k}, {k}], got {tuple(gates.shape)}")
-    if lora_A is not None or lora_B is not None:
+    has_lora = lora_A is not None or lora_B is not None
+    if has_lora and (backend == "torch" or lora_path == "split"):
         idx = (sorted_expert_idxs, sorted_scattered_idxs, expert_offsets)
-        return _with_lora(x, W, k, idx, gates, grouped_in, grouped_out, lora_A, lora_B,
-                          scaling, backend)
+        return _split_lora(x, W, k, idx, gates, grouped_in, grouped_out, lora_A, lora_B,
+                           scaling, backend)
     if backend == "torch":
         return _torch_parallel_linear(x, W, k, sorted_expert_idxs, sorted_scattered_idxs,
                                       expert_offsets, gates, grouped_in, grouped_out)
+    if has_lora:
+        ops.check_expert_lora(lora_A, lora_B, *W.shape)
     return ParallelLinear.apply(x, W, gates, k, sorted_expert_idxs, sorted_scattered_idxs,
-                                expert_offsets, grouped_in, grouped_out)
+                                expert_offsets, grouped_in, grouped_out, lora_A, lora_B,
+                                float(scaling))

@@ -9,6 +9,16 @@ import torch
 import torch.nn.functional as F
 
 
+def expert_linear(v: torch.Tensor, W: torch.Tensor, e: int, lora_A=None, lora_B=None,
+                  scaling: float = 1.0) -> torch.Tensor:
+    """One expert on one vector: v [K] @ W[e] (+ scaling · (v @ A_eᵀ) @ B_eᵀ) -> [N]."""
+    out = v @ W[e]
+    if lora_A is not None:
+        r = lora_A.shape[0] // W.shape[0]
+        out = out + scaling * ((v @ lora_A[e * r:(e + 1) * r].T) @ lora_B[:, e * r:(e + 1) * r].T)
+    return out
+
+
 def linear_loop(x: torch.Tensor, W: torch.Tensor, expert_idxs: torch.Tensor,
                 gates: torch.Tensor | None = None, lora_A: torch.Tensor | None = None,
                 lora_B: torch.Tensor | None = None, scaling: float = 1.0) -> torch.Tensor:
@@ -20,18 +30,10 @@ def linear_loop(x: torch.Tensor, W: torch.Tensor, expert_idxs: torch.Tensor,
     With gates [T, k]: [T, N] with row t = Σ_j gates[t, j] · y(t, expert_idxs[t, j]).
     """
     T, k = expert_idxs.shape
-    r = 0 if lora_A is None else lora_A.shape[0] // W.shape[0]
-
-    def y(t: int, e: int) -> torch.Tensor:                               # [N]
-        out = x[t] @ W[e]
-        if r:
-            out = out + scaling * ((x[t] @ lora_A[e * r:(e + 1) * r].T)
-                                   @ lora_B[:, e * r:(e + 1) * r].T)
-        return out
-
     rows = []
     for t in range(T):
-        ys = [y(t, int(expert_idxs[t, j])) for j in range(k)]             # k × [N]
+        ys = [expert_linear(x[t], W, int(expert_idxs[t, j]), lora_A, lora_B, scaling)
+              for j in range(k)]                                          # k × [N]
         if gates is None:
             rows.extend(ys)
         else:
@@ -40,16 +42,24 @@ def linear_loop(x: torch.Tensor, W: torch.Tensor, expert_idxs: torch.Tensor,
 
 
 def moe_loop(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-             w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+             w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+             lora: tuple | None = None, scaling: float = 1.0) -> torch.Tensor:
     """SwiGLU MoE, token by token: x [T, C], weights/experts [T, k], w_gate/w_up [E, C, F],
-    w_down [E, F, C] -> [T, C] = Σ_j weights[t, j] · expert_{experts[t, j]}(x[t])."""
+    w_down [E, F, C] -> [T, C] = Σ_j weights[t, j] · expert_{experts[t, j]}(x[t]).
+
+    `lora`: optional ((A, B) of gate, of up, of down), each A [r·E, in], B [out, r·E],
+    added to its projection with `scaling` as in `linear_loop`.
+    """
     T, k = experts.shape
+    ab = lora or ((None, None),) * 3
     rows = []
     for t in range(T):
         out = torch.zeros_like(x[t])
         for j in range(k):
             e = int(experts[t, j])
-            h = F.silu(x[t] @ w_gate[e]) * (x[t] @ w_up[e])                  # [F]
-            out = out + weights[t, j].to(x.dtype) * (h @ w_down[e])        # [C]
+            h = (F.silu(expert_linear(x[t], w_gate, e, *ab[0], scaling))
+                 * expert_linear(x[t], w_up, e, *ab[1], scaling))                     # [F]
+            out = out + weights[t, j].to(x.dtype) * expert_linear(h, w_down, e, *ab[2],
+                                                                  scaling)           # [C]
         rows.append(out)
     return torch.stack(rows)

@@ -145,11 +145,12 @@ def _interpreting() -> bool:
     return interpreted(_nf4_dequant_kernel)
 
 
-def _check_weight(q, name: str, dtype: torch.dtype | None) -> torch.dtype:
-    """Validate the NF4Weight and the output dtype; return the dtype to produce."""
+def _check_weight(q, name: str, dtype: torch.dtype | None, kernel: bool = True) -> torch.dtype:
+    """Validate the NF4Weight (on a device the kernel can run on, if `kernel`) and the output
+    dtype; return the dtype to produce."""
     if not isinstance(q, NF4Weight):
         raise ValueError(f"{name} must be an NF4Weight, got {type(q).__name__}")
-    if q.packed.device.type != "cuda" and not _interpreting():
+    if kernel and q.packed.device.type != "cuda" and not _interpreting():
         raise not_on_cuda(name, q.packed.device)
     dtype = q.dtype if dtype is None else dtype
     if dtype not in NF4_DTYPES:
@@ -207,17 +208,10 @@ def _expert_scales(q: NF4Weight, ids: torch.Tensor, blocks_per_expert: int) -> t
     return (centred + q.absmax_offset.reshape(-1)).contiguous()
 
 
-def selective_dequantize_nf4(
-    q_experts: NF4Weight, active: torch.Tensor, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """Dequantize only experts `active` of an `[E, out, in]` NF4 weight.
-
-    Returns `[len(active), out, in]` in `dtype` (default `q_experts.dtype`) whose row r is
-    expert `active[r]` (repeats allowed, order kept): bit-identical to
-    `dequantize_nf4(q_experts, dtype)[active]`, while reading only those experts' packed
-    bytes and scales. Each expert's out*in elements must be a whole number of blocks.
-    """
-    dtype = _check_weight(q_experts, "q_experts", dtype)
+def _check_selective(q_experts: NF4Weight, active, dtype, kernel: bool
+                     ) -> tuple[torch.dtype, int]:
+    """Validate selective-dequant arguments -> (output dtype, elements per expert)."""
+    dtype = _check_weight(q_experts, "q_experts", dtype, kernel)
     shape = tuple(q_experts.shape)
     if len(shape) != 3:
         raise ValueError(f"q_experts must have shape [E, out, in], got {shape}")
@@ -234,14 +228,36 @@ def selective_dequantize_nf4(
         raise ValueError(f"active must hold integer expert ids, got {active.dtype}")
     if active.numel() and (int(active.min()) < 0 or int(active.max()) >= n_experts):
         raise ValueError(f"active ids must lie in [0, {n_experts}), got {active.tolist()}")
+    return dtype, expert_numel
 
+
+def _active_scales(q_experts: NF4Weight, ids: torch.Tensor, expert_numel: int) -> torch.Tensor:
+    """float32 [len(ids) · blocks per expert]: the listed experts' absmax, in that order."""
+    blocks_per_expert = expert_numel // q_experts.blocksize
+    if q_experts.double_quant:
+        return _expert_scales(q_experts, ids, blocks_per_expert)
+    return q_experts.block_absmax.view(-1, blocks_per_expert)[ids].reshape(-1)
+
+
+def selective_dequantize_nf4(
+    q_experts: NF4Weight, active: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Dequantize only experts `active` of an `[E, out, in]` NF4 weight.
+
+    Returns `[len(active), out, in]` in `dtype` (default `q_experts.dtype`) whose row r is
+    expert `active[r]` (repeats allowed, order kept): bit-identical to
+    `dequantize_nf4(q_experts, dtype)[active]`, while reading only those experts' packed
+    bytes and scales. Each expert's out*in elements must be a whole number of blocks.
+    """
+    dtype, expert_numel = _check_selective(q_experts, active, dtype, kernel=True)
+    _, d_out, d_in = q_experts.shape
     device = q_experts.packed.device
     out = torch.empty((active.numel(), d_out, d_in), dtype=dtype, device=device)
     if active.numel() == 0:
         return out
     ids = active.to(device=device, dtype=torch.int64).contiguous()
     if q_experts.double_quant:
-        scales = _expert_scales(q_experts, ids, expert_numel // q_experts.blocksize)
+        scales = _active_scales(q_experts, ids, expert_numel)
         by_row = True
     else:
         scales = q_experts.block_absmax.reshape(-1).contiguous()  # read in place, listed only
@@ -249,3 +265,24 @@ def selective_dequantize_nf4(
     rows = out.view(active.numel(), expert_numel)
     _launch(q_experts, scales, ids, rows, expert_numel, gather=True, scales_by_row=by_row)
     return out
+
+
+def selective_dequantize_nf4_torch(
+    q_experts: NF4Weight, active: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """`selective_dequantize_nf4` in plain PyTorch (no Triton): the same result, bit for bit,
+    reading only the listed experts' bytes and scales. The fast path on a CPU, where the
+    kernel runs in the interpreter."""
+    dtype, expert_numel = _check_selective(q_experts, active, dtype, kernel=False)
+    n_experts, d_out, d_in = q_experts.shape
+    device = q_experts.packed.device
+    ids = active.to(device=device, dtype=torch.int64)
+    # A whole number of (even-sized) blocks per expert: expert e owns bytes e·numel/2 ...
+    packed = q_experts.packed.view(n_experts, expert_numel // 2)[ids]           # [n, numel/2]
+    codes = torch.stack([packed >> 4, packed & 0xF], dim=-1)                   # high first
+    blocks = expert_numel // q_experts.blocksize
+    scales = _active_scales(q_experts, ids, expert_numel).view(ids.numel(), blocks)
+    values = _on_device("nf4", device)[codes.int()].view(ids.numel(), blocks,
+                                                         q_experts.blocksize)
+    # In place: one float32 buffer of the active experts, as the kernel writes.
+    return values.mul_(scales[..., None]).reshape(ids.numel(), d_out, d_in).to(dtype)
