@@ -120,12 +120,43 @@ def test_scheme_sets_the_blocksize_and_double_quant_is_optional():
     assert base.blocksize == 32 and not base.double_quant
 
 
-def test_moe_model_quantizes_attention_and_leaves_experts():
+def test_moe_model_gets_nf4_experts_with_expert_lora():
+    """Attention: NF4 + LoRA; every MoEMLP: NF4Experts with per-expert LoRA; router float and
+    frozen (trainable on request); a fresh adapter equals the NF4 base exactly."""
+    from minimoe import ExpertLinear, NF4Experts
     model = tiny(n_experts=4)
-    names = wrap_minigpt_qlora(model)
-    assert all(re.search(r"attn\.(q|k|v|o)_proj$", n) for n in names) and len(names) == 8
-    assert not model.blocks[0].mlp.w_up.requires_grad
-    model(tokens()).sum().backward()          # the forward and backward still run
+    names = wrap_minigpt_qlora(model, r=4)
+    assert len(names) == 2 * (4 + 3)
+    assert [n for n in names if "mlp" in n] == [f"blocks.{i}.mlp.{p}" for i in range(2)
+                                                for p in ("w_gate", "w_up", "w_down")]
+    mlp = model.blocks[0].mlp
+    assert isinstance(mlp.w_up, NF4Experts) and mlp.w_up.lora_A.shape == (4 * 4, 64)
+    assert not mlp.router.weight.requires_grad
+    trainable = {n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"lora_A", "lora_B"}
+    x = tokens()
+    model(x).sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_A" in n
+               and "attn" in n)
+
+    flt = tiny(n_experts=4)
+    wrap_minigpt_qlora(flt, r=4, quantize=False, train_router=True)
+    assert isinstance(flt.blocks[1].mlp.w_down, ExpertLinear)
+    assert flt.blocks[1].mlp.router.weight.requires_grad
+
+
+def test_moe_bad_expert_shapes_leave_the_model_untouched():
+    torch.manual_seed(0)
+    model = MiniGPT(MiniGPTConfig(n_layer=1, n_head=2, n_embd=24, d_ff=36, block_size=8,
+                                  n_experts=4, top_k=2))       # 24·36 = 864: not whole blocks
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"blocks\.0\.mlp\.w_gate.*multiple of the NF4 "
+                                         r"blocksize 64"):
+        wrap_minigpt_qlora(model)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k])
+                                                 for k in before)
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())
 
 
 def test_qlora_step_lowers_loss_without_nan():

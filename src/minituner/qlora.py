@@ -9,9 +9,15 @@ layer is a `LoRALinear`, it is no longer an `nn.Linear`, so the quantizer would 
 
 What gets quantized: every projection inside the transformer blocks (attention q/k/v/o and
 the SwiGLU gate/up/down). The embeddings, norms and `lm_head` stay in float, as in QLoRA: they
-are a small share of a large model and the most sensitive to rounding. A MoE block's experts
-are `[E, in, out]` parameters, not `nn.Linear`s; they are left alone here (minimoe handles
-them).
+are a small share of a large model and the most sensitive to rounding.
+
+MoE blocks (MiniGPT-MoE): the experts are stacked `[E, in, out]` parameters, not
+`nn.Linear`s. `minimoe.attach_expert_lora` swaps each `MoEMLP`'s w_gate / w_up / w_down for
+`NF4Experts` (NF4 + double quant, dequantized only for the experts a batch routes tokens to)
+carrying per-expert LoRA. The router stays a float `nn.Linear`, frozen unless
+`train_router=True`: routing decisions are discrete and a few mis-rounded router weights
+would move tokens to other experts. `quantize=False` builds the same adapters over the float
+base (the "LoRA on a float MoE" baseline).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import re
 
 import torch.nn as nn
 
+from minimoe import MoEMLP, attach_expert_lora
 from miniquant import quantize_model
 
 from .adapters import wrap_lora
@@ -42,13 +49,18 @@ def parse_quant_scheme(quant_scheme: str) -> int:
 def wrap_minigpt_qlora(model: nn.Module, r: int = 8, alpha: float = 16.0,
                        quant_scheme: str = "nf4_per_group_64", double_quant: bool = True,
                        dropout: float = 0.0, use_rslora: bool = False,
-                       target: str = BLOCK_LINEARS) -> list[str]:
-    """Quantize the linears matching `target` to NF4, then wrap the same layers with LoRA.
+                       target: str = BLOCK_LINEARS, quantize: bool = True,
+                       train_router: bool = False) -> list[str]:
+    """Quantize the linears matching `target` to NF4, then wrap the same layers with LoRA;
+    in a MoE model also give every expert NF4 weights and its own LoRA (see the module doc).
 
-    In place; returns the names wrapped. Afterwards the only trainable parameters are the
-    float32 `lora_A` / `lora_B` factors; everything else is frozen (NF4 buffers, and the
-    float embeddings, norms and head). Raises ValueError for a model that already holds
-    LoRA layers (wrong order), an unknown `quant_scheme`, or a `target` matching nothing.
+    In place; returns the names wrapped (expert projections as `<mlp>.w_gate` ...).
+    Afterwards the only trainable parameters are the float32 `lora_A` / `lora_B` factors (and
+    the routers' weights with `train_router`); everything else is frozen (NF4 buffers, and
+    the float embeddings, norms and head). `quantize=False` keeps the base in float. Raises
+    ValueError, with the model untouched, for a model that already holds LoRA layers (wrong
+    order), an unknown `quant_scheme`, expert shapes that don't fit the NF4 blocks, or a
+    `target` matching nothing.
     """
     wrapped = [name for name, m in model.named_modules() if isinstance(m, LoRALinear)]
     if wrapped:
@@ -59,5 +71,24 @@ def wrap_minigpt_qlora(model: nn.Module, r: int = 8, alpha: float = 16.0,
             f"base in float. Start from the plain model: wrap_minigpt_qlora(load_base(...)).")
     blocksize = parse_quant_scheme(quant_scheme)
     check_lora_args(r, alpha, dropout)   # before quantizing: fail with the model untouched
-    quantize_model(model, target, blocksize=blocksize, double_quant=double_quant)
-    return wrap_lora(model, target, r=r, alpha=alpha, dropout=dropout, use_rslora=use_rslora)
+    moes = {name: m for name, m in model.named_modules() if isinstance(m, MoEMLP)}
+    if quantize:
+        for name, mlp in moes.items():
+            for proj in ("w_gate", "w_up", "w_down"):
+                w = getattr(mlp, proj)
+                if not isinstance(w, nn.Parameter):
+                    raise ValueError(f"{name}.{proj} is already wrapped ({type(w).__name__})")
+                if w[0].numel() % blocksize:
+                    raise ValueError(
+                        f"{name}.{proj}: each expert's {w.shape[1]}×{w.shape[2]} = "
+                        f"{w[0].numel()} weights must be a multiple of the NF4 blocksize "
+                        f"{blocksize} (quant_scheme {quant_scheme!r}), so that no block spans "
+                        f"two experts")
+        quantize_model(model, target, blocksize=blocksize, double_quant=double_quant)
+    names = wrap_lora(model, target, r=r, alpha=alpha, dropout=dropout, use_rslora=use_rslora)
+    for name, mlp in moes.items():
+        attach_expert_lora(mlp, r=r, alpha=alpha, nf4=quantize, blocksize=blocksize,
+                           double_quant=double_quant)
+        mlp.router.weight.requires_grad_(train_router)
+        names += [f"{name}.{proj}" for proj in ("w_gate", "w_up", "w_down")]
+    return names
