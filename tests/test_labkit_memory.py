@@ -155,13 +155,12 @@ def test_predict_bad_optimizer(bad):
 
 def _minigpt(regime: str, r: int = 8, **cfg_kw):
     from minigpt import MiniGPT, MiniGPTConfig
-    from minituner import wrap_lora
-    from minituner.qlora import BLOCK_LINEARS, wrap_minigpt_qlora
+    from minituner.qlora import wrap_minigpt_qlora
 
     torch.manual_seed(0)
     model = MiniGPT(MiniGPTConfig(**cfg_kw))
     if regime == "lora":
-        wrap_lora(model, BLOCK_LINEARS, r=r)
+        wrap_minigpt_qlora(model, r=r, quantize=False)
     elif regime == "qlora":
         wrap_minigpt_qlora(model, r=r)
     return model
@@ -198,8 +197,11 @@ CFGS = [dict(n_layer=2, n_head=4, n_embd=128, d_ff=384),
         dict(n_layer=4, n_head=8, n_embd=256, d_ff=512)]
 
 
+MOE_CFG = dict(n_layer=2, n_head=4, n_embd=64, d_ff=128, n_experts=4, top_k=2)
+
+
 @pytest.mark.parametrize("regime", memory.REGIMES)
-@pytest.mark.parametrize("cfg", CFGS, ids=["2x128", "3x64", "4x256"])
+@pytest.mark.parametrize("cfg", CFGS + [MOE_CFG], ids=["2x128", "3x64", "4x256", "moe"])
 def test_regime_prediction_equals_held_bytes_after_two_steps(regime, cfg):
     r = 4 if cfg["n_embd"] == 64 else 8
     model = _minigpt(regime, r=r, **cfg)
@@ -300,3 +302,18 @@ def test_predicted_total_against_measured_rss_peak(tmp_path):
         print(f"{regime}: measured {measured / MB:.1f} MB, predicted {predicted / MB:.1f} MB, "
               f"ratio {measured / predicted:.3f}")
         assert 1.0 <= measured / predicted <= 1.35, (regime, measured, predicted)
+
+
+def test_published_parameter_counts():
+    """The shapes of the extrapolations reproduce the models' published sizes."""
+    counts = {"mixtral": memory.MIXTRAL_8X7B, "qwen3": memory.QWEN3_30B_A3B,
+              "llama7b": memory.LLAMA_7B, "llama65b": memory.LLAMA_65B}
+    billions = {k: round(v.n_params() / 1e9, 1) for k, v in counts.items()}
+    assert billions == {"mixtral": 46.7, "qwen3": 30.5, "llama7b": 6.7, "llama65b": 65.3}
+
+
+def test_moe_activations_are_not_guessed():
+    with pytest.raises(ValueError, match="dense models only"):
+        memory.predict_training(memory.MIXTRAL_8X7B, "qlora", tokens=512)
+    pred = memory.predict_training(memory.MIXTRAL_8X7B, "qlora", tokens=0, weight_bits=16)
+    assert pred.activations == 0 and 20e9 < pred.weights < 30e9

@@ -166,38 +166,70 @@ REGIMES = ("full", "lora", "qlora")
 
 @dataclass(frozen=True)
 class TransformerShape:
-    """The sizes that set a pre-norm SwiGLU transformer's memory (MiniGPT, LLaMA-style).
+    """The sizes that set a pre-norm SwiGLU transformer's memory (MiniGPT, LLaMA-style, and
+    top-k MoE models such as Mixtral and Qwen3-MoE).
 
-    Per block: q/k/v/o projections [d_model, d_model], gate/up [d_ff, d_model], down
-    [d_model, d_ff], two RMSNorm gains; around them a token embedding, an optional learned
-    position embedding (block_size rows; 0 for rotary), a final norm and an untied head.
+    Per block: attention q [H·hd, d_model], k and v [KV·hd, d_model], o [d_model, H·hd]
+    (H = n_head, KV = n_kv_head, hd = head_dim); a SwiGLU MLP gate/up [d_ff, d_model], down
+    [d_model, d_ff] — or, with n_experts > 0, that many experts of width d_ff and a router
+    [n_experts, d_model]; two RMSNorm gains. Around them a token embedding, an optional
+    learned position embedding (block_size rows; 0 for rotary), a final norm and an untied
+    head.
     """
 
     n_layer: int
     d_model: int
-    d_ff: int
+    d_ff: int                 # MLP width; with experts, the width of one expert
     n_head: int
     vocab_size: int
     block_size: int = 0
+    n_experts: int = 0        # 0 = dense MLP
+    top_k: int = 0            # experts per token (MoE only)
+    n_kv_head: int = 0        # 0 = n_head (no grouped-query attention)
+    head_dim: int = 0         # 0 = d_model // n_head
 
     @classmethod
     def of(cls, config) -> TransformerShape:
         """From a MiniGPTConfig (or anything with the same field names)."""
         return cls(config.n_layer, config.n_embd, config.d_ff, config.n_head, config.vocab_size,
-                   config.block_size)
+                   config.block_size, getattr(config, "n_experts", 0),
+                   getattr(config, "top_k", 0) if getattr(config, "n_experts", 0) else 0)
+
+    def attn_linears(self) -> list[tuple[int, int]]:
+        """[out, in] of q, k, v, o."""
+        d = self.d_model
+        hd = self.head_dim or d // self.n_head
+        q, kv = self.n_head * hd, (self.n_kv_head or self.n_head) * hd
+        return [(q, d), (kv, d), (kv, d), (d, q)]
+
+    def mlp_linears(self) -> list[tuple[int, int]]:
+        """[out, in] of gate, up, down (of one expert in a MoE)."""
+        d, f = self.d_model, self.d_ff
+        return [(f, d), (f, d), (d, f)]
 
     def block_linears(self) -> list[tuple[int, int]]:
-        """[out, in] of the seven projections of one block."""
-        d, f = self.d_model, self.d_ff
-        return [(d, d)] * 4 + [(f, d), (f, d), (d, f)]
+        """[out, in] of every projection of one block (each expert's three in a MoE)."""
+        return self.attn_linears() + self.mlp_linears() * max(self.n_experts, 1)
 
     def other_params(self) -> int:
-        """Embeddings, norm gains and head: everything outside the block projections."""
+        """Embeddings, norm gains, routers and head: everything outside the projections."""
         d = self.d_model
-        return (2 * self.vocab_size + self.block_size) * d + (2 * self.n_layer + 1) * d
+        return ((2 * self.vocab_size + self.block_size) * d + (2 * self.n_layer + 1) * d
+                + self.n_layer * self.n_experts * d)
+
+    def n_params(self) -> int:
+        return self.other_params() + self.n_layer * sum(o * i for o, i in self.block_linears())
 
 
 LLAMA_7B = TransformerShape(n_layer=32, d_model=4096, d_ff=11008, n_head=32, vocab_size=32000)
+# Published configurations (config.json on the Hugging Face Hub): 46.7 B and 30.5 B parameters.
+MIXTRAL_8X7B = TransformerShape(n_layer=32, d_model=4096, d_ff=14336, n_head=32,
+                                vocab_size=32000, n_experts=8, top_k=2, n_kv_head=8)
+QWEN3_30B_A3B = TransformerShape(n_layer=48, d_model=2048, d_ff=768, n_head=32,
+                                 vocab_size=151936, n_experts=128, top_k=8, n_kv_head=4,
+                                 head_dim=128)
+# The QLoRA paper's largest model (LLaMA-65B), fine-tuned there on one 48 GB GPU.
+LLAMA_65B = TransformerShape(n_layer=80, d_model=8192, d_ff=22016, n_head=64, vocab_size=32000)
 
 
 def nf4_bytes(numel: int, blocksize: int = 64, double_quant: bool = True) -> int:
@@ -212,15 +244,19 @@ def regime_specs(shape: TransformerShape, regime: str, r: int = 8, weight_bits: 
                  lora_bits: int = 32, blocksize: int = 64, double_quant: bool = True
                  ) -> list[ParamSpec]:
     """The parameters a regime holds: "full" trains everything; "lora" freezes the base and
-    adds rank-r factors (A [r, in], B [out, r]) to every block projection; "qlora" does the
-    same over NF4 block projections (embeddings, norms and head stay at weight_bits)."""
+    adds rank-r factors (A [r, in], B [out, r]) to every block projection (to every expert's,
+    in a MoE); "qlora" does the same over NF4 block projections (embeddings, norms, routers
+    and head stay at weight_bits, trained only in "full")."""
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
     linears = shape.block_linears() * shape.n_layer
     specs = [ParamSpec(shape.other_params(), weight_bits, regime == "full")]
     if regime == "qlora":
-        specs += [ParamSpec(o * i, 8 * nf4_bytes(o * i, blocksize, double_quant) / (o * i),
-                            False) for o, i in linears]
+        # One NF4 tensor per projection; a MoE's experts are stacked [E, in, out] into one.
+        tensors = [o * i for o, i in shape.attn_linears()] + [
+            o * i * max(shape.n_experts, 1) for o, i in shape.mlp_linears()]
+        specs += [ParamSpec(n, 8 * nf4_bytes(n, blocksize, double_quant) / n, False)
+                  for n in tensors * shape.n_layer]
     else:
         specs += [ParamSpec(o * i, weight_bits, regime == "full") for o, i in linears]
     if regime != "full":
@@ -245,6 +281,10 @@ def activation_bytes(shape: TransformerShape, regime: str, tokens: int, r: int =
     """
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
+    if shape.n_experts and tokens:
+        raise ValueError("the activation count is calibrated for dense models only; for a MoE "
+                         "shape pass tokens=0 and measure activations "
+                         "(minituner.saved_activation_bytes)")
     d, f, h, v = shape.d_model, shape.d_ff, shape.n_head, shape.vocab_size
     if regime == "full":
         per_token = shape.n_layer * (10 * d + 4 * f + h + 2) + 3 * d + 1 + v
