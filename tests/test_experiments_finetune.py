@@ -87,3 +87,33 @@ def test_06_refuses_a_changed_adapter(runs):
         adapter.write_text(original)
     assert proc.returncode == 2
     assert "has changed since the manifest was written" in proc.stderr
+
+
+def test_11_qlora_moe_tiny(tmp_path):
+    """Experiment 11 end to end on a tiny config: the Triton and PyTorch MoE paths agree on a
+    training step, the predictor equals the held weights / grads exactly, checkpointing cuts
+    the saved activations, every run finishes finite, figures are written."""
+    exp = tmp_path / "11-qlora-moe"
+    exp.mkdir()
+    shutil.copy(ROOT / "experiments/11-qlora-moe/experiment.py", exp)
+    cfg = json.loads((ROOT / "experiments/11-qlora-moe/config.json").read_text())
+    cfg.update(threads=1, n_train=12, replay_per_task=2, eval_n=2, routing_n=2,
+               train={**cfg["train"], **TRAIN, "steps": 2, "batch_size": 4, "progress": False},
+               memory={"steps": 1, "batch_size": 4}, triton_check={"batch": 2})
+    (exp / "config.json").write_text(json.dumps(cfg))
+    proc = labkit("run", str(exp))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = read_manifest(exp / "manifest.json")["metrics"]
+    assert m["triton_check"]["max_rel_grad_diff"] < 1e-4
+    assert set(m["runs"]) == {"qlora_moe", "lora_moe", "dense_qlora", "qlora_moe_rw"}
+    assert all(r["stopped_early"] is None for r in m["runs"].values())
+    for regime in ("full", "lora", "qlora"):
+        row = m["memory"][regime]
+        assert row["measured"]["weights"] == row["predicted"]["weights"]
+        assert row["measured"]["grads"] == row["predicted"]["grads"]
+    ckpt = m["memory"]["checkpointing"]
+    assert ckpt["activations_on"] * 5 < ckpt["activations_off"]
+    assert len(m["runs"]["qlora_moe"]["lora_norms"]["blocks.0.mlp.w_up"]) == 8
+    assert m["extrapolate"]["llama-65b"]["qlora"]["total"] < 48e9
+    for png in ("curves.png", "routing.png", "lora_norms.png", "memory.png"):
+        assert (exp / png).is_file()

@@ -317,3 +317,16 @@ def test_moe_activations_are_not_guessed():
         memory.predict_training(memory.MIXTRAL_8X7B, "qlora", tokens=512)
     pred = memory.predict_training(memory.MIXTRAL_8X7B, "qlora", tokens=0, weight_bits=16)
     assert pred.activations == 0 and 20e9 < pred.weights < 30e9
+
+
+def test_checkpointing_prediction_brackets_the_saved_tensors():
+    """With one block per segment the forward keeps the block inputs (and the head); the
+    prediction adds one recomputed block, so it lies between that and no checkpointing."""
+    from minituner import saved_activation_bytes
+    model = _minigpt("lora", **CFGS[0]).train()
+    x = torch.randint(0, 45, (4, 16), generator=torch.Generator().manual_seed(0))
+    shape = memory.TransformerShape.of(model.config)
+    model.set_gradient_checkpointing(1)
+    kept = saved_activation_bytes(model, x)
+    pred = memory.activation_bytes(shape, "lora", x.numel(), checkpointing=True)
+    assert kept < pred < memory.activation_bytes(shape, "lora", x.numel())

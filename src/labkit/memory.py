@@ -265,7 +265,7 @@ def regime_specs(shape: TransformerShape, regime: str, r: int = 8, weight_bits: 
 
 
 def activation_bytes(shape: TransformerShape, regime: str, tokens: int, r: int = 8,
-                     act_bits: int = 32) -> int:
+                     act_bits: int = 32, checkpointing: bool = False) -> int:
     """Bytes autograd saves for backward over `tokens` = batch × sequence positions.
 
     Counted from what MiniGPT's graph saves per token (tests/test_labkit_memory.py checks the
@@ -278,6 +278,10 @@ def activation_bytes(shape: TransformerShape, regime: str, tokens: int, r: int =
     since nothing below it is trained. The head adds the logits' softmax (vocab_size); the
     target ids (and, when the embedding trains, the input ids) are int64. Attention here is
     flash-style (no [T, T] matrix kept).
+
+    With `checkpointing` (one block per segment) the forward keeps only each block's input
+    (d_model per token per layer) and the backward recomputes one block at a time: the peak
+    is those inputs plus one block's activations plus the head's.
     """
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
@@ -287,22 +291,26 @@ def activation_bytes(shape: TransformerShape, regime: str, tokens: int, r: int =
                          "(minituner.saved_activation_bytes)")
     d, f, h, v = shape.d_model, shape.d_ff, shape.n_head, shape.vocab_size
     if regime == "full":
-        per_token = shape.n_layer * (10 * d + 4 * f + h + 2) + 3 * d + 1 + v
+        block, head = 10 * d + 4 * f + h + 2, 3 * d + 1 + v
     else:
-        per_token = shape.n_layer * (8 * d + 4 * f + h + 2 + 7 * r) + v
+        block, head = 8 * d + 4 * f + h + 2 + 7 * r, v
+    layers = shape.n_layer * d + block if checkpointing else shape.n_layer * block
+    per_token = layers + head
     id_bytes = 16 if regime == "full" else 8      # int64 inputs (for the embedding's grad), targets
     return tokens * (per_token * act_bits // 8 + id_bytes)
 
 
 def predict_training(shape: TransformerShape, regime: str, tokens: int, r: int = 8,
                      weight_bits: int = 32, act_bits: int = 32, optimizer: str = "adamw",
-                     blocksize: int = 64, double_quant: bool = True) -> MemoryPrediction:
+                     blocksize: int = 64, double_quant: bool = True, lora_bits: int = 32,
+                     checkpointing: bool = False) -> MemoryPrediction:
     """Weights, gradients, optimizer state and activations of one training step.
 
-    Gradients and AdamW state are float32 (the LoRA factors train in float32 even over a
-    16-bit base, as minituner does).
+    Gradients and AdamW state are float32 (by default the LoRA factors train in float32
+    even over a 16-bit base, as minituner does; `lora_bits` sets their storage).
     """
-    specs = regime_specs(shape, regime, r, weight_bits, blocksize=blocksize,
+    specs = regime_specs(shape, regime, r, weight_bits, lora_bits, blocksize=blocksize,
                          double_quant=double_quant)
     return predict(specs, optimizer=optimizer,
-                   activations=activation_bytes(shape, regime, tokens, r, act_bits))
+                   activations=activation_bytes(shape, regime, tokens, r, act_bits,
+                                                checkpointing))

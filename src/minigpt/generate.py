@@ -1,4 +1,4 @@
-"""Greedy decoding and exact-match evaluation."""
+"""Greedy (or temperature-sampled) decoding and exact-match evaluation."""
 
 from __future__ import annotations
 
@@ -11,13 +11,17 @@ from .tokenizer import CharTokenizer
 
 
 @torch.no_grad()
-def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int
+def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
+                    temperature: float = 0.0, generator: torch.Generator | None = None
                     ) -> list[list[int]]:
-    """Continue each prompt with the most likely token until <eos> or `max_new_tokens`.
+    """Continue each prompt until <eos> or `max_new_tokens`: the most likely token
+    (temperature 0), or a token drawn from softmax(logits / temperature) with `generator`.
 
     Prompts of equal length are decoded together as one batch (no padding needed); the
     returned continuations exclude the prompt and the <eos>.
     """
+    if not temperature >= 0.0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     was_training = model.training
     model.eval()
     by_len: dict[int, list[int]] = defaultdict(list)
@@ -31,8 +35,12 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id
         seq = torch.tensor([prompts[i] for i in idxs], device=device)          # [b, L]
         done = torch.zeros(len(idxs), dtype=torch.bool, device=device)
         for _ in range(max_new_tokens):
-            logits = model(seq[:, -model.config.block_size:])
-            nxt = logits[:, -1].argmax(dim=-1)                                 # [b]
+            logits = model(seq[:, -model.config.block_size:])[:, -1]           # [b, V]
+            if temperature:
+                probs = (logits.float() / temperature).softmax(-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]   # [b]
+            else:
+                nxt = logits.argmax(dim=-1)                                    # [b]
             done |= nxt == eos_id
             seq = torch.cat([seq, nxt[:, None]], dim=1)
             if done.all():
