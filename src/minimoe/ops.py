@@ -1,7 +1,7 @@
 """Launchers of the dispatch kernels: check the inputs, allocate the output, launch.
 
 Shapes: M = T·k sorted rows, E experts, W [E, K, N]; see kernels.py for the pseudocode.
-Inputs that are not contiguous are copied to contiguous ones.
+Row inputs (X, DY) that are not contiguous are copied; weights are read through strides.
 """
 
 from __future__ import annotations
@@ -124,14 +124,14 @@ def _scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_group
                          f"with M = {M} sorted rows and k = {k}")
     sei = _check_index(sorted_expert_idxs, "sorted_expert_idxs", M, E, X.device)
     ssi = _check_index(sorted_scattered_idxs, "sorted_scattered_idxs", M, M, X.device)
-    X, W = X.contiguous(), W.contiguous()
+    # Weights are read through their strides: the backward's Wᵀ, Bᵀ, Aᵀ views are not copied.
+    X = X.contiguous()
     A, B, r, scaling = X, X, 0, 1.0          # never read without LoRA (a constexpr branch)
     if lora is not None:
         A, B, scaling = lora
         r = check_expert_lora(A, B, E, K, N)
         for t, name in ((A, "lora_A"), (B, "lora_B")):
             _check_same(X, t, "X", name)
-        A, B = A.contiguous(), B.contiguous()
     Y = torch.empty(M, N, dtype=X.dtype, device=X.device)                  # [M, N]
     if M == 0:
         return Y

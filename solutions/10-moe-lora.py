@@ -1,0 +1,1368 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lab 10 — LoRA on the experts: split and fused kernels, dA/dB, NF4 experts
+#
+# Labs 08 and 09 built a trainable expert linear from two kernels (`scatter2scatter` and
+# `group_bwd_W`) and a gather. QLoRA on a Mixture-of-Experts freezes those expert weights and
+# trains a small LoRA per expert instead. With `E` experts of `W[e]` `[K, N]` and rank `r`,
+# this course stores the adapters of **all** experts in two matrices (DESIGN §4):
+#
+# * `lora_A` `[r·E, K]` — expert `e` owns the rows `e·r:(e+1)·r`, called `A_e` `[r, K]`;
+# * `lora_B` `[N, r·E]` — expert `e` owns the columns `e·r:(e+1)·r`, called `B_e` `[N, r]`;
+#
+# and each routing slot `s` of token `t` sent to expert `e` computes
+#
+# $$Y[s] = x_t\, W[e] \;+\; \text{scaling}\cdot (x_t A_e^\top)\, B_e^\top .$$
+#
+# | # | you write | what it must match |
+# |---|---|---|
+# | 1 | `split_lora_linear(...)`: the LoRA as two more expert linears over views of `A`, `B` | output and every gradient of `reference.linear_loop` with LoRA |
+# | 2 | `scatter2scatter_lora_kernel` + `my_scatter2scatter_lora(...)`: base **and** LoRA in one tile | `linear_loop` on awkward shapes (`T = 1`, `r` = 1 and 3, empty experts, `k = 3`) |
+# | 3 | `group_bwd_lora_kernel` + `my_group_bwd_lora(...)` → `(dA, dB)` | a per-row outer-product loop; exact zeros for experts without tokens |
+# | 4 | `MyLoRAParallelLinear` (autograd Function) + `my_lora_parallel_linear(...)` | dx, dW, dgates, dA, dB of `linear_loop` |
+# | 5 | `nf4_lora_linear(...)`: NF4 experts, dequantizing only those with tokens | `parallel_linear` on the fully dequantized weight; poisoned unused experts never read |
+#
+# **No GPU needed.** As in Labs 03, 08 and 09 the setup cell sets `TRITON_INTERPRET=1` before
+# `import triton` when there is no CUDA GPU, so every kernel runs in Triton's interpreter
+# (NumPy, **float32 only**). Shapes stay tiny: a few dozen tokens, `K`, `N` of 16–40.
+#
+# **How to work.** Run the cells in order; replace each `raise NotImplementedError()` with
+# your code; run the test cell below and read its message if it fails (it prints what was
+# expected and what came). Grading runs more hidden checks of the same specification and
+# switches off, while your code runs, the `minimoe` pieces this lab rebuilds
+# (`scatter2scatter_lora`, `group_bwd_lora`, `parallel_linear` with LoRA, `ParallelLinear`,
+# `nf4_parallel_linear`, `NF4Experts`, `ExpertLinear`, their kernels, and the naive loops).
+# Building blocks you may use: `flatten_sort_count`, `group`, `group_bwd_W`, the
+# `miniquant` selective dequantizers and, in Exercise 1 only, `parallel_linear` **without**
+# LoRA. The whole notebook runs in about a minute on a laptop CPU.
+
+# %%
+import contextlib
+import importlib
+import os
+import time
+
+import torch
+
+# The interpreter must be chosen before triton is imported (see Lab 03): @triton.jit decides
+# at decoration time whether a function is compiled or interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import minimoe  # noqa: E402
+import miniquant  # noqa: E402
+from labkit.forbid import forbid  # noqa: E402
+from minimoe import (  # noqa: E402
+    flatten_sort_count,
+    group,
+    group_bwd_W,
+    parallel_linear,
+    quantize_experts,
+)
+from minimoe.reference import linear_loop  # noqa: E402
+from miniquant import NF4Weight  # noqa: E402
+from miniquant.triton_dequant import (  # noqa: E402
+    selective_dequantize_nf4,  # noqa: F401  (the Lab 03 kernel: allowed in Exercise 5)
+    selective_dequantize_nf4_torch,
+)
+
+# Modules whose attributes the tests switch off (`minimoe.parallel_linear` is the function;
+# the module of the same name is reached this way).
+_pl_module = importlib.import_module("minimoe.parallel_linear")
+_kernels_module = importlib.import_module("minimoe.kernels")
+_ops_module = importlib.import_module("minimoe.ops")
+_moe_module = importlib.import_module("minimoe.moe")
+_experts_module = importlib.import_module("minimoe.experts")
+_nf4e_module = importlib.import_module("minimoe.nf4_experts")
+_nf4q_module = importlib.import_module("miniquant.nf4")
+_td_module = importlib.import_module("miniquant.triton_dequant")
+
+# The interpreter runs one program at a time with NumPy; extra CPU threads only add overhead.
+torch.set_num_threads(1)
+torch.manual_seed(0)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+print(f"torch {torch.__version__} | triton {triton.__version__} | "
+      f"{'Triton interpreter on the CPU' if INTERPRET else 'compiled Triton on ' + DEVICE}")
+
+# %% [markdown]
+# ## Part A — the math of expert LoRA
+#
+# Notation from Labs 08–09: `x` `[T, K]`, `W` `[E, K, N]`, `expert_idxs` `[T, k]`, gates
+# `[T, k]`; slot `s = t·k + j`, `M = T·k`; `flatten_sort_count` gives `sei` (expert of each
+# sorted row), `ssi` (slot of each sorted row) and the end offsets; expert `e` owns the sorted
+# rows `offsets[e-1] … offsets[e]-1`. `dY` is the gradient of the per-slot output (gate
+# already applied: Lab 09's `grouped_dy`), `X_e`, `dY_e` the sorted rows of expert `e`.
+#
+# Reading the LoRA factors of expert `e` as two more expert weights,
+#
+# $$W_A[e] = A_e^\top \;[K, r], \qquad W_B[e] = B_e^\top \;[r, N],$$
+#
+# the LoRA update of a row is just **two more expert linears in a row**: `h = x W_A[e]`
+# (`[r]`), then `h W_B[e]` (`[N]`). That is the **split** path (Exercise 1). The **fused**
+# path (Exercise 2) does the same inside the base GEMM's tile: the tile already loads the
+# `x` rows for `x W[e]`, so it also multiplies them by `A_eᵀ` (a `[BLOCK_K, r]` tile), keeps
+# the `[BLOCK_M, r]` product in registers, and adds `scaling · (x A_eᵀ) B_eᵀ` before the
+# store — no `[M, r]` tensor in memory and no second pass over `x`.
+#
+# The gradients (chain rule per slot, summed over expert `e`'s rows):
+#
+# $$dB_e = \text{scaling}\cdot dY_e^\top\,(X_e A_e^\top) \;[N, r], \qquad
+#   dA_e = \text{scaling}\cdot (dY_e B_e)^\top X_e \;[r, K],$$
+#
+# $$dX_e = dY_e W[e]^\top + \text{scaling}\cdot (dY_e B_e)\, A_e .$$
+#
+# `dX` is the fused forward again with `W → Wᵀ`, `A → Bᵀ` (`[r·E, N]`) and `B → Aᵀ`
+# (`[K, r·E]`): the same kernel, transposed views. `dA` and `dB` are one kernel with two
+# launches (Exercise 3): both have the form
+#
+# $$\text{OUT}[p,\ e r + j] = \text{scaling}\cdot \sum_{m \in e} U[m, p]\,\big(V[m]\, L[:, e r:(e+1) r]\big)[j]$$
+#
+# with `(U, V, L, OUT) = (dY, X, Aᵀ, dB)` for `dB` and `(X, dY, B, dAᵀ)` for `dA`. Each
+# program owns one expert's `r` columns of one tile of `P` rows: **no atomics**, and an expert
+# without rows stores exact zeros. A worked case: one token, `E = 1`, `r = 1`:
+
+# %%
+_x = torch.tensor([[1.0, 2.0]])                   # [T=1, K=2]
+_W = torch.zeros(1, 2, 3)                         # the base does not matter for dA, dB
+_A = torch.tensor([[0.5, -1.0]])                  # [r·E=1, K]
+_B = torch.tensor([[1.0], [0.0], [2.0]])          # [N=3, r·E=1]
+_dy = torch.tensor([[1.0, 1.0, -1.0]])            # [M=1, N]
+_Ar, _Br = _A.clone().requires_grad_(), _B.clone().requires_grad_()
+linear_loop(_x, _W, torch.tensor([[0]]), None, _Ar, _Br, 2.0).backward(_dy)
+# x·Aᵀ = 0.5 - 2 = -1.5;  dy·B = 1 - 2 = -1
+print("dB by autograd:", _Br.grad.flatten().tolist(), " by hand 2·dyᵀ·(x·Aᵀ):",
+      (2.0 * _dy[0] * -1.5).tolist())
+print("dA by autograd:", _Ar.grad.flatten().tolist(), " by hand 2·(dy·B)·x:",
+      (2.0 * -1.0 * _x[0]).tolist())
+
+# %% [markdown]
+# ## Exercise 1 — the split path with the kernels you already have
+#
+# Write `split_lora_linear(x, W, k, sorted_expert_idxs, sorted_scattered_idxs,
+# expert_offsets, lora_A, lora_B, scaling, gates=None)`, the expert linear with LoRA, out of
+# three `minimoe.parallel_linear` calls **without** LoRA (Lab 09's Function: it already has a
+# backward for `x`, `W` and the gates):
+#
+# 1. the views `WA = lora_A` reshaped `[E, r, K]` then transposed to `[E, K, r]`, and
+#    `WB = lora_B` reshaped `[N, E, r]` then permuted to `[E, r, N]` — views, so autograd
+#    carries the gradients of `WA`, `WB` back to `lora_A`, `lora_B`;
+# 2. `base = parallel_linear(x, W, k, ...)` `[M, N]` in slot order;
+# 3. `h = parallel_linear(x, WA, k, ..., grouped_out=True)` `[M, r]` in sorted order, then
+#    `d = parallel_linear(h, WB, k, ..., grouped_in=True)` `[M, N]` in slot order;
+# 4. `Y = base + scaling · d`; with gates, mix each token's `k` slots:
+#    `out[t] = Σ_j gates[t, j] · Y[t·k + j]` → `[T, N]`; without gates return `Y` `[M, N]`.
+#
+# The tests compare the output and the gradients of `x`, `W`, the gates, `lora_A` and `lora_B`
+# with autograd of `reference.linear_loop(..., lora_A, lora_B, scaling)`. While they run,
+# `parallel_linear` refuses LoRA arguments (and the `split` path of `minimoe`).
+
+# %% nbgrader={"grade": false, "grade_id": "split_lora", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def split_lora_linear(x: torch.Tensor, W: torch.Tensor, k: int,
+                      sorted_expert_idxs: torch.Tensor, sorted_scattered_idxs: torch.Tensor,
+                      expert_offsets: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
+                      scaling: float, gates: torch.Tensor | None = None) -> torch.Tensor:
+    """Expert linear + expert LoRA over the slots: [M, N] slot order, or [T, N] with gates."""
+    ### BEGIN SOLUTION
+    E, K, N = W.shape
+    r = lora_A.shape[0] // E
+    idx = (sorted_expert_idxs, sorted_scattered_idxs, expert_offsets)
+    WA = lora_A.reshape(E, r, K).transpose(1, 2)                        # [E, K, r]
+    WB = lora_B.reshape(N, E, r).permute(1, 2, 0)                       # [E, r, N]
+    base = parallel_linear(x, W, k, *idx)                               # [M, N] slot order
+    h = parallel_linear(x, WA, k, *idx, grouped_out=True)               # [M, r] sorted
+    d = parallel_linear(h, WB, k, *idx, grouped_in=True)                # [M, N] slot order
+    Y = base + scaling * d
+    if gates is None:
+        return Y
+    T = gates.shape[0]
+    return (gates.to(Y.dtype).unsqueeze(-1) * Y.view(T, k, N)).sum(1)   # [T, N]
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_split_lora", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# Helpers used by this and the later test cells.
+class _Refuse:
+    """A stand-in for a kernel that fails loudly when launched (kernel[grid](...))."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def _fail(self, *args, **kwargs):
+        raise AssertionError(f"{self.name} was launched while your code ran: this exercise "
+                             "rebuilds it, so it is switched off here")
+
+    __call__ = _fail
+    __getitem__ = _fail
+
+
+# What this lab rebuilds, the loops the tests compare with, and the full dequantizers.
+_REFERENCE = [(minimoe.reference, "linear_loop"), (minimoe.reference, "moe_loop"),
+              (minimoe, "scatter2scatter_lora"), (_ops_module, "scatter2scatter_lora"),
+              (minimoe, "group_bwd_lora"), (_ops_module, "group_bwd_lora"),
+              (minimoe, "parallel_linear"), (_pl_module, "parallel_linear"),
+              (_pl_module, "ParallelLinear"), (_pl_module, "_torch_parallel_linear"),
+              (_pl_module, "_split_lora"),
+              (minimoe, "nf4_parallel_linear"), (_nf4e_module, "nf4_parallel_linear"),
+              (minimoe, "NF4Experts"), (_nf4e_module, "NF4Experts"),
+              (minimoe, "ExpertLinear"), (_experts_module, "ExpertLinear"),
+              (_experts_module, "parallel_linear"), (_nf4e_module, "parallel_linear"),
+              (minimoe, "dispatch_torch"), (minimoe, "dispatch_triton"),
+              (_moe_module, "dispatch_torch"), (_moe_module, "dispatch_triton"),
+              (miniquant, "dequantize_nf4"), (_nf4q_module, "dequantize_nf4"),
+              (miniquant, "triton_dequantize_nf4"), (_td_module, "triton_dequantize_nf4"),
+              (NF4Weight, "dequantize")]
+_REFERENCE_KERNELS = ("_scatter2scatter_kernel", "_group_bwd_lora_kernel")
+# Exercise 1 may run parallel_linear (the Lab 09 Function) without LoRA.
+_BASE_PL = ("parallel_linear", "ParallelLinear", "_torch_parallel_linear")
+_pl_reference = minimoe.parallel_linear
+
+
+def _base_only(x, W, k, *args, **kwargs):
+    """parallel_linear without its LoRA arguments (Exercise 1's building block)."""
+    if kwargs.get("lora_A") is not None or kwargs.get("lora_B") is not None or len(args) > 6:
+        raise AssertionError("parallel_linear was called with LoRA while your code ran: "
+                             "Exercise 1 builds the LoRA from views, without lora_A / lora_B")
+    return _pl_reference(x, W, k, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _no_reference(base_linear=False):
+    """While the block runs, what this lab rebuilds raises if reached; with `base_linear`,
+    parallel_linear (and the scatter2scatter kernel under it) stays usable without LoRA."""
+    kernels = [n for n in _REFERENCE_KERNELS if not (base_linear and n == "_scatter2scatter_kernel")]
+    targets = [t for t in _REFERENCE if not (base_linear and t[1] in _BASE_PL)]
+    saved = {name: getattr(_kernels_module, name) for name in kernels}
+    swapped = [(minimoe, "parallel_linear"), (_pl_module, "parallel_linear")] if base_linear else []
+    before = [getattr(o, n) for o, n in swapped]
+    alias = globals().get("parallel_linear")
+    try:
+        for name in saved:
+            setattr(_kernels_module, name, _Refuse(f"minimoe.kernels.{name}"))
+        for o, n in swapped:
+            setattr(o, n, _base_only)
+        if base_linear:
+            globals()["parallel_linear"] = _base_only
+        with forbid(targets, globals()):
+            yield
+    finally:
+        for name, value in saved.items():
+            setattr(_kernels_module, name, value)
+        for (o, n), value in zip(swapped, before, strict=True):
+            setattr(o, n, value)
+        globals()["parallel_linear"] = alias
+
+
+class _Spy:
+    """Stands in for a kernel or function and counts its launches / calls."""
+
+    def __init__(self, target):
+        self.target, self.grids, self.calls, self.results = target, [], 0, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.target[grid]
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        out = self.target(*args, **kwargs)
+        self.results.append((args, kwargs, out))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+
+@contextlib.contextmanager
+def _spy_on(*names):
+    """Replace the notebook's globals `names` by _Spy objects while the block runs."""
+    spies = [_Spy(globals()[n]) for n in names]
+    for n, s in zip(names, spies, strict=True):
+        globals()[n] = s
+    try:
+        yield spies[0] if len(spies) == 1 else spies
+    finally:
+        for n, s in zip(names, spies, strict=True):
+            globals()[n] = s.target
+
+
+def _routing(T, k, E, seed=0, only=None, skip=None):
+    """expert_idxs [T, k]: k distinct experts per token; `only` restricts the choice to those
+    experts, `skip` leaves one expert without tokens."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = list(range(E)) if only is None else list(only)
+    if skip is not None:
+        allowed.remove(skip)
+    rows = [torch.tensor(allowed)[torch.randperm(len(allowed), generator=g)[:k]]
+            for _ in range(T)]
+    return torch.stack(rows).long()
+
+
+def _problem(T, K, N, E, k, r, seed=0, **routing):
+    """x [T, K], W [E, K, N], expert_idxs [T, k], gates [T, k], dout [T, N],
+    A [r·E, K], B [N, r·E] (B non-zero, so the LoRA term shows)."""
+    g = torch.Generator().manual_seed(seed + 100)
+    x = torch.randn(T, K, generator=g)
+    W = torch.randn(E, K, N, generator=g) / K ** 0.5
+    gates = torch.rand(T, k, generator=g) + 0.1
+    dout = torch.randn(T, N, generator=g)
+    A = torch.randn(r * E, K, generator=g) / K ** 0.5
+    B = torch.randn(N, r * E, generator=g) / r ** 0.5
+    idx = _routing(T, k, E, seed, **routing)
+    return tuple(t.to(DEVICE) for t in (x, W, idx, gates, dout, A, B))
+
+
+def _where(x, W, idx, r):
+    return (f"T={x.shape[0]}, K={x.shape[1]}, N={W.shape[2]}, E={W.shape[0]}, "
+            f"k={idx.shape[1]}, r={r}, tokens per expert "
+            f"{torch.bincount(idx.reshape(-1).cpu(), minlength=W.shape[0]).tolist()}")
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_()
+
+
+def _loop(x, W, idx, gates, A, B, scaling, dout):
+    """(out, dx, dW, dgates, dA, dB) by autograd through reference.linear_loop (float32)."""
+    xr, Wr, Ar, Br = _leaf(x), _leaf(W), _leaf(A), _leaf(B)
+    gr = None if gates is None else _leaf(gates)
+    out = linear_loop(xr, Wr, idx, gr, Ar, Br, scaling)
+    out.backward(dout)
+    return out.detach(), xr.grad, Wr.grad, None if gr is None else gr.grad, Ar.grad, Br.grad
+
+
+RTOL = 1e-5   # relative to the largest entry of the expected tensor (float32 sums)
+SCALING = 0.5
+
+
+def _close(got, want, what, rtol=RTOL):
+    """|got - want| <= rtol · (|want| + max |want|), elementwise; a message that says where."""
+    assert isinstance(got, torch.Tensor), f"{what}: expected a tensor, got {type(got).__name__}"
+    assert got.shape == want.shape, \
+        f"{what}: expected shape {tuple(want.shape)}, got {tuple(got.shape)}"
+    assert got.dtype == want.dtype, f"{what}: expected dtype {want.dtype}, got {got.dtype}"
+    got, want = got.detach().float().cpu(), want.detach().float().cpu()
+    scale = max(float(want.abs().max()) if want.numel() else 0.0, 1e-12)
+    err = (got - want).abs()
+    bad = ~(err <= rtol * (want.abs() + scale))            # NaN counts as bad
+    if bad.any():
+        where = bad.nonzero()[0].tolist()
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {want.numel()} entries differ (tolerance {rtol:g} "
+            f"relative to max |expected| = {scale:.3g}); max error {float(err.max()):.3g}; "
+            f"first at index {where}: expected {float(want[tuple(where)]):.6g}, got "
+            f"{float(got[tuple(where)]):.6g}")
+
+
+def _zero_lora(dA, dB, idx, E, what):
+    """Experts that received no token must have exactly-zero LoRA gradients."""
+    used = torch.bincount(idx.reshape(-1).cpu(), minlength=E) > 0
+    r = dA.shape[0] // E
+    for e in (~used).nonzero().flatten().tolist():
+        a, b = dA[e * r:(e + 1) * r].detach().cpu(), dB[:, e * r:(e + 1) * r].detach().cpu()
+        for name, blk in (("dA", a), ("dB", b)):
+            assert torch.equal(blk, torch.zeros_like(blk)), \
+                f"{what}: expert {e} received no token, so its {name} slice must be exactly 0; " \
+                f"got max |{name}_{e}| = {float(blk.abs().nan_to_num(1e30).max()):.3g}" \
+                f"{' (NaN: write zeros)' if blk.isnan().any() else ''}"
+
+
+def _check_split(T, K, N, E, k, r, seed=0, gated=True, **routing):
+    x, W, idx, gates, dout, A, B = _problem(T, K, N, E, k, r, seed, **routing)
+    if not gated:
+        gates = None
+        dout = torch.randn(T * k, N, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    want = _loop(x, W, idx, gates, A, B, SCALING, dout)
+    sei, ssi, offs = flatten_sort_count(idx, E)
+    xr, Wr, Ar, Br = _leaf(x), _leaf(W), _leaf(A), _leaf(B)
+    gr = None if gates is None else _leaf(gates)
+    with _no_reference(base_linear=True):
+        out = split_lora_linear(xr, Wr, k, sei, ssi, offs, Ar, Br, SCALING, gates=gr)
+        out.backward(dout)
+    where = f"split_lora_linear(gates={'[T, k]' if gated else None}), {_where(x, W, idx, r)}"
+    _close(out, want[0], f"{where}: output")
+    for name, got, w in zip(("dx", "dW", "dgates", "dA", "dB"),
+                            (xr.grad, Wr.grad, None if gr is None else gr.grad, Ar.grad, Br.grad),
+                            want[1:], strict=True):
+        if w is not None:
+            assert got is not None, f"{where}: {name} is None — did the graph reach it?"
+            _close(got, w, f"{where}: {name}")
+    _zero_lora(Ar.grad, Br.grad, idx, E, where)
+
+
+_check_split(7, 24, 40, 4, 2, 2)
+_check_split(9, 40, 24, 4, 3, 3, seed=1, gated=False, skip=2)
+print("split_lora_linear matches reference.linear_loop with LoRA: output, dx, dW, dgates, dA, dB")
+
+### BEGIN HIDDEN TESTS
+_check_split(1, 24, 24, 4, 2, 1, seed=2)                           # T = 1, r = 1
+_check_split(13, 24, 40, 8, 1, 4, seed=3, only=[2, 5])             # top-1, two experts used
+_check_split(12, 40, 24, 8, 3, 2, seed=4, skip=0)                  # k = 3, expert 0 unused
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Exercise 2 — the fused forward kernel: base GEMM and LoRA in one tile
+#
+# Start from your Lab 08 `scatter2scatter_kernel` (grid `(cdiv(M, BLOCK_M), cdiv(N,
+# BLOCK_N))`, the expert range of a row tile from its first and last sorted row, a loop over
+# those experts with row masks) and add the LoRA inside the expert loop:
+#
+# ```
+# rr = arange(BLOCK_R);  r_mask = rr < R           # BLOCK_R: R padded to a power of two >= 16
+# for e in e_first .. e_last:
+#     rows = m_mask & (e_i == e)
+#     xa = zeros([BLOCK_M, BLOCK_R], float32)      # x @ A_eᵀ for this tile's rows
+#     for k0 in 0 .. K step BLOCK_K:
+#         x  = X[xrow, k0:]        (masked rows, k < K)                  # [BM, BK]
+#         w  = W[e, k0:, n]        (masked k < K, n < N)                 # [BK, BN]
+#         a  = A[e·R + rr, k0:]ᵀ   (masked k < K, rr < R)                # [BK, BR]
+#         acc += dot(x, w);   xa += dot(x, a)       # the same x tile feeds both
+#     b = B[n, e·R + rr]ᵀ          (masked rr < R, n < N)                # [BR, BN]
+#     acc += dot(scaling · xa, b)
+# Y[yrow, n] = acc                                  (masked rows < M, n < N)
+# ```
+#
+# Why `BLOCK_R ≥ 16`: a GPU's `tl.dot` needs every dimension ≥ 16, and block shapes must be
+# powers of two; the padded columns `rr ≥ R` load as zeros (mask!) so they add nothing. A row
+# of another expert loaded `x = 0`, so its `xa` is zero and needs no extra mask. Strides come
+# in as arguments: Exercise 4 launches this kernel on **transposed views** (`Bᵀ`, `Aᵀ`).
+#
+# Then `my_scatter2scatter_lora(X, W, lora_A, lora_B, scaling, sorted_expert_idxs,
+# sorted_scattered_idxs, k, x_grouped=False, y_grouped=False, block_m=32, block_n=32,
+# block_k=32)` → `Y` `[M, N]`: raise `ValueError` unless `X` is 2-D and `W` 3-D with the same
+# `K`, `lora_A` is `[r·E, K]` and `lora_B` `[N, r·E]` for some `r ≥ 1`, `1 ≤ k ≤ E`, `X` has
+# `M / k` rows (or `M` with `x_grouped`), and (under the interpreter) the tensors are
+# float32; allocate `Y`, pick `BLOCK_R`, launch **your** kernel. Do not copy `lora_A` /
+# `lora_B` to contiguous memory: pass their strides.
+
+# %% nbgrader={"grade": false, "grade_id": "scatter2scatter_lora", "locked": false, "schema_version": 3, "solution": true, "task": false}
+@triton.jit
+def scatter2scatter_lora_kernel(
+    X,              # [rows of X, K] input: token rows (scattered) or sorted rows (X_GROUPED)
+    W,              # [E, K, N] expert weights
+    Y,              # [M, N] output: slot order, or sorted order (Y_GROUPED)
+    A,              # [R·E, K] LoRA A (any strides); expert e owns rows e·R:(e+1)·R
+    B,              # [N, R·E] LoRA B (any strides); expert e owns columns e·R:(e+1)·R
+    expert_ids,     # [M] int64 sorted_expert_idxs (non-decreasing)
+    scattered_ids,  # [M] int64 sorted_scattered_idxs (slot s = token * FAN_OUT + j)
+    M, K, N, R,     # sizes (runtime ints); R = LoRA rank per expert
+    scaling,        # LoRA scaling (float)
+    sxm, sxk,       # strides of X
+    swe, swk, swn,  # strides of W
+    sym, syn,       # strides of Y
+    sar, sak,       # strides of A
+    sbn, sbr,       # strides of B
+    FAN_OUT: tl.constexpr,    # k: slots per token (X row of slot s is s // FAN_OUT)
+    X_GROUPED: tl.constexpr,  # True: X row of sorted row i is i
+    Y_GROUPED: tl.constexpr,  # True: output row of sorted row i is i (else its slot)
+    BLOCK_M: tl.constexpr,    # sorted rows per program
+    BLOCK_N: tl.constexpr,    # output columns per program
+    BLOCK_K: tl.constexpr,    # reduction step
+    BLOCK_R: tl.constexpr,    # R padded to a power of two, >= 16
+):
+    """Y[yrow(i), n] = X[xrow(i)] @ W[e, :, n] + scaling · (X[xrow(i)] @ A_eᵀ) @ B_eᵀ[:, n]."""
+    ### BEGIN SOLUTION
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                     # [BM] sorted rows
+    m_mask = i < M
+    e_i = tl.load(expert_ids + i, mask=m_mask, other=-1)            # [BM]
+    s_i = tl.load(scattered_ids + i, mask=m_mask, other=0)          # [BM]
+    if X_GROUPED:
+        xrow = i
+    else:
+        xrow = s_i // FAN_OUT
+    if Y_GROUPED:
+        yrow = i
+    else:
+        yrow = s_i
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BN]
+    n_mask = n < N
+    kk = tl.arange(0, BLOCK_K)                                      # [BK]
+    rr = tl.arange(0, BLOCK_R)                                      # [BR]
+    r_mask = rr < R
+    e_first = tl.load(expert_ids + pid_m * BLOCK_M)                 # sorted ids: the ends
+    e_last = tl.load(expert_ids + tl.minimum(pid_m * BLOCK_M + BLOCK_M, M) - 1)  # bound them
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for e in range(e_first, e_last + 1):
+        rows = m_mask & (e_i == e)                                  # [BM] this expert's rows
+        xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)         # x @ A_eᵀ
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + kk) < K
+            x = tl.load(X + xrow[:, None] * sxm + (k0 + kk)[None, :] * sxk,
+                        mask=rows[:, None] & k_mask[None, :], other=0.0)       # [BM, BK]
+            w = tl.load(W + e * swe + (k0 + kk)[:, None] * swk + n[None, :] * swn,
+                        mask=k_mask[:, None] & n_mask[None, :], other=0.0)     # [BK, BN]
+            a = tl.load(A + (e * R + rr)[None, :] * sar + (k0 + kk)[:, None] * sak,
+                        mask=k_mask[:, None] & r_mask[None, :], other=0.0)     # [BK, BR]
+            x = x.to(tl.float32)
+            acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
+            xa += tl.dot(x, a.to(tl.float32), input_precision="ieee")
+        b = tl.load(B + n[None, :] * sbn + (e * R + rr)[:, None] * sbr,
+                    mask=r_mask[:, None] & n_mask[None, :], other=0.0)         # [BR, BN]
+        acc += tl.dot(xa * scaling, b.to(tl.float32), input_precision="ieee")
+    tl.store(Y + yrow[:, None] * sym + n[None, :] * syn, acc.to(Y.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+    ### END SOLUTION
+
+
+def rank_block(r: int) -> int:
+    """BLOCK_R for rank r: the next power of two, at least 16."""
+    return max(16, 1 << (max(r, 1) - 1).bit_length())
+
+
+def my_scatter2scatter_lora(X: torch.Tensor, W: torch.Tensor, lora_A: torch.Tensor,
+                            lora_B: torch.Tensor, scaling: float,
+                            sorted_expert_idxs: torch.Tensor,
+                            sorted_scattered_idxs: torch.Tensor, k: int,
+                            x_grouped: bool = False, y_grouped: bool = False,
+                            block_m: int = 32, block_n: int = 32, block_k: int = 32
+                            ) -> torch.Tensor:
+    """Y [M, N]: X[xrow(i)] @ W[e_i] + scaling · (X[xrow(i)] @ A_eᵀ) @ B_eᵀ, by your kernel."""
+    ### BEGIN SOLUTION
+    for name, t, dim in (("X", X, 2), ("W", W, 3), ("lora_A", lora_A, 2), ("lora_B", lora_B, 2)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dim:
+            raise ValueError(f"{name} must be a {dim}-D tensor")
+        if INTERPRET and t.dtype != torch.float32:
+            raise ValueError(f"{name} is {t.dtype}, but the Triton interpreter is float32-only")
+    E, K, N = W.shape
+    if X.shape[1] != K:
+        raise ValueError(f"X {tuple(X.shape)} and W {tuple(W.shape)} must share K")
+    rE = lora_A.shape[0]
+    if rE < E or rE % E or lora_A.shape[1] != K or tuple(lora_B.shape) != (N, rE):
+        raise ValueError(f"lora_A must be [r·E, K] = [r·{E}, {K}] and lora_B [N, r·E] = "
+                         f"[{N}, r·{E}], got {tuple(lora_A.shape)} and {tuple(lora_B.shape)}")
+    if not isinstance(k, int) or not 1 <= k <= E:
+        raise ValueError(f"k must be an int in 1..{E}, got {k!r}")
+    M = sorted_expert_idxs.shape[0]
+    if X.shape[0] != (M if x_grouped else M // k) or M % k:
+        raise ValueError(f"X has {X.shape[0]} rows; expected {'M' if x_grouped else 'M / k'} "
+                         f"with M = {M}, k = {k}")
+    r = rE // E
+    sei = sorted_expert_idxs.long().contiguous()
+    ssi = sorted_scattered_idxs.long().contiguous()
+    Y = torch.empty(M, N, dtype=X.dtype, device=X.device)                  # [M, N]
+    if M == 0:
+        return Y
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    scatter2scatter_lora_kernel[grid](
+        X, W, Y, lora_A, lora_B, sei, ssi, M, K, N, r, float(scaling),
+        X.stride(0), X.stride(1), W.stride(0), W.stride(1), W.stride(2),
+        Y.stride(0), Y.stride(1), lora_A.stride(0), lora_A.stride(1),
+        lora_B.stride(0), lora_B.stride(1),
+        FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=rank_block(r))
+    return Y
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_scatter2scatter_lora_kernel", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+def _launch_s2s_lora(T, K, N, E, k, r, x_grouped=False, y_grouped=False, BLOCK_M=16,
+                     BLOCK_N=16, BLOCK_K=16, seed=0, transposed_lora=False, **routing):
+    """Launch scatter2scatter_lora_kernel directly (strided views, NaN around Y)."""
+    x, W, idx, _, _, A, B = _problem(T, K, N, E, k, r, seed, **routing)
+    M = T * k
+    sei, ssi, _ = flatten_sort_count(idx, E)
+    want = linear_loop(x, W, idx, None, A, B, SCALING)                # [M, N] slot order
+    X = x[ssi // k] if x_grouped else x
+    X = X.T.contiguous().T                                             # column-major view
+    if y_grouped:
+        want = want[ssi]
+    if transposed_lora:                                                # same values, other strides
+        A, B = A.T.contiguous().T, B.T.contiguous().T
+    ybuf = torch.full((M + 3, N + 5), float("nan"), device=DEVICE)
+    Y = ybuf[:M, :N]
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+    scatter2scatter_lora_kernel[grid](
+        X, W, Y, A, B, sei, ssi, M, K, N, r, SCALING,
+        X.stride(0), X.stride(1), W.stride(0), W.stride(1), W.stride(2),
+        Y.stride(0), Y.stride(1), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
+        FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=rank_block(r))
+    where = (f"scatter2scatter_lora_kernel[{grid}] (x_grouped={x_grouped}, y_grouped="
+             f"{y_grouped}), {_where(x, W, idx, r)}, BLOCK_M/N/K/R = "
+             f"{BLOCK_M}/{BLOCK_N}/{BLOCK_K}/{rank_block(r)}")
+    assert not Y.isnan().any(), \
+        f"{where}: NaN left in Y at {Y.isnan().nonzero()[0].tolist()}: an output row was never " \
+        "stored"
+    _close(Y, want, where + (" — is the LoRA term there (and scaled)?"
+                             if not torch.allclose(Y, want, atol=1e-3) else ""))
+    outside = ybuf.clone()
+    outside[:M, :N] = float("nan")
+    assert outside.isnan().all(), f"{where} wrote outside Y[:M, :N]: mask the store"
+
+
+_launch_s2s_lora(7, 24, 40, 4, 2, 2)                     # partial K and N tiles
+_launch_s2s_lora(9, 40, 24, 4, 3, 3, seed=1, skip=2)     # r = 3, k = 3, expert 2 empty
+_launch_s2s_lora(5, 24, 24, 4, 2, 1, seed=2, x_grouped=True, y_grouped=True)   # r = 1
+print("scatter2scatter_lora_kernel matches reference.linear_loop with LoRA")
+
+### BEGIN HIDDEN TESTS
+_launch_s2s_lora(1, 24, 40, 4, 2, 2, seed=3)                          # T = 1
+_launch_s2s_lora(33, 40, 40, 8, 2, 4, seed=4, only=[1, 6])            # tiles span experts
+_launch_s2s_lora(12, 24, 40, 8, 3, 3, seed=5, skip=0, transposed_lora=True)
+_launch_s2s_lora(7, 40, 24, 1, 1, 2, seed=6, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32)   # E = 1
+_launch_s2s_lora(20, 24, 24, 4, 2, 17, seed=7, y_grouped=True)        # r = 17: BLOCK_R = 32
+### END HIDDEN TESTS
+
+# %% nbgrader={"grade": true, "grade_id": "test_my_scatter2scatter_lora", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _check_s2s_lora(T, K, N, E, k, r, seed=0, x_grouped=False, y_grouped=False, **routing):
+    x, W, idx, _, _, A, B = _problem(T, K, N, E, k, r, seed, **routing)
+    sei, ssi, _ = flatten_sort_count(idx, E)
+    want = linear_loop(x, W, idx, None, A, B, SCALING)
+    X = x[ssi // k] if x_grouped else x
+    if y_grouped:
+        want = want[ssi]
+    with _no_reference(), _spy_on("scatter2scatter_lora_kernel") as spy:
+        got = my_scatter2scatter_lora(X, W, A, B, SCALING, sei, ssi, k, x_grouped=x_grouped,
+                                      y_grouped=y_grouped)
+    where = (f"my_scatter2scatter_lora(x_grouped={x_grouped}, y_grouped={y_grouped}), "
+             f"{_where(x, W, idx, r)}")
+    assert spy.grids, f"{where}: scatter2scatter_lora_kernel was not launched"
+    _close(got, want, where)
+
+
+_check_s2s_lora(7, 24, 40, 4, 2, 2)
+_check_s2s_lora(9, 40, 24, 4, 3, 3, seed=1, skip=1, y_grouped=True)
+print("my_scatter2scatter_lora matches linear_loop and launches your kernel")
+
+### BEGIN HIDDEN TESTS
+_check_s2s_lora(1, 40, 24, 4, 2, 1, seed=2)                          # T = 1, r = 1
+_check_s2s_lora(13, 24, 40, 8, 2, 3, seed=3, x_grouped=True, only=[0, 3, 7])
+_check_s2s_lora(33, 40, 40, 8, 1, 2, seed=4)
+# bad inputs
+_x, _W, _i, _, _, _A, _B = _problem(4, 24, 40, 4, 2, 2, seed=5)
+_s = flatten_sort_count(_i, 4)[:2]
+_bad_calls = [
+    ("lora_A with r·E not a multiple of E", lambda: my_scatter2scatter_lora(
+        _x, _W, _A[:-1], _B[:, :-1], 1.0, *_s, 2)),
+    ("lora_A with the wrong K", lambda: my_scatter2scatter_lora(
+        _x, _W, _A[:, :-1], _B, 1.0, *_s, 2)),
+    ("lora_B with the wrong N", lambda: my_scatter2scatter_lora(
+        _x, _W, _A, _B[:-1], 1.0, *_s, 2)),
+    ("lora_B transposed", lambda: my_scatter2scatter_lora(_x, _W, _A, _B.T, 1.0, *_s, 2)),
+    ("X with the wrong K", lambda: my_scatter2scatter_lora(_x[:, :-1], _W, _A, _B, 1.0, *_s, 2)),
+    ("k larger than E", lambda: my_scatter2scatter_lora(_x[:1], _W, _A, _B, 1.0, *_s, 8)),
+]
+if INTERPRET:
+    _bad_calls.append(("float64 under the interpreter", lambda: my_scatter2scatter_lora(
+        _x.double(), _W.double(), _A.double(), _B.double(), 1.0, *_s, 2)))
+for _what, _call in _bad_calls:
+    try:
+        with _no_reference():
+            _call()
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"my_scatter2scatter_lora accepted {_what}; expected ValueError")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Exercise 3 — `group_bwd_lora`: dA and dB in one kernel, no atomics
+#
+# Write `group_bwd_lora_kernel` for the grid `(E, cdiv(P, BLOCK_P))`. Program `(e, pp)` owns
+# the tile `OUT[pp·BLOCK_P : …, e·R : (e+1)·R]` and computes, over expert `e`'s sorted rows
+# `start = offsets[e-1]` (0 for `e = 0`) … `end = offsets[e]`,
+#
+# ```
+# acc = zeros([BLOCK_P, BLOCK_R], float32)
+# for m0 in start .. end step BLOCK_M:                     # rows masked against end
+#     vl = zeros([BLOCK_M, BLOCK_R])
+#     for q0 in 0 .. Q step BLOCK_Q:
+#         vl += dot(V[rows, q0:], L[q0:, e·R + rr])         # V_e @ L_e: [BM, BR]
+#     acc += dot(trans(U[rows, p]), vl)                     # [BP, BM] @ [BM, BR]
+# OUT[p, e·R + rr] = scaling · acc                          # masked p < P, rr < R — always
+# ```
+#
+# The same kernel gives both gradients (Part A): `dB = kernel(U=dY, V=X, L=Aᵀ)` with
+# `P = N, Q = K`, and `dAᵀ = kernel(U=X, V=dY, L=B)` with `P = K, Q = N`, written **through
+# the transposed strides** of `dA` (pass `dA.stride(1), dA.stride(0)` as OUT's strides; `Aᵀ`
+# likewise is `A` with its two strides swapped). As in Lab 09, mask the rows against `end`
+# (the next expert's rows follow) and always store: an expert without rows writes its zeros.
+#
+# Then `my_group_bwd_lora(DY, X, lora_A, lora_B, expert_offsets, scaling, block_m=32,
+# block_p=32, block_q=32)` → `(dA [r·E, K], dB [N, r·E])`: `DY` `[M, N]` and `X` `[M, K]`
+# grouped (sorted) rows; raise `ValueError` on mismatched rows, LoRA shapes that do not fit
+# (`E = len(expert_offsets)`), offsets that are not non-decreasing ending at `M`, or (under
+# the interpreter) non-float32 data; allocate both outputs and launch **your** kernel twice.
+
+# %% nbgrader={"grade": false, "grade_id": "group_bwd_lora", "locked": false, "schema_version": 3, "solution": true, "task": false}
+@triton.jit
+def group_bwd_lora_kernel(
+    U,              # [M, P] grouped rows; their columns index OUT's rows
+    V,              # [M, Q] grouped rows multiplied into the LoRA factor
+    L,              # [Q, R·E] LoRA factor (any strides); expert e owns columns e·R:(e+1)·R
+    OUT,            # [P, R·E] gradient (any strides); every element of column block e written
+    offsets,        # [E] int64 expert_offsets (inclusive cumulative counts = end rows)
+    P, Q, R,        # sizes
+    scaling,        # LoRA scaling
+    sum_, sup,      # strides of U
+    svm, svq,       # strides of V
+    slq, slr,       # strides of L
+    sop, sor,       # strides of OUT
+    BLOCK_M: tl.constexpr,    # rows per reduction step
+    BLOCK_P: tl.constexpr,    # OUT rows per program
+    BLOCK_Q: tl.constexpr,    # inner step over Q
+    BLOCK_R: tl.constexpr,    # R padded to a power of two, >= 16
+):
+    """OUT[p, e·R + j] = scaling · Σ_{rows m of e} U[m, p] · (V[m] @ L[:, e·R + j])."""
+    ### BEGIN SOLUTION
+    e = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)          # [BP]
+    p_mask = p < P
+    rr = tl.arange(0, BLOCK_R)                                      # [BR]
+    r_mask = rr < R
+    qq = tl.arange(0, BLOCK_Q)
+    mm = tl.arange(0, BLOCK_M)
+    start = tl.load(offsets + e - 1, mask=e > 0, other=0)
+    end = tl.load(offsets + e)
+    acc = tl.zeros((BLOCK_P, BLOCK_R), dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        rows = (m0 + mm) < end
+        vl = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)         # V[rows] @ L_e
+        for q0 in range(0, Q, BLOCK_Q):
+            q_mask = (q0 + qq) < Q
+            v = tl.load(V + (m0 + mm)[:, None] * svm + (q0 + qq)[None, :] * svq,
+                        mask=rows[:, None] & q_mask[None, :], other=0.0)      # [BM, BQ]
+            lf = tl.load(L + (q0 + qq)[:, None] * slq + (e * R + rr)[None, :] * slr,
+                         mask=q_mask[:, None] & r_mask[None, :], other=0.0)   # [BQ, BR]
+            vl += tl.dot(v.to(tl.float32), lf.to(tl.float32), input_precision="ieee")
+        u = tl.load(U + (m0 + mm)[:, None] * sum_ + p[None, :] * sup,
+                    mask=rows[:, None] & p_mask[None, :], other=0.0)          # [BM, BP]
+        acc += tl.dot(tl.trans(u.to(tl.float32)), vl, input_precision="ieee")
+    tl.store(OUT + p[:, None] * sop + (e * R + rr)[None, :] * sor,
+             (acc * scaling).to(OUT.dtype.element_ty), mask=p_mask[:, None] & r_mask[None, :])
+    ### END SOLUTION
+
+
+def my_group_bwd_lora(DY: torch.Tensor, X: torch.Tensor, lora_A: torch.Tensor,
+                      lora_B: torch.Tensor, expert_offsets: torch.Tensor, scaling: float,
+                      block_m: int = 32, block_p: int = 32, block_q: int = 32
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dA [r·E, K], dB [N, r·E]) from grouped DY [M, N] and X [M, K], by your kernel."""
+    ### BEGIN SOLUTION
+    for name, t in (("DY", DY), ("X", X), ("lora_A", lora_A), ("lora_B", lora_B)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor")
+        if INTERPRET and t.dtype != torch.float32:
+            raise ValueError(f"{name} is {t.dtype}, but the Triton interpreter is float32-only")
+    if DY.shape[0] != X.shape[0]:
+        raise ValueError(f"DY {tuple(DY.shape)} and X {tuple(X.shape)} must have the same rows")
+    offs = expert_offsets
+    if not isinstance(offs, torch.Tensor) or offs.dim() != 1 or offs.numel() < 1 \
+            or offs.dtype.is_floating_point or offs.dtype == torch.bool:
+        raise ValueError("expert_offsets must be a non-empty 1-D integer tensor [E]")
+    M, N, K, E = DY.shape[0], DY.shape[1], X.shape[1], offs.shape[0]
+    rE = lora_A.shape[0]
+    if rE < E or rE % E or lora_A.shape[1] != K or tuple(lora_B.shape) != (N, rE):
+        raise ValueError(f"lora_A must be [r·E, K] = [r·{E}, {K}] and lora_B [N, r·E] = "
+                         f"[{N}, r·{E}], got {tuple(lora_A.shape)} and {tuple(lora_B.shape)}")
+    offs = offs.long().contiguous()
+    if int(offs[-1]) != M or (offs < 0).any() or (offs[1:] < offs[:-1]).any():
+        raise ValueError(f"expert_offsets must be non-decreasing end rows ending at M={M}, "
+                         f"got {offs.tolist()}")
+    r = rE // E
+    dA = torch.empty(rE, K, dtype=X.dtype, device=X.device)                # [r·E, K]
+    dB = torch.empty(N, rE, dtype=X.dtype, device=X.device)                # [N, r·E]
+    A, B = lora_A, lora_B
+    # dB = kernel(U=DY, V=X, L=Aᵀ);  dAᵀ = kernel(U=X, V=DY, L=B), both via strides only.
+    for U, V, L, sl, OUT, so in (
+            (DY, X, A, (A.stride(1), A.stride(0)), dB, (dB.stride(0), dB.stride(1))),
+            (X, DY, B, (B.stride(0), B.stride(1)), dA, (dA.stride(1), dA.stride(0)))):
+        P, Q = U.shape[1], V.shape[1]
+        group_bwd_lora_kernel[(E, triton.cdiv(P, block_p))](
+            U, V, L, OUT, offs, P, Q, r, float(scaling), U.stride(0), U.stride(1),
+            V.stride(0), V.stride(1), *sl, *so,
+            BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_Q=block_q, BLOCK_R=rank_block(r))
+    return dA, dB
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_group_bwd_lora_kernel", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+def _bwd_lora_problem(T, K, N, E, k, r, seed=0, **routing):
+    """Grouped X [M, K], DY [M, N], A, B, offsets, and dA, dB by a per-row outer-product loop."""
+    x, W, idx, _, _, A, B = _problem(T, K, N, E, k, r, seed, **routing)
+    sei, ssi, offs = flatten_sort_count(idx, E)
+    Xg = x[ssi // k]                                                   # [M, K] sorted
+    DYg = torch.randn(T * k, N, generator=torch.Generator().manual_seed(seed + 7)).to(DEVICE)
+    dA, dB = torch.zeros_like(A), torch.zeros_like(B)
+    for i in range(T * k):
+        e = int(sei[i])
+        Ae, Be = A[e * r:(e + 1) * r], B[:, e * r:(e + 1) * r]          # [r, K], [N, r]
+        dB[:, e * r:(e + 1) * r] += SCALING * torch.outer(DYg[i], Ae @ Xg[i])
+        dA[e * r:(e + 1) * r] += SCALING * torch.outer(DYg[i] @ Be, Xg[i])
+    return Xg, DYg, A, B, offs, idx, dA, dB
+
+
+def _launch_bwd_lora(T, K, N, E, k, r, BLOCK_M=16, BLOCK_P=16, BLOCK_Q=16, seed=0, **routing):
+    """Launch group_bwd_lora_kernel directly for dB and for dAᵀ into NaN-filled buffers."""
+    Xg, DYg, A, B, offs, idx, wantA, wantB = _bwd_lora_problem(T, K, N, E, k, r, seed, **routing)
+    where0 = (f"M={Xg.shape[0]}, K={K}, N={N}, E={E}, r={r}, rows per expert "
+              f"{torch.bincount(idx.reshape(-1).cpu(), minlength=E).tolist()}, "
+              f"BLOCK_M/P/Q = {BLOCK_M}/{BLOCK_P}/{BLOCK_Q}")
+    At = A.T                                                           # [K, r·E] view
+    dBbuf = torch.full((N + 2, r * E + 3), float("nan"), device=DEVICE)
+    dAbuf = torch.full((r * E + 1, K + 4), float("nan"), device=DEVICE)
+    dB, dA = dBbuf[:N, :r * E], dAbuf[:r * E, :K]
+    dAt = dA.T                                                         # [K, r·E] view
+    for name, U, V, L, OUT, want, buf, inner in (
+            ("dB", DYg, Xg, At, dB, wantB, dBbuf, (slice(None, N), slice(None, r * E))),
+            ("dA", Xg, DYg, B, dAt, wantA, dAbuf, (slice(None, r * E), slice(None, K)))):
+        P, Q = U.shape[1], V.shape[1]
+        grid = (E, triton.cdiv(P, BLOCK_P))
+        group_bwd_lora_kernel[grid](
+            U, V, L, OUT, offs, P, Q, r, SCALING, U.stride(0), U.stride(1),
+            V.stride(0), V.stride(1), L.stride(0), L.stride(1), OUT.stride(0), OUT.stride(1),
+            BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P, BLOCK_Q=BLOCK_Q, BLOCK_R=rank_block(r))
+        got = buf[inner]
+        where = f"group_bwd_lora_kernel[{grid}] for {name}, {where0}"
+        assert not got.isnan().any(), \
+            f"{where}: NaN left in {name} at {got.isnan().nonzero()[0].tolist()}: an element " \
+            "was never written (store even when the expert has no rows) or a row past `end` " \
+            "was read"
+        _close(got, want, where)
+        outside = buf.clone()
+        outside[inner] = float("nan")
+        assert outside.isnan().all(), f"{where} wrote outside {name}: mask p < P and rr < R"
+    _zero_lora(dAbuf[:r * E, :K], dBbuf[:N, :r * E], idx, E, where0)
+
+
+def _no_atomics(kernel):
+    fn = getattr(kernel, "fn", kernel)
+    names = [n for n in getattr(getattr(fn, "__code__", None), "co_names", ()) if "atomic" in n]
+    assert not names, f"group_bwd_lora_kernel uses {names}: each program owns its tile of " \
+                      "one expert's columns, so no atomics are needed"
+
+
+_no_atomics(group_bwd_lora_kernel)
+_launch_bwd_lora(7, 24, 40, 4, 2, 2)                     # partial tiles
+_launch_bwd_lora(9, 40, 24, 4, 3, 3, seed=1, skip=2)     # r = 3, expert 2 without rows
+print("group_bwd_lora_kernel matches a per-row outer-product loop for dA and dB, zeros for "
+      "empty experts")
+
+### BEGIN HIDDEN TESTS
+_launch_bwd_lora(1, 24, 40, 4, 2, 1, seed=2)                          # T = 1, r = 1
+_launch_bwd_lora(33, 40, 24, 8, 2, 2, seed=3, only=[0, 7])            # first and last only
+_launch_bwd_lora(12, 24, 40, 8, 3, 4, seed=4, skip=0, BLOCK_M=32, BLOCK_P=32, BLOCK_Q=32)
+_launch_bwd_lora(7, 40, 40, 1, 1, 17, seed=5)                         # E = 1, BLOCK_R = 32
+### END HIDDEN TESTS
+
+# %% nbgrader={"grade": true, "grade_id": "test_my_group_bwd_lora", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _check_my_bwd_lora(T, K, N, E, k, r, seed=0, **routing):
+    Xg, DYg, A, B, offs, idx, wantA, wantB = _bwd_lora_problem(T, K, N, E, k, r, seed, **routing)
+    with _no_reference(), _spy_on("group_bwd_lora_kernel") as spy:
+        got = my_group_bwd_lora(DYg, Xg, A, B, offs, SCALING)
+    where = (f"my_group_bwd_lora, M={Xg.shape[0]}, K={K}, N={N}, E={E}, r={r}, rows per "
+             f"expert {torch.bincount(idx.reshape(-1).cpu(), minlength=E).tolist()}")
+    assert isinstance(got, tuple) and len(got) == 2, \
+        f"{where}: expected (dA, dB), got {type(got).__name__}"
+    assert len(spy.grids) >= 2, \
+        f"{where}: expected your kernel launched twice (dB and dA), got {len(spy.grids)}"
+    _close(got[0], wantA, f"{where}: dA")
+    _close(got[1], wantB, f"{where}: dB")
+    _zero_lora(got[0], got[1], idx, E, where)
+
+
+_check_my_bwd_lora(7, 24, 40, 4, 2, 2)
+_check_my_bwd_lora(9, 40, 24, 8, 3, 3, seed=1, skip=5)
+print("my_group_bwd_lora matches the loop and launches your kernel")
+
+### BEGIN HIDDEN TESTS
+_check_my_bwd_lora(1, 40, 24, 4, 2, 1, seed=2)
+_check_my_bwd_lora(13, 24, 24, 8, 1, 2, seed=3, only=[3])
+_Xg, _DYg, _A, _B, _offs, _, _wA, _wB = _bwd_lora_problem(7, 24, 40, 4, 2, 2, seed=4)
+with _no_reference():
+    _gA, _gB = my_group_bwd_lora(_DYg, _Xg.T.contiguous().T, _A.T.contiguous().T, _B, _offs,
+                                 SCALING)
+_close(_gA, _wA, "my_group_bwd_lora with non-contiguous X and lora_A: dA")
+_close(_gB, _wB, "my_group_bwd_lora with non-contiguous X and lora_A: dB")
+_bad_calls = [
+    ("DY with other rows", lambda: my_group_bwd_lora(_DYg[:-1], _Xg, _A, _B, _offs, 1.0)),
+    ("lora_A of the wrong K", lambda: my_group_bwd_lora(_DYg, _Xg, _A[:, :-1], _B, _offs, 1.0)),
+    ("lora_B of the wrong N", lambda: my_group_bwd_lora(_DYg, _Xg, _A, _B[:-1], _offs, 1.0)),
+    ("offsets not ending at M", lambda: my_group_bwd_lora(_DYg, _Xg, _A, _B, _offs - 1, 1.0)),
+    ("decreasing offsets", lambda: my_group_bwd_lora(_DYg, _Xg, _A, _B, _offs.flip(0), 1.0)),
+    ("float offsets", lambda: my_group_bwd_lora(_DYg, _Xg, _A, _B, _offs.float(), 1.0)),
+]
+for _what, _call in _bad_calls:
+    try:
+        with _no_reference():
+            _call()
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"my_group_bwd_lora accepted {_what}; expected ValueError")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Exercise 4 — the autograd Function with fused LoRA
+#
+# `MyLoRAParallelLinear.forward(ctx, x, W, gates, lora_A, lora_B, scaling, k, sei, ssi,
+# offsets, grouped_in, grouped_out)`:
+#
+# * `Y = my_scatter2scatter_lora(x, W, lora_A, lora_B, scaling, sei, ssi, k,
+#   x_grouped=grouped_in, y_grouped=grouped_out)` `[M, N]`;
+# * with gates: `out[t] = Σ_j gates[t, j] · Y[t·k + j]` `[T, N]`; without: `out = Y`;
+# * save `x`, `W`, `gates`, `lora_A`, `lora_B`, the indices and (with gates) `Y`.
+#
+# `MyLoRAParallelLinear.backward(ctx, dout)` returns twelve values, in the forward's order:
+# `(dx, dW, dgates, dA, dB, None, …)`:
+#
+# * `dgates[t, j] = ⟨Y[t·k + j], dout[t]⟩`; `dYg` = `group(dout, ssi, fan_out=k,
+#   coeff=gates)` with gates, `dout` itself with `grouped_out`, else `group(dout, ssi)`;
+# * `Xg = x` if `grouped_in` else `group(x, ssi, fan_out=k)`;
+# * `dW = group_bwd_W(dYg, Xg, offsets, E)` (`minimoe`'s; only if `W` needs a gradient — in
+#   QLoRA it never does);
+# * `dA, dB = my_group_bwd_lora(dYg, Xg, lora_A, lora_B, offsets, scaling)`;
+# * `dx`: **your fused kernel on transposed weights**, `my_scatter2scatter_lora(dYg,
+#   W.transpose(1, 2), lora_B.t(), lora_A.t(), scaling, sei, ssi, 1, x_grouped=True,
+#   y_grouped=grouped_in)`, then the sum over each token's `k` slots (not with `grouped_in`).
+#
+# `my_lora_parallel_linear(x, W, k, sei, ssi, offsets, lora_A, lora_B, scaling, gates=None,
+# grouped_in=False, grouped_out=False)` raises `ValueError` for gates with `grouped_out=True`
+# and returns `MyLoRAParallelLinear.apply(...)`.
+
+# %% nbgrader={"grade": false, "grade_id": "lora_parallel_linear", "locked": false, "schema_version": 3, "solution": true, "task": false}
+class MyLoRAParallelLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, W, gates, lora_A, lora_B, scaling, k, sei, ssi, offsets, grouped_in,
+                grouped_out):
+        ### BEGIN SOLUTION
+        Y = my_scatter2scatter_lora(x, W, lora_A, lora_B, scaling, sei, ssi, k,
+                                    x_grouped=grouped_in, y_grouped=grouped_out)   # [M, N]
+        if gates is None:
+            out = Y
+        else:
+            T, N = gates.shape[0], Y.shape[1]
+            out = (gates.to(Y.dtype).unsqueeze(-1) * Y.view(T, k, N)).sum(1)    # [T, N]
+        ctx.save_for_backward(x, W, gates, lora_A, lora_B, sei, ssi, offsets,
+                              None if gates is None else Y)
+        ctx.k, ctx.scaling = k, scaling
+        ctx.grouped_in, ctx.grouped_out = grouped_in, grouped_out
+        return out
+        ### END SOLUTION
+
+    @staticmethod
+    def backward(ctx, dout):
+        ### BEGIN SOLUTION
+        x, W, gates, A, B, sei, ssi, offsets, Y = ctx.saved_tensors
+        k, s, E = ctx.k, ctx.scaling, W.shape[0]
+        need = ctx.needs_input_grad
+        dout = dout.contiguous()
+        dgates = None
+        if gates is not None:
+            T, N = dout.shape
+            dgates = (Y.view(T, k, N) * dout.unsqueeze(1)).sum(-1).to(gates.dtype)   # [T, k]
+            dYg = group(dout, ssi, fan_out=k, coeff=gates)                           # [M, N]
+        elif ctx.grouped_out:
+            dYg = dout
+        else:
+            dYg = group(dout, ssi, fan_out=1)
+        Xg = x if ctx.grouped_in else group(x, ssi, fan_out=k)                       # [M, K]
+        dW = group_bwd_W(dYg, Xg, offsets, E) if need[1] else None
+        dA = dB = None
+        if need[3] or need[4]:
+            dA, dB = my_group_bwd_lora(dYg, Xg, A, B, offsets, s)
+        dx = None
+        if need[0]:
+            dXs = my_scatter2scatter_lora(dYg, W.transpose(1, 2), B.t(), A.t(), s, sei, ssi, 1,
+                                          x_grouped=True, y_grouped=ctx.grouped_in)  # [M, K]
+            dx = dXs if ctx.grouped_in or k == 1 else dXs.view(-1, k, dXs.shape[1]).sum(1)
+        return dx, dW, dgates, dA, dB, None, None, None, None, None, None, None
+        ### END SOLUTION
+
+
+def my_lora_parallel_linear(x: torch.Tensor, W: torch.Tensor, k: int,
+                            sorted_expert_idxs: torch.Tensor,
+                            sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor,
+                            lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float,
+                            gates: torch.Tensor | None = None, grouped_in: bool = False,
+                            grouped_out: bool = False) -> torch.Tensor:
+    """Expert linear + fused expert LoRA over the slots, differentiable through your kernels."""
+    ### BEGIN SOLUTION
+    if gates is not None and grouped_out:
+        raise ValueError("gates mix each token's k outputs: use grouped_out=False with gates")
+    return MyLoRAParallelLinear.apply(x, W, gates, lora_A, lora_B, float(scaling), k,
+                                      sorted_expert_idxs, sorted_scattered_idxs,
+                                      expert_offsets, grouped_in, grouped_out)
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_lora_parallel_linear", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+def _check_fn(T, K, N, E, k, r, seed=0, gated=True, grouped_in=False, grouped_out=False,
+              W_grad=True, **routing):
+    x, W, idx, gates, dout, A, B = _problem(T, K, N, E, k, r, seed, **routing)
+    sei, ssi, offs = flatten_sort_count(idx, E)
+    gates = gates if gated else None
+    if not gated:
+        dout = torch.randn(T * k, N, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    if grouped_in or grouped_out:
+        # no loop for sorted layouts: minimoe's torch path (split LoRA), checked by its tests
+        xin = x[ssi // k] if grouped_in else x
+        refs = [_leaf(t) for t in (xin, W, A, B)] + [None if gates is None else _leaf(gates)]
+        out = _pl_reference(refs[0], refs[1], k, sei, ssi, offs, gates=refs[4],
+                            grouped_in=grouped_in, grouped_out=grouped_out, lora_A=refs[2],
+                            lora_B=refs[3], scaling=SCALING, backend="torch")
+        out.backward(dout)
+        want = (out.detach(), refs[0].grad, refs[1].grad,
+                None if gates is None else refs[4].grad, refs[2].grad, refs[3].grad)
+        x = xin
+    else:
+        want = _loop(x, W, idx, gates, A, B, SCALING, dout)
+    xr, Ar, Br = _leaf(x), _leaf(A), _leaf(B)
+    Wr = _leaf(W) if W_grad else W.clone()
+    gr = None if gates is None else _leaf(gates)
+    with _no_reference(), _spy_on("my_scatter2scatter_lora", "my_group_bwd_lora") as (s2s, bwd):
+        out = my_lora_parallel_linear(xr, Wr, k, sei, ssi, offs, Ar, Br, SCALING, gates=gr,
+                                      grouped_in=grouped_in, grouped_out=grouped_out)
+        out.backward(dout)
+    where = (f"my_lora_parallel_linear(gates={'[T, k]' if gated else None}, grouped_in="
+             f"{grouped_in}, grouped_out={grouped_out}), {_where(x, W, idx, r)}")
+    assert s2s.calls >= 2, f"{where}: expected my_scatter2scatter_lora in the forward and for " \
+                           f"dx in the backward (2 calls), got {s2s.calls}"
+    assert bwd.calls >= 1, f"{where}: the backward did not call my_group_bwd_lora"
+    _close(out, want[0], f"{where}: output")
+    for name, got, w in zip(("dx", "dW", "dgates", "dA", "dB"),
+                            (xr.grad, Wr.grad if W_grad else None,
+                             None if gr is None else gr.grad, Ar.grad, Br.grad),
+                            want[1:], strict=True):
+        if name == "dW" and not W_grad:
+            assert Wr.grad is None
+            continue
+        if w is None:
+            assert got is None, f"{where}: {name} should be None (no gates), got a tensor"
+        else:
+            assert got is not None, f"{where}: {name} is None"
+            _close(got, w, f"{where}: {name}")
+    _zero_lora(Ar.grad, Br.grad, idx, E, where)
+
+
+_check_fn(7, 24, 40, 4, 2, 2)
+_check_fn(9, 40, 24, 4, 3, 3, seed=1, skip=2)
+_check_fn(7, 24, 24, 4, 2, 1, seed=2, gated=False)
+print("my_lora_parallel_linear: output, dx, dW, dgates, dA and dB match reference.linear_loop")
+
+### BEGIN HIDDEN TESTS
+_check_fn(1, 24, 40, 4, 2, 2, seed=3)                                 # T = 1
+_check_fn(13, 40, 40, 8, 2, 4, seed=4, only=[1, 6])                   # two experts
+_check_fn(7, 24, 24, 1, 1, 2, seed=5)                                 # E = 1
+_check_fn(12, 40, 24, 8, 3, 3, seed=6, skip=0, W_grad=False)          # frozen W (QLoRA)
+_check_fn(7, 24, 40, 4, 2, 2, seed=7, gated=False, grouped_out=True)
+_check_fn(7, 40, 24, 4, 2, 2, seed=8, grouped_in=True)                # the down projection
+_xx, _WW, _ii, _gg, _, _AA, _BB = _problem(4, 24, 24, 4, 2, 2, seed=9)
+try:
+    with _no_reference():
+        my_lora_parallel_linear(_xx, _WW, 2, *flatten_sort_count(_ii, 4), _AA, _BB, 1.0,
+                                gates=_gg, grouped_out=True)
+except ValueError:
+    pass
+else:
+    raise AssertionError("my_lora_parallel_linear accepted gates with grouped_out=True; "
+                         "expected ValueError")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Fused and split, side by side
+#
+# Both paths compute the same numbers; they differ in traffic. The split path writes and
+# reads an `[M, r]` tensor `h` in memory and runs three dispatch kernels (plus three
+# backward passes); the fused one keeps `x·A_eᵀ` in registers and loads each `x` tile once.
+# On a GPU this is what keeps the LoRA overhead small over the base kernel (the course's
+# target is ≤ 20%, measured by `benchmarks/bench_moe.py`); under the interpreter the
+# timings below only count Python work, not memory traffic.
+
+# %%
+_x, _W, _idx, _g, _dout, _A, _B = _problem(33, 40, 40, 8, 2, 4, seed=60)
+_ss = flatten_sort_count(_idx, 8)
+try:
+    _res = {}
+    for _name, _fn in (("split (Ex. 1)", split_lora_linear), ("fused (Ex. 4)", my_lora_parallel_linear)):
+        _xr, _Ar, _Br = _leaf(_x), _leaf(_A), _leaf(_B)
+        _t0 = time.perf_counter()
+        _o = _fn(_xr, _W, 2, *_ss, _Ar, _Br, SCALING, gates=_g)
+        _t1 = time.perf_counter()
+        _o.backward(_dout)
+        _t2 = time.perf_counter()
+        _res[_name] = (_o.detach(), _xr.grad, _Ar.grad, _Br.grad)
+        print(f"{_name:>14}: forward {1e3 * (_t1 - _t0):6.1f} ms, backward "
+              f"{1e3 * (_t2 - _t1):6.1f} ms "
+              f"({'interpreter: not a kernel timing' if INTERPRET else DEVICE})")
+    for _i, _what in enumerate(("out", "dx", "dA", "dB")):
+        _a, _b = _res["split (Ex. 1)"][_i], _res["fused (Ex. 4)"][_i]
+        print(f"  max |split − fused| in {_what}: {float((_a - _b).abs().max()):.2e}")
+except NotImplementedError:
+    print("(finish Exercises 1-4 to compare the two paths)")
+
+# %% [markdown]
+# ## Exercise 5 — NF4 experts, dequantizing only those with tokens
+#
+# QLoRA keeps the frozen experts in NF4 (`minimoe.quantize_experts(W)` quantizes an
+# `[E, K, N]` weight so that no 64-element block spans two experts). Each forward needs a
+# float copy of the expert weights — but only of the experts this batch routed tokens to.
+# Write `nf4_lora_linear(x, q, k, sorted_expert_idxs, sorted_scattered_idxs,
+# expert_offsets, lora_A, lora_B, scaling, gates=None, stats=None)`:
+#
+# 1. `active` = the ids of experts with at least one row: the counts are the differences of
+#    the end offsets (`torch.diff` with a 0 prepended), ascending; `n = len(active)`;
+# 2. `Wc = selective_dequantize_nf4_torch(q, active, dtype=x.dtype)` `[n, K, N]` (or
+#    `selective_dequantize_nf4`, the Lab 03 kernel — slower under the interpreter): **the
+#    only** dequantized copy; a full dequantize is switched off in the tests;
+# 3. compact ids: `remap = full(E, -1); remap[active] = arange(n)`, `sei_c = remap[sei]`,
+#    `offs_c = expert_offsets[active]` — `ssi` stays as it is (active experts keep their order);
+# 4. the active experts' LoRA: `A_c = lora_A` viewed `[E, r, K]`, rows `active`, back to
+#    `[r·n, K]`; `B_c = lora_B` viewed `[N, E, r]`, `[:, active]`, back to `[N, r·n]` — by
+#    indexing, so autograd sends exactly-zero gradients to the unused experts' slices;
+# 5. if `stats` is a dict, put `active` (list), `n_active` and `dequant_bytes` (the bytes of
+#    `Wc`) into it; return `my_lora_parallel_linear(x, Wc, k, sei_c, ssi, offs_c, A_c, B_c,
+#    scaling, gates=gates)`.
+#
+# The tests compare with `minimoe.parallel_linear` on the **fully** dequantized weight
+# (output and the x, gates, A, B gradients), then **poison** the unused experts' NF4 bytes
+# and scales and check the output does not move.
+
+# %% nbgrader={"grade": false, "grade_id": "nf4_lora", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def nf4_lora_linear(x: torch.Tensor, q: NF4Weight, k: int, sorted_expert_idxs: torch.Tensor,
+                    sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor,
+                    lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float,
+                    gates: torch.Tensor | None = None, stats: dict | None = None
+                    ) -> torch.Tensor:
+    """my_lora_parallel_linear with a frozen NF4 weight q [E, K, N], dequantizing only the
+    experts that received rows."""
+    ### BEGIN SOLUTION
+    E, K, N = q.shape
+    counts = torch.diff(expert_offsets, prepend=expert_offsets.new_zeros(1))      # [E]
+    active = torch.nonzero(counts > 0).reshape(-1)                                # [n]
+    n = active.numel()
+    Wc = selective_dequantize_nf4_torch(q, active, dtype=x.dtype)                 # [n, K, N]
+    remap = torch.full((E,), -1, dtype=torch.long, device=active.device)
+    remap[active] = torch.arange(n, device=active.device)
+    sei_c = remap[sorted_expert_idxs]                                             # [M] 0..n-1
+    offs_c = expert_offsets[active]                                               # [n]
+    r = lora_A.shape[0] // E
+    A_c = lora_A.reshape(E, r, K)[active].reshape(n * r, K)                       # [r·n, K]
+    B_c = lora_B.reshape(N, E, r)[:, active].reshape(N, n * r)                    # [N, r·n]
+    if stats is not None:
+        stats.update(active=active.tolist(), n_active=n,
+                     dequant_bytes=Wc.numel() * Wc.element_size())
+    return my_lora_parallel_linear(x, Wc, k, sei_c, sorted_scattered_idxs, offs_c, A_c, B_c,
+                                   scaling, gates=gates)
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_nf4_lora", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+def _poison(q, keep):
+    """Overwrite every stored byte and block scale of the experts not in `keep`, in place:
+    codes 0xFF (level +1.0 everywhere) and NaN / 0xFF scales."""
+    E = q.shape[0]
+    for t in (q.packed, q.block_absmax, q.absmax_codes):
+        if t is None:
+            continue
+        per_expert = t.view(E, -1)
+        for e in range(E):
+            if e not in keep:
+                per_expert[e] = float("nan") if t.is_floating_point() else 0xFF
+
+
+def _check_nf4(T, K, N, E, k, r, seed=0, gated=True, double_quant=True, **routing):
+    x, W, idx, gates, dout, A, B = _problem(T, K, N, E, k, r, seed, **routing)
+    gates = gates if gated else None
+    if not gated:
+        dout = torch.randn(T * k, N, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    q = quantize_experts(W, double_quant=double_quant)
+    ss = flatten_sort_count(idx, E)
+    used = sorted(set(idx.reshape(-1).tolist()))
+    # the reference: parallel_linear (fused LoRA) on the fully dequantized weight
+    refs = [_leaf(t) for t in (x, A, B)] + [None if gates is None else _leaf(gates)]
+    want = _pl_reference(refs[0], q.dequantize(), k, *ss, gates=refs[3], lora_A=refs[1],
+                         lora_B=refs[2], scaling=SCALING)
+    want.backward(dout)
+    xr, Ar, Br = _leaf(x), _leaf(A), _leaf(B)
+    gr = None if gates is None else _leaf(gates)
+    stats = {}
+    with _no_reference(), _spy_on("selective_dequantize_nf4_torch",
+                                  "selective_dequantize_nf4") as (sp_t, sp_k):
+        out = nf4_lora_linear(xr, q, k, *ss, Ar, Br, SCALING, gates=gr, stats=stats)
+        out.backward(dout)
+    where = (f"nf4_lora_linear(gates={'[T, k]' if gated else None}, double_quant="
+             f"{double_quant}), {_where(x, W, idx, r)}")
+    calls = sp_t.results + sp_k.results
+    assert len(calls) == 1, f"{where}: expected one selective dequantize call, got {len(calls)}"
+    args, kwargs, Wc = calls[0]
+    ids = (args[1] if len(args) > 1 else kwargs.get("active")).tolist()
+    assert ids == used, f"{where}: dequantized experts {ids}; expected exactly the active " \
+                        f"ones {used}, ascending"
+    assert stats.get("active") == used and stats.get("n_active") == len(used), \
+        f"{where}: stats active/n_active: expected {used}/{len(used)}, got " \
+        f"{stats.get('active')}/{stats.get('n_active')}"
+    assert stats.get("dequant_bytes") == len(used) * K * N * 4 == Wc.numel() * Wc.element_size(), \
+        f"{where}: dequant_bytes: expected {len(used)} · {K} · {N} · 4 = {len(used) * K * N * 4}," \
+        f" got {stats.get('dequant_bytes')}"
+    _close(out, want.detach(), f"{where}: output")
+    for name, got, w in (("dx", xr.grad, refs[0].grad), ("dA", Ar.grad, refs[1].grad),
+                         ("dB", Br.grad, refs[2].grad)) + \
+            ((("dgates", gr.grad, refs[3].grad),) if gated else ()):
+        assert got is not None, f"{where}: {name} is None"
+        _close(got, w, f"{where}: {name}")
+    _zero_lora(Ar.grad, Br.grad, idx, E, where)
+    # poison the unused experts: the output must not move, gradients must stay finite
+    _poison(q, keep=used)
+    xp = _leaf(x)
+    with _no_reference():
+        again = nf4_lora_linear(xp, q, k, *ss, A, B, SCALING, gates=gates)
+        again.sum().backward()
+    assert torch.equal(again.detach(), out.detach()), \
+        f"{where}: after poisoning experts {sorted(set(range(E)) - set(used))} (no tokens) the " \
+        f"output changed by {float((again - out).abs().nan_to_num(1e30).max()):.3g}: an " \
+        "unused expert was read"
+    assert torch.isfinite(xp.grad).all(), f"{where}: dx not finite after poisoning"
+
+
+_check_nf4(7, 16, 24, 5, 2, 2, only=[0, 1, 3])               # experts 2 and 4 unused
+_check_nf4(9, 24, 40, 6, 1, 3, seed=1, gated=False, only=[1, 4])
+print("nf4_lora_linear matches parallel_linear on the dequantized weight and never reads an "
+      "unused expert")
+
+### BEGIN HIDDEN TESTS
+_check_nf4(1, 16, 24, 8, 2, 1, seed=2)                       # T = 1: two of eight experts
+_check_nf4(12, 24, 40, 4, 3, 2, seed=3, double_quant=False)  # every expert used
+_check_nf4(9, 16, 24, 6, 2, 2, seed=4, only=[5, 0])          # first and last only
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### How big is the transient float copy?
+#
+# The dequantized buffer `Wc` lives only during the call, and its size is set by how many
+# experts the batch touched, not by `E`. With 8 experts of `K = 32`, `N = 64` and 16 tokens
+# routed top-1 over the first 1, 2, 4 or 8 experts, the bars show the bytes your
+# `nf4_lora_linear` reported (its `stats`), next to a full dequantize and the NF4 storage
+# held all the time (double quantization, ≈ 4.13 bits per weight).
+
+# %%
+_E, _K, _N, _T = 8, 32, 64, 16
+_gb = torch.Generator().manual_seed(7)
+_Wb = (torch.randn(_E, _K, _N, generator=_gb) / _K ** 0.5).to(DEVICE)
+_qb = quantize_experts(_Wb)
+_Ab = (torch.randn(2 * _E, _K, generator=_gb) / _K ** 0.5).to(DEVICE)
+_Bb = torch.zeros(_N, 2 * _E, device=DEVICE)
+_xb = torch.randn(_T, _K, generator=_gb).to(DEVICE)
+_full = _E * _K * _N * 4
+_bytes = []
+try:
+    for _n in (1, 2, 4, 8):
+        _st = {}
+        _ib = (torch.arange(_T) % _n).reshape(_T, 1).to(DEVICE)           # spread over _n experts
+        with torch.no_grad():
+            nf4_lora_linear(_xb, _qb, 1, *flatten_sort_count(_ib, _E), _Ab, _Bb, 1.0, stats=_st)
+        _bytes.append(_st["dequant_bytes"])
+        print(f"{_n}/{_E} experts active: dequant buffer {_st['dequant_bytes']:>6} B "
+              f"= {_st['dequant_bytes'] / _full:.3f} of a full dequantize ({_full} B)")
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    ax.bar([str(n) for n in (1, 2, 4, 8)], _bytes, color="tab:blue", label="your dequant buffer")
+    ax.axhline(_full, ls="--", color="tab:red", label=f"full dequantize ({_full} B)")
+    ax.axhline(_qb.nbytes, ls=":", color="tab:green",
+               label=f"NF4+DQ storage ({_qb.nbytes} B, {_qb.bits_per_param:.3f} bits/param)")
+    ax.set_xlabel(f"active experts (of {_E})")
+    ax.set_ylabel("bytes (float32)")
+    ax.set_title(f"transient dequantized expert weights, K={_K}, N={_N}", fontsize=9)
+    ax.legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()
+except NotImplementedError:
+    print("(finish Exercise 5 to measure the buffer)")
+
+# %% [markdown]
+# ### Experts without tokens learn nothing — exactly
+#
+# A toy regression: 4 experts, NF4 base, LoRA `r = 2` on every expert (B starts at zero), and
+# a router that only ever picks experts 0 and 2. The target adds a hidden low-rank change to
+# each expert. A few SGD steps on `A` and `B` through your `nf4_lora_linear`: the curves are
+# the Frobenius norm of each expert's update `‖scaling · B_e A_e‖`. Experts 1 and 3 never
+# receive a token, so their `dA`, `dB` slices are exact zeros and their update stays **0.0**,
+# not "small" — which is what makes it safe to hold LoRA for every expert and train only
+# the ones a batch reaches.
+
+# %%
+_E, _K, _N, _r, _T = 4, 16, 24, 2, 24
+_gt = torch.Generator().manual_seed(11)
+_Wt = (torch.randn(_E, _K, _N, generator=_gt) / _K ** 0.5).to(DEVICE)
+_qt = quantize_experts(_Wt)
+_delta = (torch.randn(_E, _K, 2, generator=_gt) @ torch.randn(_E, 2, _N, generator=_gt)
+          / _K).to(DEVICE)                                              # hidden change [E, K, N]
+_xt = torch.randn(_T, _K, generator=_gt).to(DEVICE)
+_it = torch.tensor([0, 2])[torch.randint(0, 2, (_T, 1), generator=_gt)].to(DEVICE)   # 0 or 2
+_target = torch.stack([_xt[t] @ (_Wt[e] + _delta[e]) for t, e in enumerate(_it[:, 0].tolist())])
+_sc = 2.0 / _r
+_At = _leaf((torch.randn(_r * _E, _K, generator=_gt) / _K ** 0.5).to(DEVICE))
+_Bt = _leaf(torch.zeros(_N, _r * _E, device=DEVICE))
+_sst = flatten_sort_count(_it, _E)
+_norms, _losses = [], []
+try:
+    for _step in range(12):
+        _out = nf4_lora_linear(_xt, _qt, 1, *_sst, _At, _Bt, _sc)               # [T, N] (k=1)
+        _loss = ((_out - _target) ** 2).mean()
+        _At.grad = _Bt.grad = None
+        _loss.backward()
+        with torch.no_grad():
+            _At -= 2.0 * _At.grad
+            _Bt -= 2.0 * _Bt.grad
+            _norms.append([float((_sc * _Bt[:, e * _r:(e + 1) * _r] @ _At[e * _r:(e + 1) * _r])
+                                 .norm()) for e in range(_E)])
+        _losses.append(float(_loss.detach()))
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(10, 3.4))
+    for e in range(_E):
+        ax0.plot(range(1, 13), [nr[e] for nr in _norms], marker="o", ms=3,
+                 label=f"expert {e}" + (" (no tokens)" if e in (1, 3) else ""))
+    ax0.set_xlabel("SGD step")
+    ax0.set_ylabel("‖scaling · B_e A_e‖_F")
+    ax0.set_title("per-expert LoRA update", fontsize=9)
+    ax0.legend(fontsize=8)
+    ax1.plot(range(1, 13), _losses, color="tab:purple")
+    ax1.set_xlabel("SGD step")
+    ax1.set_ylabel("MSE")
+    ax1.set_title("toy regression loss", fontsize=9)
+    plt.tight_layout()
+    plt.show()
+    print("update norms after the last step:", [f"{v:.4f}" for v in _norms[-1]])
+    print("experts 1 and 3 exactly zero:",
+          all(_norms[-1][e] == 0.0 for e in (1, 3)), "| loss", f"{_losses[0]:.4f} -> {_losses[-1]:.4f}")
+except NotImplementedError:
+    print("(finish Exercise 5 to train the toy adapters)")
+
+# %% [markdown]
+# ## Where this goes next
+#
+# `minimoe.attach_expert_lora(mlp, r, alpha, nf4=True)` puts exactly what you built into a
+# `MoEMLP`: the three SwiGLU projections become `NF4Experts` (frozen NF4, selective dequant)
+# with expert LoRA, fused by default. Lab 11 trains that on MiniGPT-MoE (QLoRA), prints the
+# memory table and extrapolates it to Mixtral's shapes.
+#
+# ### Reflection
+#
+# 1. The fused kernel recomputes `x·A_eᵀ` once per `N` tile (every program of a row tile
+#    does it). How much extra work is that for `N = 4096`, `BLOCK_N = 64`, `r = 16`, and when
+#    would precomputing `h = x·A_eᵀ` once (the split path) win instead?
+# 2. `BLOCK_R` is at least 16 even for `r = 1`. What fraction of the LoRA `tl.dot` work is
+#    padding at `r = 1, 4, 8, 16`, and why is it still cheap next to the base GEMM?
+# 3. `dA` and `dB` come from one kernel with swapped roles. Write out which tensor plays
+#    `U`, `V`, `L` for each and why `dA` is written through transposed strides.
+# 4. With NF4 experts, what is the peak float memory of one MoE layer's forward with
+#    selective dequant versus a full dequantize, for Mixtral-8x7B (`E = 8`, top-2,
+#    `K = 4096`, `N = 14336`) when a micro-batch touches all 8 experts — and when would
+#    selective dequant not save anything?
+# 5. Why must the LoRA slices of the active experts be taken by indexing (autograd) rather
+#    than by copying into a new leaf tensor? What would go wrong in the optimizer step?
