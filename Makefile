@@ -12,7 +12,7 @@ SUBMISSIONS ?= submissions
 LAB ?=
 LAB_ARGS ?=    # e.g. LAB_ARGS="--no-browser --port 8890" (add --allow-root when running as root)
 
-.PHONY: venv lab test test-fast course grade reproduce run check-exercises lint lock clean
+.PHONY: venv lab test test-fast course grade reproduce run check-exercises check lint lock clean
 
 venv: $(STAMP)
 
@@ -37,8 +37,8 @@ test-fast: $(STAMP)  ## unit tests only (no notebooks, no experiment re-runs)
 course: $(STAMP)  ## build the nbgrader course in build/course and refresh labs/
 	$(PY) -m labkit course
 
-grade: $(STAMP)  ## autograde SUBMISSIONS=dir/<student>/<NN-name>.ipynb -> build/grades
-	$(PY) -m labkit grade $(SUBMISSIONS)
+grade: $(STAMP)  ## autograde SUBMISSIONS=dir -> build/grades [GRADE_ARGS="--force --timeout 600"]
+	$(PY) -m labkit grade $(SUBMISSIONS) $(GRADE_ARGS)
 
 run: $(STAMP)  ## run an experiment and write its manifest: make run EXP=experiments/NN-name
 	$(PY) -m labkit run $(EXP)
@@ -48,6 +48,9 @@ reproduce: $(STAMP)  ## re-run and compare: make reproduce EXP=experiments/NN-na
 
 check-exercises: $(STAMP)  ## blank each solution region alone; some test must fail (slow)
 	$(PY) -m labkit check-exercises $(LAB)
+
+check: $(STAMP)  ## run your notebook's visible tests: make check LAB=NN-name [NOTEBOOK=path]
+	$(PY) -m labkit check $(LAB) $(if $(NOTEBOOK),--notebook $(NOTEBOOK))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests solutions experiments benchmarks

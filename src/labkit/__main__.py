@@ -1,4 +1,4 @@
-"""python -m labkit run|reproduce|course|grade|check-exercises — see README.md.
+"""python -m labkit run|reproduce|course|grade|check-exercises|check — see README.md.
 
 Exit codes: 0 success; 1 a reproduce that did not reproduce, or failing checks;
 2 bad input (missing, malformed or edited manifest, changed files, unknown lab).
@@ -42,7 +42,8 @@ def _grade(args) -> int:
     from .grading import grade
 
     grade(Path(args.submissions), Path(args.root), Path(args.out) if args.out else None,
-          timeout=args.timeout)
+          timeout=args.timeout, force=args.force,
+          course=Path(args.course) if args.course else None)
     return 0
 
 
@@ -50,6 +51,19 @@ def _check_exercises(args) -> int:
     from .exercises import check_exercises
 
     return 0 if check_exercises(Path(args.root), labs=args.labs) else 1
+
+
+def _check(args) -> int:
+    from .exercises import self_check
+
+    notebook = Path(args.notebook) if args.notebook else None
+    return 0 if self_check(Path(args.root), args.lab, notebook, timeout=args.timeout) else 1
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,17 +81,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true",
                    help="do not write labs/; fail if it differs from a fresh build")
     p.set_defaults(func=_course)
-    p = sub.add_parser("grade", help="autograde SUBMISSIONS/<student>/<NN-name>.ipynb")
+    timeout_help = "seconds a cell may run before it is stopped (default %(default)s)"
+    p = sub.add_parser("grade", help="autograde SUBMISSIONS/<student>/<NN-name>.ipynb "
+                       "(or SUBMISSIONS/submitted/<student>/<NN-name>/<NN-name>.ipynb)")
     p.add_argument("submissions")
     p.add_argument("--root", default=".", help="the course checkout")
-    p.add_argument("--out", help="where grades.csv and feedback/ go (default build/grades)")
-    p.add_argument("--timeout", type=int, default=CELL_TIMEOUT_S,
-                   help="seconds a cell may run before it is stopped (default %(default)s)")
+    p.add_argument("--out", help="where grades.csv, feedback/ and journal/ go "
+                   "(default build/grades)")
+    p.add_argument("--course", help="nbgrader course directory to grade in "
+                   "(default build/course)")
+    p.add_argument("--timeout", type=_positive_int, default=CELL_TIMEOUT_S, help=timeout_help)
+    p.add_argument("--force", action="store_true",
+                   help="grade again even submissions the journal says are unchanged")
     p.set_defaults(func=_grade)
     p = sub.add_parser("check-exercises", help="prove every solution region is graded")
     p.add_argument("--root", default=".")
     p.add_argument("labs", nargs="*", help="lab names (default: all)")
     p.set_defaults(func=_check_exercises)
+    p = sub.add_parser("check", help="run a learner's notebook; pass/fail of each visible test")
+    p.add_argument("lab", help="lab name, e.g. 00-setup-minigpt")
+    p.add_argument("--notebook", help="the notebook to check "
+                   "(default labs/LAB/LAB.ipynb, the learner's working copy)")
+    p.add_argument("--root", default=".")
+    p.add_argument("--timeout", type=_positive_int, default=CELL_TIMEOUT_S, help=timeout_help)
+    p.set_defaults(func=_check)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -35,6 +35,8 @@ c.Execute.iopub_timeout = 30
 c.Execute.raise_on_iopub_timeout = False
 c.ClearSolutions.code_stub = {{"python": "# YOUR CODE HERE\\n{stub}"}}
 c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
+# A test cell the student deleted (or un-marked) is put back from the gradebook and run.
+c.OverwriteCells.add_missing_cells = True
 '''
 
 
@@ -87,9 +89,13 @@ def release_notebook(path: Path) -> str:
     return nbformat.writes(nb) + "\n"
 
 
-def prepare_course(root: Path, timeout: int = CELL_TIMEOUT_S) -> Path:
-    """Write nbgrader_config.py and the source notebooks; return the course directory."""
-    course = course_dir(root)
+def prepare_course(root: Path, timeout: int = CELL_TIMEOUT_S, course: Path | None = None
+                   ) -> Path:
+    """Write nbgrader_config.py and the source notebooks; return the course directory.
+
+    `course` defaults to build/course; grading may use another (e.g. a JupyterHub course).
+    """
+    course = course or course_dir(root)
     course.mkdir(parents=True, exist_ok=True)
     atomic_write_text(course / "nbgrader_config.py", NBGRADER_CONFIG.format(
         course_id=COURSE_ID, root=str(course.resolve()), timeout=timeout, stub=CODE_STUB))
@@ -99,9 +105,9 @@ def prepare_course(root: Path, timeout: int = CELL_TIMEOUT_S) -> Path:
     return course
 
 
-def generate_assignments(root: Path, names: list[str]) -> Path:
+def generate_assignments(root: Path, names: list[str], course: Path | None = None) -> Path:
     """Source notebooks -> nbgrader releases (and gradebook entries); return the course dir."""
-    course = prepare_course(root)
+    course = prepare_course(root, course=course)
     for name in names:
         nbgrader(course, "generate_assignment", name, "--force")
     return course

@@ -1,4 +1,5 @@
-"""Prove every exercise is graded: blank one solution region at a time, some test must fail.
+"""Prove every exercise is graded (blank one solution region at a time, some test must fail),
+and let a learner check a notebook against its visible tests (`self_check`).
 
 A region is the code between `### BEGIN SOLUTION` and `### END SOLUTION`; blanking it the
 way nbgrader does (the region becomes `CODE_STUB` at its indentation)
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+from nbclient.exceptions import DeadKernelError
 
 from .course import CELL_TIMEOUT_S, CODE_STUB, lab_names, source_notebook
 from .errors import InputError
@@ -37,19 +39,29 @@ def blank(nb: nbformat.NotebookNode, cell: int, region: int) -> nbformat.Noteboo
     return nb
 
 
+def graded_tests(nb: nbformat.NotebookNode) -> list[nbformat.NotebookNode]:
+    """The autograded test cells of `nb` (nbgrader grade cells that are not answers)."""
+    return [cell for cell in nb.cells if cell.metadata.get("nbgrader", {}).get("grade")
+            and not cell.metadata["nbgrader"].get("solution")]
+
+
+def error_of(cell: nbformat.NotebookNode) -> str | None:
+    """'ename: evalue' of an executed cell's first error output, or None if it passed."""
+    for o in cell.get("outputs", []):
+        if o.get("output_type") == "error":
+            return f"{o.get('ename', '?')}: {o.get('evalue', '')}"
+    return None
+
+
 def test_results(nb: nbformat.NotebookNode, cwd: Path, timeout: int = CELL_TIMEOUT_S
                  ) -> dict[str, bool]:
-    """Execute `nb`; return {grade_id: passed} for every graded test cell."""
-    client = NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name="python3",
-                            resources={"metadata": {"path": str(cwd)}})
+    """Execute `nb` in place; return {grade_id: passed} for every graded test cell."""
+    # A cell over the time limit is interrupted and counts as an error, like in nbgrader.
+    client = NotebookClient(nb, timeout=timeout, allow_errors=True, interrupt_on_timeout=True,
+                            kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
     client.execute()
-    results = {}
-    for cell in nb.cells:
-        meta = cell.metadata.get("nbgrader", {})
-        if meta.get("grade") and not meta.get("solution"):
-            results[meta["grade_id"]] = not any(o.get("output_type") == "error"
-                                                for o in cell.get("outputs", []))
-    return results
+    return {cell.metadata["nbgrader"]["grade_id"]: error_of(cell) is None
+            for cell in graded_tests(nb)}
 
 
 def check_exercises(root: Path, labs: list[str] | None = None) -> bool:
@@ -75,6 +87,49 @@ def check_exercises(root: Path, labs: list[str] | None = None) -> bool:
             failing = [k for k, v in test_results(blank(nb, cell, region), cwd).items()
                        if not v]
             label = f"{grade_id} ({cell}:{region})"
-            print(f"{name:<24} {label:<32} {', '.join(failing) or 'NONE: UNGRADED'}")
+            print(f"{name:<24} {label:<32} {', '.join(failing) or 'NONE: UNGRADED'}",
+                  flush=True)      # a row every notebook run: minutes apart on slow labs
             ok &= bool(failing)
     return ok
+
+
+def released_labs(root: Path) -> list[str]:
+    """Labs a learner has: labs/NN-name/NN-name.ipynb (solutions/ may be private)."""
+    return sorted(p.stem for p in (root / "labs").glob("[0-9][0-9]-*/*.ipynb")
+                  if p.stem == p.parent.name)
+
+
+def self_check(root: Path, lab: str, notebook: Path | None = None,
+               timeout: int = CELL_TIMEOUT_S) -> bool:
+    """Run a learner's notebook from labs/<lab>/ and print each visible test with its points.
+
+    The learner's file is read, never written. True when every test cell passes; the
+    hidden tests exist only in solutions/ and run when the notebook is graded.
+    """
+    root = root.resolve()
+    if lab not in (known := released_labs(root)):
+        raise InputError(f"unknown lab {lab!r}; available: {known}")
+    path = (notebook or root / "labs" / lab / f"{lab}.ipynb").resolve()
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as e:  # absent, or not a notebook
+        raise InputError(f"--notebook {path} is not a readable notebook "
+                         f"({type(e).__name__}: {str(e)[:120]})") from e
+    if not graded_tests(nb):
+        raise InputError(f"--notebook {path} has no graded test cells: is it a lab notebook?")
+    try:
+        passed = test_results(nb, root / "labs" / lab, timeout)   # executes `nb` in place
+    except DeadKernelError as e:
+        raise InputError(f"{path}: the kernel died while running it (a cell ended the Python "
+                         "process, e.g. os._exit or out of memory)") from e
+    print(f"{lab}: visible tests of {path}")
+    earned = total = 0
+    for cell in graded_tests(nb):
+        grade_id, points = cell.metadata.nbgrader.grade_id, cell.metadata.nbgrader.points
+        error = error_of(cell)
+        earned, total = earned + (0 if error else points), total + points
+        print(f"  {'FAIL' if error else 'PASS'}  {grade_id:<40} "
+              f"{0 if error else points:g} / {points:g}" + (f"   {error[:100]}" if error else ""))
+    print(f"{earned:g} / {total:g} points from the visible tests "
+          "(the grader also runs hidden tests)")
+    return all(passed.values())

@@ -47,7 +47,11 @@ def _expert_linear(w, x, k, idx, backend, **kw) -> torch.Tensor:
     """A stacked weight [E, K, N] through `parallel_linear`, or an expert module (ExpertLinear,
     NF4Experts: frozen base + expert LoRA) through its own forward, on `backend`."""
     if isinstance(w, torch.Tensor):
-        return parallel_linear(x, w, k, *idx, backend=backend, **kw)
+        # Triton is parallel_linear's default: the plain call stays the ScatterMoE one (Lab 09
+        # swaps in the learner's parallel_linear, which takes no backend argument).
+        if backend != "triton":
+            kw["backend"] = backend
+        return parallel_linear(x, w, k, *idx, **kw)
     return w(x, k, *idx, backend=backend, **kw)
 
 

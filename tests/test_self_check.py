@@ -1,0 +1,55 @@
+"""`labkit check LAB`: a learner runs the visible tests of their notebook (lab 00, ~20 s)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit.course import source_notebook
+from labkit.exercises import graded_tests
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB = "00-setup-minigpt"
+pytestmark = pytest.mark.notebooks
+
+
+def check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "labkit", "check", *args],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def release_test_ids() -> list[str]:
+    nb = nbformat.read(ROOT / "labs" / LAB / f"{LAB}.ipynb", as_version=4)
+    return [c.metadata.nbgrader.grade_id for c in graded_tests(nb)]
+
+
+def test_the_release_fails_every_test():
+    proc = check(LAB)                      # the default: labs/LAB/LAB.ipynb
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for grade_id in release_test_ids():
+        assert f"FAIL  {grade_id} " in proc.stdout, proc.stdout
+    assert "PASS" not in proc.stdout
+
+
+def test_the_solution_passes_every_test(tmp_path):
+    notebook = tmp_path / "mine.ipynb"
+    nbformat.write(source_notebook(ROOT / "solutions" / f"{LAB}.py"), notebook)
+    before = notebook.read_bytes()
+    proc = check(LAB, "--notebook", str(notebook))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for grade_id in release_test_ids():
+        assert f"PASS  {grade_id} " in proc.stdout, proc.stdout
+    assert notebook.read_bytes() == before          # the learner's file is never written
+
+
+@pytest.mark.parametrize("args, message", [
+    (["99-nope"], "unknown lab '99-nope'"),
+    ([LAB, "--notebook", "no/such.ipynb"], "--notebook"),
+])
+def test_bad_input_exits_2(args, message):
+    proc = check(*args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
