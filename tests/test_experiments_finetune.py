@@ -89,21 +89,29 @@ def test_06_refuses_a_changed_adapter(runs):
     assert "has changed since the manifest was written" in proc.stderr
 
 
-def test_11_qlora_moe_tiny(tmp_path):
-    """Experiment 11 end to end on a tiny config: the Triton and PyTorch MoE paths agree on a
-    training step, the predictor equals the held weights / grads exactly, checkpointing cuts
-    the saved activations, every run finishes finite, figures are written."""
+def _run_tiny_11(tmp_path, **train) -> dict:
+    """Experiment 11 on a tiny config (train overrides on top); its manifest's metrics."""
     exp = tmp_path / "11-qlora-moe"
     exp.mkdir()
     shutil.copy(ROOT / "experiments/11-qlora-moe/experiment.py", exp)
     cfg = json.loads((ROOT / "experiments/11-qlora-moe/config.json").read_text())
     cfg.update(threads=1, n_train=12, replay_per_task=2, eval_n=2, routing_n=2,
-               train={**cfg["train"], **TRAIN, "steps": 2, "batch_size": 4, "progress": False},
+               train={**cfg["train"], **TRAIN, "steps": 2, "batch_size": 4, "progress": False,
+                      **train},
                memory={"steps": 1, "batch_size": 4}, triton_check={"batch": 2})
     (exp / "config.json").write_text(json.dumps(cfg))
     proc = labkit("run", str(exp))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    m = read_manifest(exp / "manifest.json")["metrics"]
+    return read_manifest(exp / "manifest.json")["metrics"]
+
+
+def test_11_qlora_moe_tiny(tmp_path):
+    """Experiment 11 end to end on a tiny config: the Triton and PyTorch MoE paths agree on a
+    training step, the predictor equals the held weights / grads exactly and the activations
+    within 10 %, checkpointing cuts the saved activations and the step's peak, every run
+    finishes finite, figures are written."""
+    exp = tmp_path / "11-qlora-moe"
+    m = _run_tiny_11(tmp_path)
     assert m["triton_check"]["max_rel_grad_diff"] < 1e-4
     assert set(m["runs"]) == {"qlora_moe", "lora_moe", "dense_qlora", "qlora_moe_rw"}
     assert all(r["stopped_early"] is None for r in m["runs"].values())
@@ -111,9 +119,24 @@ def test_11_qlora_moe_tiny(tmp_path):
         row = m["memory"][regime]
         assert row["measured"]["weights"] == row["predicted"]["weights"]
         assert row["measured"]["grads"] == row["predicted"]["grads"]
+        pred, meas = row["predicted"]["activations"], row["measured"]["activations"]
+        assert abs(meas - pred) <= 0.1 * pred, (regime, meas, pred)
     ckpt = m["memory"]["checkpointing"]
     assert ckpt["activations_on"] * 5 < ckpt["activations_off"]
+    assert ckpt["peak_on"] < ckpt["peak_off"]
     assert len(m["runs"]["qlora_moe"]["lora_norms"]["blocks.0.mlp.w_up"]) == 8
     assert m["extrapolate"]["llama-65b"]["qlora"]["total"] < 48e9
     for png in ("curves.png", "routing.png", "lora_norms.png", "memory.png"):
         assert (exp / png).is_file()
+
+
+def test_11_diverging_run_is_stopped_and_recorded(tmp_path):
+    """A learning rate that blows the model up: the NaN guard stops each fine-tune, keeps the
+    last finite weights, and the manifest says at which step, in which tensor, and why."""
+    m = _run_tiny_11(tmp_path, lr=1e12, steps=4, warmup_steps=0, grad_clip=0.0, grad_clip_value=0.0)
+    stops = {name: r["stopped_early"] for name, r in m["runs"].items()}
+    assert all(s is not None for s in stops.values()), stops
+    for s in stops.values():
+        assert 1 <= s["step"] <= 4 and s["tensor"] and "non-finite" in s["reason"], s
+    for r in m["runs"].values():    # scored, or the reason it could not be
+        assert (r["exact_match_after"] is None) == ("not_evaluated" in r)

@@ -10,7 +10,8 @@ import torch.nn as nn
 from test_train import ZeroGradExtras, small_model, task_data
 
 from minigpt import MiniGPT, MiniGPTConfig
-from minituner import TrainConfig, saved_activation_bytes, train, wrap_lora
+from minituner import TrainConfig, peak_step_bytes, saved_activation_bytes, train, wrap_lora
+from minituner.qlora import wrap_minigpt_qlora
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -27,13 +28,19 @@ def grads_of(model: nn.Module, x: torch.Tensor, every: int, seed: int = 0) -> di
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "lora_dropout"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "lora_dropout", "qlora_moe"])
 def test_checkpointed_gradients_are_identical(kind):
     torch.manual_seed(0)
-    if kind == "moe":
+    if kind in ("moe", "qlora_moe"):
         model = MiniGPT(MiniGPTConfig(**{**FOUR, "n_layer": 3}, n_experts=4, top_k=2))
     else:
         model = MiniGPT(MiniGPTConfig(**FOUR))
+    if kind == "qlora_moe":
+        # NF4 experts checkpoint each expert linear themselves: nested inside the blocks'
+        wrap_minigpt_qlora(model, r=4)
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                nn.init.normal_(p, std=0.02)
     if kind == "lora_dropout":
         wrap_lora(model, ["q_proj", "v_proj", "down_proj"], r=4, dropout=0.1)
         for m in model.modules():
@@ -116,3 +123,21 @@ def test_checkpointing_cuts_saved_activation_bytes(capsys):
     # Longer segments keep fewer boundaries: each one is a [B, T, C] float32 tensor.
     assert held[1] - held[2] == 2 * B * T * C * 4
     assert held[2] - held[4] == 1 * B * T * C * 4
+
+
+def test_peak_step_bytes_bounds_and_checkpointing():
+    """The peak of a step holds at least what the forward saved plus every gradient; with
+    activations much larger than the trained parameters, checkpointing lowers it."""
+    torch.manual_seed(0)
+    model = MiniGPT(MiniGPTConfig(**FOUR)).train()
+    wrap_lora(model, ["q_proj", "v_proj"], r=2)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 45, (16, 24), generator=g), torch.randint(0, 45, (16, 24), generator=g)
+    grads = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    peak = {}
+    for every in (0, 1):
+        model.set_gradient_checkpointing(every)
+        peak[every] = peak_step_bytes(model, x, y)
+        assert peak[every] >= saved_activation_bytes(model, x, y) + grads
+        assert all(p.grad is None for p in model.parameters())
+    assert peak[1] * 2 < peak[0], peak

@@ -286,3 +286,41 @@ def test_overflowing_update_stops_and_says_not_restored():
                                  "reason": "the update overflowed to a non-finite parameter; "
                                            "parameters were not restored"}
     assert model.big.item() == math.inf and res.steps == 0
+
+
+class RouterNaNAfter(nn.Module):
+    """From call k on, a layer that refuses NaN (minimoe's router) sees NaN and raises."""
+
+    def __init__(self, inner: nn.Module, k: int):
+        super().__init__()
+        self.inner, self.k, self.calls = inner, k, 0
+
+    def forward(self, x):
+        from minimoe import route
+        self.calls += 1
+        out = self.inner(x)
+        if self.calls >= self.k:
+            route(torch.full((x.numel(), 4), math.nan), 2)
+        return out
+
+
+def test_forward_that_refuses_nan_stops_with_the_last_good_state():
+    model = RouterNaNAfter(small_model(), k=3)
+    with pytest.warns(RuntimeWarning, match=r"step 3: non-finite values in the forward"):
+        res = train(model, task_data(n=8), TrainConfig(steps=5, batch_size=4,
+                                                       progress=False))
+    assert res.stopped_early["tensor"] == "forward" and res.steps == 2
+    assert res.stopped_early["last_good_state"] is True
+    assert "logits contain NaN" in res.stopped_early["reason"]
+
+
+def test_other_forward_errors_still_raise():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = small_model()
+
+        def forward(self, x):
+            raise ValueError("a shape bug, not divergence")
+    with pytest.raises(ValueError, match="shape bug"):
+        train(Broken(), task_data(n=8), TrainConfig(steps=2, batch_size=4, progress=False))

@@ -6,7 +6,7 @@ LoRA norms per expert; the memory bill measured beside the predictor, and extrap
 Run:        python -m labkit run experiments/11-qlora-moe
 Reproduce:  python -m labkit reproduce experiments/11-qlora-moe/manifest.json
 Outputs: metrics.json, <run>.jsonl (trainer logs), curves.png, routing.png, lora_norms.png,
-memory.png, REPORT.md (report.py), manifest.json.
+memory.png, manifest.json; REPORT.md is written from metrics.json.
 
 The long runs use the MoE's sort-based PyTorch backend (`backend="torch"`): on a CPU the
 Triton kernels run in the interpreter, about a thousand times slower. `triton_check` runs one
@@ -31,7 +31,7 @@ from labkit import RunContext, memory, sha256_json  # noqa: E402
 from minigpt import CharTokenizer, base_path, evaluate, load_checkpoint, tasks  # noqa: E402
 from minigpt.generate import greedy_generate  # noqa: E402
 from minimoe import MoEMLP  # noqa: E402
-from minituner import SequenceData, TrainConfig, saved_activation_bytes, train  # noqa: E402
+from minituner import SequenceData, TrainConfig, peak_step_bytes, saved_activation_bytes, train  # noqa: E402
 from minituner.qlora import wrap_minigpt_qlora  # noqa: E402
 
 MB = 2**20
@@ -96,12 +96,24 @@ def lora_norms(model) -> dict[str, list[float]]:
     return out
 
 
-def finetune(name: str, model, data: SequenceData, cfg: dict, ctx: RunContext) -> dict:
+def finetune(name: str, model, data: SequenceData, cfg: dict, ctx: RunContext,
+             diagnose: bool = False) -> dict:
+    """Train, then evaluate (and with `diagnose`, the routing and LoRA norms after). A run
+    the NaN guard stopped is recorded as such (`stopped_early`: step, tensor, reason); if its
+    model no longer gives finite router logits, `not_evaluated` says so instead of scores."""
     result = train(model, data, TrainConfig(**cfg["train"], seed=cfg["seed"],
                                             log_path=str(ctx.output(f"{name}.jsonl"))))
     ctx.timings[f"{name}_train_s"] = round(result.wall_time_s, 1)
-    return {"loss_curve": result.losses, "stopped_early": result.stopped_early,
-            "exact_match_after": exact_match(model, cfg)}
+    out = {"loss_curve": result.losses, "stopped_early": result.stopped_early}
+    try:
+        out["exact_match_after"] = exact_match(model, cfg)
+        if diagnose:
+            out["routing_after"] = routing_counts(model, cfg)
+    except FloatingPointError as err:
+        out["exact_match_after"], out["not_evaluated"] = None, str(err)
+    if diagnose:
+        out["lora_norms"] = lora_norms(model)
+    return out
 
 
 def sampled_rewards(model, pairs, cfg: dict) -> tuple[list, list[float]]:
@@ -122,8 +134,8 @@ def sampled_rewards(model, pairs, cfg: dict) -> tuple[list, list[float]]:
 
 
 def memory_row(model, cfg: dict, regime: str, x, y) -> dict:
-    """Held bytes after `memory.steps` AdamW steps, activations of one forward (measured),
-    beside the predictor's weights / grads / Adam state from the shape alone."""
+    """Held bytes after `memory.steps` AdamW steps and the activations of one forward and
+    loss (measured), beside `memory.predict_training` from the shape and the token count."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     model.train()
     for _ in range(cfg["memory"]["steps"]):
@@ -132,10 +144,13 @@ def memory_row(model, cfg: dict, regime: str, x, y) -> dict:
         loss.backward()
         opt.step()
     held = memory.held_bytes(model, opt).as_dict()
-    held["activations"] = saved_activation_bytes(model, x)
+    # The ledger leaves out what the caller passed in; autograd keeps the targets, and the
+    # input ids too when the embedding trains.
+    ids = y.nbytes + (x.nbytes if regime == "full" else 0)
+    held["activations"] = saved_activation_bytes(model, x, y) + ids
     held["total"] = sum(held[k] for k in ("weights", "grads", "optimizer", "activations"))
     shape = memory.TransformerShape.of(model.config)
-    pred = memory.predict_training(shape, regime, 0, r=cfg["lora"]["r"]).as_dict()
+    pred = memory.predict_training(shape, regime, x.numel(), r=cfg["lora"]["r"]).as_dict()
     return {"measured": held, "predicted": pred, "tokens": x.numel()}
 
 
@@ -146,25 +161,35 @@ def memory_table(base: Path, cfg: dict) -> dict:
     x, y, _ = SequenceData.from_pairs(pairs, pad_id=tok.pad_id).batch(torch.arange(len(pairs)))
     rows = {regime: memory_row(build(base, regime, cfg), cfg, regime, x, y)
             for regime in memory.REGIMES}
-    # What gradient checkpointing (one block per segment) saves on the QLoRA model.
+    # What gradient checkpointing (one block per segment) saves on the QLoRA model: the bytes
+    # the forward keeps, and the peak over a whole forward + backward (activations, gradients,
+    # the backward's temporaries and, when on, the recomputed block).
     model = build(base, "qlora", cfg).train()
-    before = saved_activation_bytes(model, x)
-    model.set_gradient_checkpointing(1)
-    rows["checkpointing"] = {"activations_off": before,
-                             "activations_on": saved_activation_bytes(model, x)}
+    shape = memory.TransformerShape.of(model.config)
+    row = {}
+    for on in (False, True):
+        model.set_gradient_checkpointing(int(on))
+        key = "on" if on else "off"
+        row[f"activations_{key}"] = saved_activation_bytes(model, x, y) + y.nbytes
+        row[f"peak_{key}"] = peak_step_bytes(model, x, y)
+        row[f"predicted_{key}"] = memory.activation_bytes(shape, "qlora", x.numel(),
+                                                          r=cfg["lora"]["r"], checkpointing=on)
+    rows["checkpointing"] = row
     return rows
 
 
 def extrapolate(cfg: dict) -> dict:
-    """Weights / grads / Adam state (no activations) of Mixtral-8x7B and Qwen3-30B-A3B, and
-    the QLoRA paper's 65B setting with activations, from the same predictor."""
+    """Mixtral-8x7B and Qwen3-30B-A3B from their published shapes (activations for
+    `tokens` with checkpointing), and the QLoRA paper's 65B setting, from the same predictor."""
     e = cfg["extrapolate"]
     out = {}
     for name, shape in (("mixtral-8x7b", memory.MIXTRAL_8X7B),
                         ("qwen3-30b-a3b", memory.QWEN3_30B_A3B)):
         out[name] = {"params": shape.n_params()} | {
-            regime: memory.predict_training(shape, regime, 0, r=e["r"],
-                                            weight_bits=e["weight_bits"]).as_dict()
+            regime: memory.predict_training(shape, regime, e["tokens"], r=e["r"],
+                                            weight_bits=e["weight_bits"],
+                                            act_bits=e["weight_bits"],
+                                            checkpointing=True).as_dict()
             for regime in memory.REGIMES}
     # QLoRA paper: LLaMA-65B, LoRA r=64 on every projection, 16-bit adapters, gradient
     # checkpointing, paged AdamW (its state lives in CPU memory, paged in when used).
@@ -214,11 +239,8 @@ def run(cfg: dict, ctx: RunContext) -> dict:
     runs = {}
     for name, base, regime in (("qlora_moe", base_moe, "qlora"), ("lora_moe", base_moe, "lora"),
                                ("dense_qlora", base_dense, "qlora")):
-        model = build(base, regime, cfg)
-        runs[name] = finetune(name, model, data, cfg, ctx)
-        if name == "qlora_moe":
-            runs[name]["routing_after"] = routing_counts(model, cfg)
-            runs[name]["lora_norms"] = lora_norms(model)
+        runs[name] = finetune(name, build(base, regime, cfg), data, cfg, ctx,
+                              diagnose=name == "qlora_moe")
     # Reward-weighted SFT: the fresh QLoRA model's own samples, weighted by their reward.
     model = build(base_moe, "qlora", cfg)
     sampled, rewards = sampled_rewards(copy.deepcopy(model), pairs, cfg)
@@ -231,8 +253,9 @@ def run(cfg: dict, ctx: RunContext) -> dict:
     metrics["memory"] = memory_table(base_moe, cfg)
     metrics["extrapolate"] = extrapolate(cfg)
     plot_curves(runs, cfg, ctx.output("curves.png"))
-    plot_routing(metrics["before"]["routing"], runs["qlora_moe"]["routing_after"],
-                 ctx.output("routing.png"))
+    if "routing_after" in runs["qlora_moe"]:
+        plot_routing(metrics["before"]["routing"], runs["qlora_moe"]["routing_after"],
+                     ctx.output("routing.png"))
     plot_norms(runs["qlora_moe"]["lora_norms"], ctx.output("lora_norms.png"))
     plot_memory(metrics["memory"], ctx.output("memory.png"))
     return metrics
@@ -295,8 +318,10 @@ def plot_memory(rows: dict, path) -> None:
             width = rows[name]["measured"][part] / MB
             ax.barh(i, width, left=left, color=f"C{j}", label=part if i == 0 else None)
             left += width
+        ax.plot([rows[name]["predicted"]["total"] / MB] * 2, [i - 0.45, i + 0.45], "k-",
+                lw=2, label="predicted total" if i == 0 else None)
     ax.set_yticks(range(len(names)), names)
-    ax.set(xlabel="MiB (measured)", title="MiniGPT-MoE: full vs LoRA vs QLoRA")
+    ax.set(xlabel="MiB (bars measured)", title="MiniGPT-MoE: full vs LoRA vs QLoRA")
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

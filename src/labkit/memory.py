@@ -264,20 +264,49 @@ def regime_specs(shape: TransformerShape, regime: str, r: int = 8, weight_bits: 
     return specs
 
 
+def _moe_mlp_saved(shape: TransformerShape, regime: str, r: int) -> tuple[int, int]:
+    """(floats, int64s) per token that one MiniGPT-MoE MLP keeps for backward.
+
+    Counted from the PyTorch dispatch of minimoe, which experiment 11 trains with (the
+    saved-tensor ledger in tests/test_labkit_memory.py checks every term). Routing, in every
+    regime: two [E] softmaxes (router and balancing loss), the [E] top-k sort indices, the k
+    picked weights and, renormalised (k > 1), their sum.
+    - full: the per-expert loop keeps, per slot, its gathered input, gate, up, SiLU, product,
+      down output and gated output (3·d_model + 4·d_ff), its gate, and its (token, slot) pair.
+    - lora (sorted path): the k gates (k > 1), the gathered inputs of the gate and up adapters
+      (2·d_model), x·Aᵀ of the three (3r), gate, up, SiLU, product (4·d_ff), the down output
+      kept by the k-way mix (d_model), and int64 row indices (4 token gathers, 2 inverse
+      permutations).
+    - qlora: each NF4 expert linear is checkpointed, so it keeps only its inputs: the k gates
+      (k > 1), the MLP input (d_model, once), gate, up, SiLU, product (4·d_ff), the slot
+      order and the three compact expert ids; nothing of size K·N (minimoe.nf4_experts).
+    """
+    d, f, E, k = shape.d_model, shape.d_ff, shape.n_experts, shape.top_k
+    routing = 2 * E + k + (k > 1)
+    if regime == "full":
+        return routing + k * (3 * d + 4 * f + 1), E + 2 * k
+    gates = k if k > 1 else 0
+    if regime == "lora":
+        return routing + gates + k * (3 * d + 4 * f + 3 * r), E + 6 * k
+    return routing + gates + d + 4 * k * f, E + 4 * k
+
+
 def activation_bytes(shape: TransformerShape, regime: str, tokens: int, r: int = 8,
                      act_bits: int = 32, checkpointing: bool = False) -> int:
     """Bytes autograd saves for backward over `tokens` = batch × sequence positions.
 
     Counted from what MiniGPT's graph saves per token (tests/test_labkit_memory.py checks the
-    count against a saved-tensor hook). Per block, full fine-tuning keeps 10 vectors of
-    d_model (norm inputs and outputs, q, k, v, attention output and its transposed copy, the
-    inputs of the trained projections), 4 of d_ff (gate, up, their SiLU product and the down
-    projection's input), the attention's log-sum-exp per head and 2 norm scalars. LoRA drops
-    the inputs of frozen norm gains and projections, except what the adapters need, and adds
-    x·Aᵀ (r values) per adapted projection; its first block saves nothing for its input norm,
-    since nothing below it is trained. The head adds the logits' softmax (vocab_size); the
-    target ids (and, when the embedding trains, the input ids) are int64. Attention here is
-    flash-style (no [T, T] matrix kept).
+    count against a saved-tensor hook). Per block, with q = n_head·head_dim and kv =
+    n_kv_head·head_dim: full fine-tuning keeps 5 vectors of d_model (norm inputs, normalised
+    values and outputs, the residual), q, k and v, the attention output and its transposed
+    copy, 4 of d_ff (gate, up, their SiLU product and the down projection's input), the
+    attention's log-sum-exp per head and 2 norm scalars. LoRA drops the inputs of frozen norm
+    gains and projections, except what the adapters need, and adds x·Aᵀ (r values) per
+    adapted projection; its first block saves nothing for its input norm, since nothing below
+    it is trained. A MoE block replaces the dense MLP by the terms of `_moe_mlp_saved`, and
+    under QLoRA each layer also keeps 6 int64 per active expert (min(E, tokens·k) of them).
+    The head adds the logits' softmax (vocab_size); the target ids (and, when the embedding
+    trains, the input ids) are int64. Attention here is flash-style (no [T, T] matrix kept).
 
     With `checkpointing` (one block per segment) the forward keeps only each block's input
     (d_model per token per layer) and the backward recomputes one block at a time: the peak
@@ -285,19 +314,23 @@ def activation_bytes(shape: TransformerShape, regime: str, tokens: int, r: int =
     """
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
-    if shape.n_experts and tokens:
-        raise ValueError("the activation count is calibrated for dense models only; for a MoE "
-                         "shape pass tokens=0 and measure activations "
-                         "(minituner.saved_activation_bytes)")
     d, f, h, v = shape.d_model, shape.d_ff, shape.n_head, shape.vocab_size
+    q, kv = shape.attn_linears()[0][0], shape.attn_linears()[1][0]
+    ints = 2 if regime == "full" else 1     # int64 inputs (for the embedding's grad), targets
     if regime == "full":
-        block, head = 10 * d + 4 * f + h + 2, 3 * d + 1 + v
+        block, mlp, head = 5 * d + 3 * q + 2 * kv + h + 2, (4 * f, 0), 3 * d + 1 + v
     else:
-        block, head = 8 * d + 4 * f + h + 2 + 7 * r, v
+        block, mlp, head = 3 * d + 2 * q + 2 * kv + h + 2 + 4 * r, (d + 4 * f + 3 * r, 0), v
+    if shape.n_experts:
+        mlp = _moe_mlp_saved(shape, regime, r)
+    block += mlp[0]
     layers = shape.n_layer * d + block if checkpointing else shape.n_layer * block
-    per_token = layers + head
-    id_bytes = 16 if regime == "full" else 8      # int64 inputs (for the embedding's grad), targets
-    return tokens * (per_token * act_bits // 8 + id_bytes)
+    per_layer_ints = mlp[1] * (1 if checkpointing else shape.n_layer)
+    fixed = 0
+    if shape.n_experts and regime == "qlora" and tokens:
+        fixed = 6 * 8 * min(shape.n_experts, tokens * shape.top_k)
+        fixed *= 1 if checkpointing else shape.n_layer
+    return tokens * ((layers + head) * act_bits // 8 + 8 * (ints + per_layer_ints)) + fixed
 
 
 def predict_training(shape: TransformerShape, regime: str, tokens: int, r: int = 8,

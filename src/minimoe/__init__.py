@@ -16,11 +16,17 @@ from .moe import MoEMLP, attach_expert_lora, dispatch_torch, dispatch_triton, ex
 from .nf4_experts import NF4Experts, nf4_parallel_linear, quantize_experts
 from .ops import group, group_bwd_lora, group_bwd_W, scatter2scatter, scatter2scatter_lora
 from .parallel_linear import parallel_linear
-from .routing import load_balancing_loss, route, router_z_loss, update_selection_bias
+from .routing import (
+                      NonFiniteLogitsError,
+                      load_balancing_loss,
+                      route,
+                      router_z_loss,
+                      update_selection_bias,
+)
 from .sort import flatten_sort_count
 
-__all__ = ["ExpertLinear", "MoEMLP", "NF4Experts", "attach_expert_lora", "dispatch_torch",
-           "dispatch_triton", "expert_swiglu", "flatten_sort_count", "group", "group_bwd_W",
-           "group_bwd_lora", "load_balancing_loss", "nf4_parallel_linear", "parallel_linear",
-           "quantize_experts", "reference", "route", "router_z_loss", "scatter2scatter",
-           "scatter2scatter_lora", "update_selection_bias"]
+__all__ = ["ExpertLinear", "MoEMLP", "NF4Experts", "NonFiniteLogitsError", "attach_expert_lora",
+           "dispatch_torch", "dispatch_triton", "expert_swiglu", "flatten_sort_count", "group",
+           "group_bwd_W", "group_bwd_lora", "load_balancing_loss", "nf4_parallel_linear",
+           "parallel_linear", "quantize_experts", "reference", "route", "router_z_loss",
+           "scatter2scatter", "scatter2scatter_lora", "update_selection_bias"]

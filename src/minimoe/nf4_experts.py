@@ -21,12 +21,15 @@ The sorted order does not change (active experts keep their relative order), so
 elements instead of E·K·N; an expert without tokens is never read. The NF4 storage is held as
 buffers and `Wc` is a fresh tensor outside autograd, so gradients reach x, the gates and the
 LoRA factors only (selecting the active LoRA slices is an index, so the unused experts' LoRA
-rows get exactly-zero gradients).
+rows get exactly-zero gradients). Under autograd the call is checkpointed: the forward keeps
+its inputs, not Wc, and the backward dequantizes again — as bitsandbytes' 4-bit matmul does
+for a dense layer — so no dequantized weight lives between forward and backward.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from miniquant.linear import NF4Buffers
 from miniquant.nf4 import NF4Weight, quantize_nf4
@@ -93,19 +96,30 @@ def nf4_parallel_linear(x: torch.Tensor, q: NF4Weight, k: int, sorted_expert_idx
         raise ValueError(f"only {n} experts received rows, fewer than k={k}")
     # The kernel on a GPU (or in the interpreter); the same bits from PyTorch on backend="torch".
     dequant = selective_dequantize_nf4 if backend == "triton" else selective_dequantize_nf4_torch
-    Wc = dequant(q, active.to(q.device), dtype=x.dtype)                        # [n, K, N]
-    assert not Wc.requires_grad and Wc.grad_fn is None, "the NF4 weight must stay frozen"
     remap = torch.full((E,), -1, dtype=torch.int64, device=active.device)
     remap[active] = torch.arange(n, device=active.device)
     sei_c = remap[sorted_expert_idxs]                                          # [M] in 0..n-1
     offs_c = expert_offsets[active]                                            # [n]
-    A_c, B_c = _compact_lora(lora_A, lora_B, active, q.shape)
     if stats is not None:
+        K, N = q.shape[1:]
         stats.update(active=active.tolist(), n_active=n, n_experts=E,
-                     dequant_bytes=Wc.numel() * Wc.element_size())
-    return parallel_linear(x, Wc, k, sei_c, sorted_scattered_idxs, offs_c, gates=gates,
-                           grouped_in=grouped_in, grouped_out=grouped_out, lora_A=A_c,
-                           lora_B=B_c, scaling=scaling, backend=backend, lora_path=lora_path)
+                     dequant_bytes=n * K * N * x.element_size())
+
+    def expert_linear(x, gates, lora_A, lora_B):
+        Wc = dequant(q, active.to(q.device), dtype=x.dtype)                    # [n, K, N]
+        assert not Wc.requires_grad and Wc.grad_fn is None, "the NF4 weight must stay frozen"
+        A_c, B_c = _compact_lora(lora_A, lora_B, active, q.shape)
+        return parallel_linear(x, Wc, k, sei_c, sorted_scattered_idxs, offs_c, gates=gates,
+                               grouped_in=grouped_in, grouped_out=grouped_out, lora_A=A_c,
+                               lora_B=B_c, scaling=scaling, backend=backend,
+                               lora_path=lora_path)
+
+    if not torch.is_grad_enabled():
+        return expert_linear(x, gates, lora_A, lora_B)
+    # The backward needs Wc (dX = dY·Wcᵀ); saving it would keep n·K·N floats per projection
+    # alive until then, the very copy QLoRA avoids. Checkpointing the call keeps only its
+    # inputs and rebuilds Wc (and the expert linear's intermediates) in the backward.
+    return checkpoint(expert_linear, x, gates, lora_A, lora_B, use_reentrant=False)
 
 
 class NF4Experts(NF4Buffers):

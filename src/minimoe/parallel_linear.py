@@ -101,7 +101,10 @@ def _torch_parallel_linear(x, W, k, sei, ssi, offsets, gates, grouped_in, groupe
     Yg = torch.cat([Xg[s:e] @ W[i] for i, (s, e) in enumerate(zip(starts, ends, strict=True))])
     if grouped_out:
         return Yg                                                           # [M, N] sorted
-    Y = torch.empty_like(Yg).index_copy(0, ssi, Yg)                        # [M, N] slot order
+    # Back to slot order by gathering with the inverse permutation (row of each slot): unlike
+    # index_copy, whose backward keeps its source, a gather saves only the indices.
+    row = torch.empty_like(ssi).scatter_(0, ssi, torch.arange(ssi.numel(), device=ssi.device))
+    Y = Yg[row]                                                             # [M, N] slot order
     return Y if gates is None else _combine(Y, gates, k)
 
 

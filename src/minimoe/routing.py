@@ -77,6 +77,12 @@ def _topk_stable(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.sort(dim=-1, descending=True, stable=True).indices[:, :k]
 
 
+class NonFiniteLogitsError(ValueError, FloatingPointError):
+    """NaN router logits. Called directly, `route` got bad input (a ValueError); inside a
+    model in training it is divergence (a FloatingPointError, which minituner's NaN guard
+    turns into a recorded stop instead of a crash)."""
+
+
 def _check(logits, k, method, bias, n_group, topk_group, routed_scaling_factor) -> None:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [tokens, experts], got shape {tuple(logits.shape)}")
@@ -86,7 +92,7 @@ def _check(logits, k, method, bias, n_group, topk_group, routed_scaling_factor) 
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if torch.isnan(logits).any():
-        raise ValueError("logits contain NaN")
+        raise NonFiniteLogitsError("logits contain NaN (a non-finite router input or weight)")
     if bias is not None:
         if method == "softmax_topk":
             raise ValueError("bias is a selection bias of sigmoid_topk / group_topk only")

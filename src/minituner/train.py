@@ -264,11 +264,15 @@ class _Run:
         idx = next(self.order)
         x, y, mask = (t.to(self.device) for t in self.data.batch(idx, cfg.train_on_prompt))
         w = None if self.data.weights is None else self.data.weights[idx].to(self.device)
-        loss = sequence_loss(model, x, y, mask, w)
-        total = loss + cfg.aux_loss_coef * model.aux_loss() if hasattr(model, "aux_loss") \
-            else loss
         self.opt.zero_grad(set_to_none=True)
-        total.backward()
+        try:
+            loss = sequence_loss(model, x, y, mask, w)
+            total = loss + cfg.aux_loss_coef * model.aux_loss() if hasattr(model, "aux_loss") \
+                else loss
+            total.backward()
+        except FloatingPointError as err:    # a layer that refuses NaN (e.g. a MoE router)
+            return self.stop(step, "forward", f"non-finite values in the forward ({err}); "
+                             "the update was skipped", True)
         if not math.isfinite(total.item()):
             return self.stop(step, "loss", "non-finite loss; the update was skipped", True)
         norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
