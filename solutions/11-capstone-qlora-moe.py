@@ -662,8 +662,9 @@ _ = _check_bill(_fl, _o, _xs, "hidden: float LoRA on a small MoE after two steps
 #
 # Three regimes on the same batch of 8 `rev` examples, one AdamW step each: full fine-tuning
 # of the float MoE, LoRA on the float MoE, and your QLoRA. Beside each, what
-# `labkit.memory.predict_training` says from the shape alone (`tokens=0`: the predictor's
-# activation count is calibrated for dense models only, so activations are measured here).
+# `labkit.memory.predict_training` says from the shape and the token count alone. Its
+# activations include the loss (the logits' softmax and the target ids), which
+# `memory_bill`'s plain forward does not run, so they read a little above the measurement.
 
 # %%
 def build(regime):
@@ -679,17 +680,18 @@ xb, yb, _ = task_batch(HELD_OUT, n=8)
 shape = memory.TransformerShape.of(base.config)
 PARTS = ("weights", "grads", "optimizer", "activations")
 bills = {}
-print(f"{'regime':<7}" + "".join(f"{p:>13}" for p in PARTS) + f"{'w+g+o':>11}"
-      + f"{'predicted':>13}   (MiB)")
+print(f"{'regime':<7}" + "".join(f"{p:>13}" for p in PARTS) + f"{'w+g+o':>8}"
+      + f"{'predicted':>11}{'pred. act.':>12}   (MiB)")
 for regime in memory.REGIMES:
     model = build(regime)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     _one_step(model, xb, yb, opt)
     bills[regime] = memory_bill(model, opt, xb)
-    pred = memory.predict_training(shape, regime, tokens=0, r=8)
+    pred = memory.predict_training(shape, regime, tokens=xb.numel(), r=8)
     held_wgo = sum(bills[regime][p] for p in PARTS[:3])
     print(f"{regime:<7}" + "".join(f"{bills[regime][p] / MiB:13.2f}" for p in PARTS)
-          + f"{held_wgo / MiB:11.2f}{(pred.weights + pred.grads + pred.optimizer) / MiB:13.2f}")
+          + f"{held_wgo / MiB:8.2f}{(pred.weights + pred.grads + pred.optimizer) / MiB:11.2f}"
+          + f"{pred.activations / MiB:12.2f}")
     del model, opt
 model = build("qlora").train()
 off = saved_activation_bytes(model, xb)
@@ -711,13 +713,16 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Two things to read in that table. Weights, gradients and Adam state agree with the
-# predictor to the byte or nearly (the AdamW step counters are the difference). And QLoRA's
-# activations are about twice LoRA's: the NF4 path dequantizes each active expert into a fresh
-# `[n_active, K, N]` tensor, and autograd keeps it for the backward to `x` — here 3 × 4 × 8
-# experts × 128 × 128 × 4 bytes ≈ 6.3 MiB, more than the NF4 codes save. Gradient
-# checkpointing drops it (the backward dequantizes again), which is why experiment 11 trains
-# with `checkpoint_every=1`.
+# Three things to read in that table. Weights, gradients and Adam state agree with the
+# predictor to the byte or nearly (the AdamW step counters are the difference). The
+# activations agree too, once you allow for the loss the prediction includes. And QLoRA's
+# activations are *below* LoRA's, although its experts must be dequantized to run: the
+# package's NF4 experts checkpoint each expert linear, so the compact `[n_active, K, N]` float
+# copy (here 3 × 4 layers × 8 experts × 128 × 128 × 4 bytes ≈ 6.3 MiB) is not kept for the
+# backward but dequantized again there — what bitsandbytes does for a dense 4-bit layer. The
+# same checkpoint also drops the gathered inputs and x·Aᵀ that LoRA on float experts keeps.
+# Gradient checkpointing of whole blocks cuts what is left, at the price of recomputing every
+# block once in the backward.
 #
 # At this size the activations and the float embeddings, norms and head are much of the
 # bill. The predictor is what tells us about real MoEs: the expert weights dominate, every
@@ -824,5 +829,6 @@ print("largest routing change:", f"{(after - before).abs().max().item():.4f}",
 # 4. Reward-weighted SFT with all rewards equal is plain SFT. What happens to the weights when
 #    one sample has a very negative reward, and why is shifting by the minimum a choice worth
 #    questioning?
-# 5. Gradient checkpointing cut the activations here. What does it cost in time, and which
+# 5. QLoRA's experts dequantize twice per step (forward and backward) to keep no float copy,
+#    and block checkpointing recomputes every block. What does each cost in time, and which
 #    part of the bill dominates at Qwen3-30B-A3B's size?

@@ -13,6 +13,8 @@ largest total alive at any operator: the peak a training step adds on top of the
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -74,6 +76,9 @@ def saved_activation_bytes(model: torch.nn.Module, x: torch.Tensor,
     ledger = _StorageLedger(_excluded(model, x, targets))
     with torch.enable_grad(), ledger:
         out = _forward(model, x, targets)
+    # What only a reference cycle keeps (Triton's interpreter makes some) is garbage, not an
+    # activation: collect it first.
+    gc.collect()
     held = ledger.live_bytes({_storage_key(t) for t in tree_leaves(out)
                               if isinstance(t, torch.Tensor)})
     del out
