@@ -315,7 +315,7 @@ def activation_bytes(shape: TransformerShape, regime: str, tokens: int, r: int =
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
     d, f, h, v = shape.d_model, shape.d_ff, shape.n_head, shape.vocab_size
-    q, kv = shape.attn_linears()[0][0], shape.attn_linears()[1][0]
+    (q, _), (kv, _) = shape.attn_linears()[:2]        # q and k widths (grouped-query aware)
     ints = 2 if regime == "full" else 1     # int64 inputs (for the embedding's grad), targets
     if regime == "full":
         block, mlp, head = 5 * d + 3 * q + 2 * kv + h + 2, (4 * f, 0), 3 * d + 1 + v

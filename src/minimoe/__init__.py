@@ -17,11 +17,11 @@ from .nf4_experts import NF4Experts, nf4_parallel_linear, quantize_experts
 from .ops import group, group_bwd_lora, group_bwd_W, scatter2scatter, scatter2scatter_lora
 from .parallel_linear import parallel_linear
 from .routing import (
-                      NonFiniteLogitsError,
-                      load_balancing_loss,
-                      route,
-                      router_z_loss,
-                      update_selection_bias,
+    NonFiniteLogitsError,
+    load_balancing_loss,
+    route,
+    router_z_loss,
+    update_selection_bias,
 )
 from .sort import flatten_sort_count
 
