@@ -10,7 +10,12 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 EXP ?= experiments/00-pretrain-base
 SUBMISSIONS ?= submissions
 LAB ?=
-LAB_ARGS ?=    # e.g. LAB_ARGS="--no-browser --port 8890" (add --allow-root when running as root)
+# Extra `jupyter lab` arguments, e.g. LAB_ARGS="--no-browser --port 8890" (as root,
+# --allow-root is added for you).
+LAB_ARGS ?=
+# MODE=instructor shows nbgrader's instructor tools (Formgrader, Create Assignment, Courses);
+# learners do not see them.
+MODE ?= learner
 
 .PHONY: venv lab test test-fast course grade reproduce run check-exercises check lint lock clean
 
@@ -24,8 +29,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	@touch $@
 
-lab: $(STAMP)  ## serve JupyterLab on labs/
-	$(PY) -m jupyter lab --notebook-dir=labs $(LAB_ARGS)
+lab: $(STAMP)  ## copy each lab to work/ (once; never overwritten), serve JupyterLab [MODE=instructor]
+	$(PY) -m labkit lab --mode $(MODE) $(LAB_ARGS)
 
 test: $(STAMP)  ## everything CI runs: lint, unit tests, notebooks pipeline, experiments
 	$(VENV)/bin/ruff check src tests solutions experiments benchmarks
@@ -34,7 +39,7 @@ test: $(STAMP)  ## everything CI runs: lint, unit tests, notebooks pipeline, exp
 test-fast: $(STAMP)  ## unit tests only (no notebooks, no experiment re-runs)
 	$(PY) -m pytest -m "not notebooks and not slow"
 
-course: $(STAMP)  ## build the nbgrader course in build/course and refresh labs/
+course: $(STAMP)  ## (course developers) solutions/ -> build/course -> labs/; overwrites no edits
 	$(PY) -m labkit course
 
 grade: $(STAMP)  ## autograde SUBMISSIONS=dir -> build/grades [GRADE_ARGS="--force --timeout 600"]
@@ -49,7 +54,7 @@ reproduce: $(STAMP)  ## re-run and compare: make reproduce EXP=experiments/NN-na
 check-exercises: $(STAMP)  ## blank each solution region alone; some test must fail (slow)
 	$(PY) -m labkit check-exercises $(LAB)
 
-check: $(STAMP)  ## run your notebook's visible tests: make check LAB=NN-name [NOTEBOOK=path]
+check: $(STAMP)  ## visible tests of your work/NN-name.ipynb: make check LAB=NN-name [NOTEBOOK=path]
 	$(PY) -m labkit check $(LAB) $(if $(NOTEBOOK),--notebook $(NOTEBOOK))
 
 lint: $(STAMP)

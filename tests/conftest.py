@@ -1,8 +1,11 @@
-"""Shared fixtures for the package tests: tiny model configs, seeding, and the `gpu` marker."""
+"""Shared fixtures for the package tests: tiny model configs, seeding, the `gpu` marker, and a
+scratch course checkout for tests that write labs/ or work/."""
 
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,3 +73,22 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def checkout(tmp_path) -> Path:
+    """A small copy of the course checkout: lab 00 (guide, release, solution and its line of
+    labs/.generated.sha256) and the BLUEPRINT.md and REPORT.md files the guides point to.
+
+    For tests that run what writes labs/ or work/, so that the real checkout is never touched.
+    """
+    real, root, lab = Path(__file__).resolve().parents[1], tmp_path / "course", "00-setup-minigpt"
+    shutil.copytree(real / "labs" / lab, root / "labs" / lab)
+    record = (real / "labs" / ".generated.sha256").read_text().splitlines()
+    (root / "labs" / ".generated.sha256").write_text(
+        "".join(f"{line}\n" for line in record if f" {lab}/" in line))
+    for path in [real / "solutions" / f"{lab}.py", *real.glob("src/*/BLUEPRINT.md"),
+                 *real.glob("experiments/*/REPORT.md")]:
+        (root / path.relative_to(real)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, root / path.relative_to(real))
+    return root

@@ -27,9 +27,10 @@ def release_test_ids() -> list[str]:
     return [c.metadata.nbgrader.grade_id for c in graded_tests(nb)]
 
 
-def test_the_release_fails_every_test():
-    proc = check(LAB)                      # the default: labs/LAB/LAB.ipynb
+def test_the_release_fails_every_test(checkout):
+    proc = check(LAB, "--root", str(checkout))    # no copy in work/: the blank release
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"checking the blank release labs/{LAB}/{LAB}.ipynb" in proc.stdout
     for grade_id in release_test_ids():
         assert f"FAIL  {grade_id} " in proc.stdout, proc.stdout
     assert "PASS" not in proc.stdout

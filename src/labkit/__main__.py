@@ -1,4 +1,4 @@
-"""python -m labkit run|reproduce|course|grade|check-exercises|check — see README.md.
+"""python -m labkit run|reproduce|course|grade|check-exercises|check|work|lab — see README.md.
 
 Exit codes: 0 success; 1 a reproduce that did not reproduce, or failing checks;
 2 bad input (missing, malformed or edited manifest, changed files, unknown lab).
@@ -39,11 +39,19 @@ def _course(args) -> int:
 
 
 def _grade(args) -> int:
-    from .grading import grade
+    from .grading import grade, merge_csv
 
-    grade(Path(args.submissions), Path(args.root), Path(args.out) if args.out else None,
-          timeout=args.timeout, force=args.force,
-          course=Path(args.course) if args.course else None)
+    out = Path(args.out) if args.out else Path(args.root) / "build" / "grades"
+    if args.merge:
+        rows = merge_csv([Path(p) for p in args.merge] + [out / "grades.csv"], out / "grades.csv")
+        print(f"merged {len(args.merge)} grades.csv file(s) into {out / 'grades.csv'}: "
+              f"{len(rows)} row(s)")
+    if args.submissions:
+        grade(Path(args.submissions), Path(args.root), out, timeout=args.timeout,
+              force=args.force, course=Path(args.course) if args.course else None,
+              jobs=args.jobs, unsafe_no_sandbox=args.unsafe_no_sandbox)
+    elif not args.merge:
+        raise InputError("give a SUBMISSIONS folder to grade, or --merge grades.csv files")
     return 0
 
 
@@ -60,9 +68,24 @@ def _check(args) -> int:
     return 0 if self_check(Path(args.root), args.lab, notebook, timeout=args.timeout) else 1
 
 
+def _work(args) -> int:
+    from .learner import make_work_copies, report_work_copies
+
+    report_work_copies(Path(args.root), make_work_copies(Path(args.root)))
+    return 0
+
+
+def _lab(args) -> int:
+    from .labserver import serve
+
+    _work(args)
+    serve(Path(args.root), args.mode, args.jupyter_args)
+    return 0
+
+
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
     return int(text)
 
 
@@ -84,10 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     timeout_help = "seconds a cell may run before it is stopped (default %(default)s)"
     p = sub.add_parser("grade", help="autograde SUBMISSIONS/<student>/<NN-name>.ipynb "
                        "(or SUBMISSIONS/submitted/<student>/<NN-name>/<NN-name>.ipynb)")
-    p.add_argument("submissions")
+    p.add_argument("submissions", nargs="?")
     p.add_argument("--root", default=".", help="the course checkout")
     p.add_argument("--out", help="where grades.csv, feedback/ and journal/ go "
                    "(default build/grades)")
+    p.add_argument("--jobs", type=_positive_int, default=None,
+                   help="submissions graded at once, each in its own sandbox "
+                   "(default: the number of cores)")
+    p.add_argument("--unsafe-no-sandbox", action="store_true",
+                   help="grade without bubblewrap: student code runs with your permissions")
+    p.add_argument("--merge", nargs="+", metavar="CSV",
+                   help="grades.csv files of other runs (shards of a class) to merge into "
+                   "OUT/grades.csv first; a later file wins for the same student and lab")
     p.add_argument("--course", help="nbgrader course directory to grade in "
                    "(default build/course)")
     p.add_argument("--timeout", type=_positive_int, default=CELL_TIMEOUT_S, help=timeout_help)
@@ -101,11 +132,25 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check", help="run a learner's notebook; pass/fail of each visible test")
     p.add_argument("lab", help="lab name, e.g. 00-setup-minigpt")
     p.add_argument("--notebook", help="the notebook to check "
-                   "(default labs/LAB/LAB.ipynb, the learner's working copy)")
+                   "(default work/LAB.ipynb, your copy; else the blank release "
+                   "labs/LAB/LAB.ipynb)")
     p.add_argument("--root", default=".")
     p.add_argument("--timeout", type=_positive_int, default=CELL_TIMEOUT_S, help=timeout_help)
     p.set_defaults(func=_check)
-    args = parser.parse_args(argv)
+    p = sub.add_parser("work", help="copy each lab's release to work/NN-name.ipynb where "
+                       "there is no copy yet (never overwrites)")
+    p.add_argument("--root", default=".")
+    p.set_defaults(func=_work)
+    p = sub.add_parser("lab", allow_abbrev=False, help="make the copies in work/, then serve "
+                       "JupyterLab on the checkout; other arguments go to `jupyter lab`")
+    p.add_argument("--root", default=".")
+    p.add_argument("--mode", choices=["learner", "instructor"], default="learner",
+                   help="learner hides nbgrader's instructor tools (default %(default)s)")
+    p.set_defaults(func=_lab)
+    args, extra = parser.parse_known_args(argv)     # `lab` passes the rest to jupyter lab
+    if extra and args.command != "lab":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.jupyter_args = extra
     try:
         return args.func(args)
     except InputError as e:

@@ -4,10 +4,16 @@ solutions/NN-name.py (jupytext percent, nbgrader metadata) is the single source 
     solutions/NN-name.py --jupytext--> build/course/source/NN-name/NN-name.ipynb
         --nbgrader generate_assignment--> build/course/release/NN-name/NN-name.ipynb
         --copy--> labs/NN-name/NN-name.ipynb   (committed; a test checks it is current)
+
+The build never writes over a notebook it did not write: labs/.generated.sha256 (committed,
+`sha256sum` format) records the sha256 of each release as the build last wrote it, and a
+labs/ notebook that matches neither that record nor the fresh build holds someone's edits,
+so the build refuses and names it. Learners work in their own copies in work/ (learner.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -18,8 +24,11 @@ import nbformat
 
 from .atomic import atomic_write_text
 from .errors import InputError
+from .learner import WORK, release_notebook_path, work_copy
 
 COURSE_ID = "miniqlora-moe-labs"
+# In labs/: the sha256 of each release notebook as the course build last wrote it.
+GENERATED = ".generated.sha256"
 # Interpreter-mode Triton kernels are slow on a laptop CPU: give each cell minutes, not the
 # 30 s nbgrader default. A submission that loops forever costs this much, once per cell.
 CELL_TIMEOUT_S = 300
@@ -113,28 +122,91 @@ def generate_assignments(root: Path, names: list[str], course: Path | None = Non
     return course
 
 
+def text_sha256(text: str) -> str:
+    """sha256 of a notebook's text as read (newlines normalised), as the record keeps it."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def read_generated(root: Path) -> dict[str, str]:
+    """{lab: sha256} of the releases the course build last wrote (empty if no record)."""
+    path = root / "labs" / GENERATED
+    pairs = [line.split() for line in (path.read_text().splitlines() if path.is_file() else [])]
+    return {Path(pair[1]).stem: pair[0] for pair in pairs if len(pair) == 2}
+
+
+def write_generated(root: Path, digests: dict[str, str]) -> None:
+    """Record what the build wrote, as `sha256sum -c` reads it from labs/."""
+    atomic_write_text(root / "labs" / GENERATED, "".join(
+        f"{digest}  {name}/{name}.ipynb\n" for name, digest in sorted(digests.items())))
+
+
+def edited(root: Path, name: str, fresh: str, generated: dict[str, str]) -> bool:
+    """True when labs/NAME/NAME.ipynb exists and is neither the fresh build nor what the
+    build last wrote: someone edited it, and writing over it would lose their work."""
+    path = release_notebook_path(root, name)
+    if not path.is_file():
+        return False
+    text = path.read_text()
+    return text != fresh and text_sha256(text) != generated.get(name)
+
+
+def keep_command(root: Path, names: list[str]) -> str:
+    """Shell command copying edited labs/ notebooks into work/ without overwriting a copy."""
+    targets = {n: work_copy(root, n) if not work_copy(root, n).exists()
+               else work_copy(root, n).with_suffix(".from-labs.ipynb") for n in names}
+    return " && ".join([f"mkdir -p {WORK}"] + [
+        f"cp -n labs/{n}/{n}.ipynb {t.relative_to(root)}" for n, t in targets.items()])
+
+
+def edited_message(root: Path, names: list[str]) -> str:
+    """Why the build will not write over `names`, and what a learner or developer does."""
+    files = " ".join(f"labs/{n}/{n}.ipynb" for n in names)
+    verb, holds = ("differs", "it holds") if len(names) == 1 else ("differ", "they hold")
+    return (f"{files} {verb} from what the course build last wrote (labs/{GENERATED}): {holds}"
+            " edits, and the course build never writes over edits. A learner's work belongs in"
+            f" {WORK}/: keep it there with `{keep_command(root, names)}`, then restore the"
+            f" release with `git checkout -- {files}`. Course developers: labs/ is generated"
+            " from solutions/; move the edits there or discard them.")
+
+
+def stale_message(root: Path, names: list[str], edits: list[str]) -> str:
+    """Why `build_course(check=True)` failed, addressed to whoever can act on it."""
+    behind = [n for n in names if n not in edits]
+    parts = [edited_message(root, edits)] if edits else []
+    if behind or not names:
+        parts.append(f"labs/ (or labs/{GENERATED}) is behind solutions/"
+                     + (f" for {behind}" if behind else "") + ". For course developers: run"
+                     " `make course` and commit labs/. Learners have nothing to do here: their"
+                     f" work lives in {WORK}/, which the course build never touches.")
+    return " ".join(parts)
+
+
 def build_course(root: Path, check: bool = False) -> list[str]:
     """Generate every lab's release; refresh labs/ (or, with `check`, verify it is current).
 
-    Returns the labs whose committed notebook differs from a fresh build (empty when in sync);
-    with `check`, a difference raises InputError naming them.
+    Returns the labs whose committed notebook differs from a fresh build (empty when in sync).
+    With `check`, a difference (or an out-of-date labs/.generated.sha256) raises InputError;
+    without it, so does a labs/ notebook holding edits, before anything in labs/ is written.
     """
     root = root.resolve()
     names = lab_names(root)
     if not names:
         raise InputError(f"no lab sources found in {root / 'solutions'} (expected NN-name.py)")
     course = generate_assignments(root, names)
-    stale = []
-    for name in names:
-        fresh = release_notebook(course / "release" / name / f"{name}.ipynb")
-        committed = root / "labs" / name / f"{name}.ipynb"
-        if not committed.is_file() or committed.read_text() != fresh:
-            stale.append(name)
-            if not check:
-                committed.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(committed, fresh)
-    if check and stale:
-        raise InputError(f"labs/ is out of date for {stale}: run `make course` and commit")
+    fresh = {n: release_notebook(course / "release" / n / f"{n}.ipynb") for n in names}
+    digests = {n: text_sha256(text) for n, text in fresh.items()}
+    generated = read_generated(root)
+    stale = [n for n in names if not release_notebook_path(root, n).is_file()
+             or release_notebook_path(root, n).read_text() != fresh[n]]
+    edits = [n for n in stale if edited(root, n, fresh[n], generated)]
+    if check and (stale or generated != digests):
+        raise InputError(stale_message(root, stale, edits))
+    if edits:
+        raise InputError(edited_message(root, edits))
+    for name in stale:                  # none left under `check`
+        atomic_write_text(release_notebook_path(root, name), fresh[name])
+    if generated != digests:
+        write_generated(root, digests)
     print(f"course built in {course} for {len(names)} lab(s)"
           + (f"; refreshed labs/ for {stale}" if stale and not check else ""))
     return stale

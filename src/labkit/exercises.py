@@ -1,5 +1,5 @@
 """Prove every exercise is graded (blank one solution region at a time, some test must fail),
-and let a learner check a notebook against its visible tests (`self_check`).
+and let a learner check their notebook against its visible tests (`self_check`).
 
 A region is the code between `### BEGIN SOLUTION` and `### END SOLUTION`; blanking it the
 way nbgrader does (the region becomes `CODE_STUB` at its indentation)
@@ -17,6 +17,7 @@ from nbclient.exceptions import DeadKernelError
 
 from .course import CELL_TIMEOUT_S, CODE_STUB, lab_names, source_notebook
 from .errors import InputError
+from .learner import WORK, notebook_to_check, release_notebook_path, released_labs
 
 REGION = re.compile(r"^([ \t]*)### BEGIN SOLUTION\n.*?^[ \t]*### END SOLUTION[ \t]*$",
                     re.MULTILINE | re.DOTALL)
@@ -93,32 +94,41 @@ def check_exercises(root: Path, labs: list[str] | None = None) -> bool:
     return ok
 
 
-def released_labs(root: Path) -> list[str]:
-    """Labs a learner has: labs/NN-name/NN-name.ipynb (solutions/ may be private)."""
-    return sorted(p.stem for p in (root / "labs").glob("[0-9][0-9]-*/*.ipynb")
-                  if p.stem == p.parent.name)
+def notebook_for_check(root: Path, lab: str, notebook: Path | None
+                       ) -> tuple[Path, nbformat.NotebookNode]:
+    """The path and contents of the notebook `self_check` runs; InputError if unusable.
+
+    `notebook`, else the learner's copy work/<lab>.ipynb, else (saying so) the blank release.
+    """
+    if lab not in (known := released_labs(root)):
+        raise InputError(f"unknown lab {lab!r}; available: {known}")
+    path = (notebook or notebook_to_check(root, lab)).resolve()
+    if notebook is None and path == release_notebook_path(root, lab).resolve():
+        print(f"no copy of yours at {WORK}/{lab}.ipynb yet (`make lab` makes it): checking the "
+              f"blank release {path.relative_to(root)}, whose tests all fail")
+    named = f"--notebook {path}" if notebook else str(path)
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as e:  # absent, or not a notebook
+        raise InputError(f"{named} is not a readable notebook "
+                         f"({type(e).__name__}: {str(e)[:120]})") from e
+    if not graded_tests(nb):
+        raise InputError(f"{named} has no graded test cells: is it a lab notebook?")
+    return path, nb
 
 
 def self_check(root: Path, lab: str, notebook: Path | None = None,
                timeout: int = CELL_TIMEOUT_S) -> bool:
-    """Run a learner's notebook from labs/<lab>/ and print each visible test with its points.
+    """Run a learner's notebook and print each visible test with its points.
 
-    The learner's file is read, never written. True when every test cell passes; the
-    hidden tests exist only in solutions/ and run when the notebook is graded.
+    The notebook (see `notebook_for_check`) runs from its own folder, as in JupyterLab; the
+    file is read, never written. True when every test cell passes; the hidden tests exist
+    only in solutions/ and run when the notebook is graded.
     """
     root = root.resolve()
-    if lab not in (known := released_labs(root)):
-        raise InputError(f"unknown lab {lab!r}; available: {known}")
-    path = (notebook or root / "labs" / lab / f"{lab}.ipynb").resolve()
+    path, nb = notebook_for_check(root, lab, notebook)
     try:
-        nb = nbformat.read(path, as_version=4)
-    except Exception as e:  # absent, or not a notebook
-        raise InputError(f"--notebook {path} is not a readable notebook "
-                         f"({type(e).__name__}: {str(e)[:120]})") from e
-    if not graded_tests(nb):
-        raise InputError(f"--notebook {path} has no graded test cells: is it a lab notebook?")
-    try:
-        passed = test_results(nb, root / "labs" / lab, timeout)   # executes `nb` in place
+        passed = test_results(nb, path.parent, timeout)   # executes `nb` in place
     except DeadKernelError as e:
         raise InputError(f"{path}: the kernel died while running it (a cell ended the Python "
                          "process, e.g. os._exit or out of memory)") from e

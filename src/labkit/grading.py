@@ -1,42 +1,44 @@
-"""Autograde a folder of submissions with nbgrader; every student gets a row, whatever they sent.
+"""Autograde a folder of submissions; every student gets a row, whatever they sent.
 
-Input layouts, detected per file:   SUBMISSIONS/<student>/<NN-name>.ipynb
-                               or   SUBMISSIONS/<student>/<NN-name>/<NN-name>.ipynb
-and when SUBMISSIONS holds a `submitted/` folder (an nbgrader course after `nbgrader
-collect`), the students are read from SUBMISSIONS/submitted/ instead.
-Each (student, lab) is autograded in its own nbgrader process, so a submission that loops
-forever (cell timeout) or kills its kernel costs only its own row. Each final row is
-journaled (labkit.journal) before the next submission starts: an interrupted run resumes
-where it stopped, and an unchanged submission is not graded twice unless `force`.
+    SUBMISSIONS/<student>/<NN-name>.ipynb          (also "NN-name (1).ipynb", "NN-name-Copy1",
+    SUBMISSIONS/<student>/<NN-name>/<NN-name>.ipynb  ...: the newest is graded, the rest named)
+    SUBMISSIONS/submitted/<student>/<NN-name>/...  (an nbgrader course after `nbgrader collect`)
+
+Each submission is graded by labkit.autograde in a kernel of its own inside a bubblewrap
+sandbox (labkit.sandbox), `jobs` at a time. The tests come from solutions/ (never from the
+student's file or a database the student could reach). Each final row is journaled at once
+(labkit.journal), bound to the hashes of the submission, the lab's tests and the grader; a
+re-run grades only what changed. Then `grades.csv` is merged with the rows of earlier runs,
+the feedback pages are written, and the scores are recorded in nbgrader's gradebook.db.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import os
+import queue
 import re
-import shutil
-import subprocess
 import time
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from hashlib import sha256
 from pathlib import Path
 
 import nbformat
-from nbgrader.api import Gradebook, MissingEntry
+from tqdm import tqdm
 
 from . import journal
 from .atomic import atomic_write_text
-from .course import CELL_TIMEOUT_S, generate_assignments, lab_names, nbgrader
+from .autograde import grade_notebook, test_cells
+from .course import CELL_TIMEOUT_S, lab_names, source_notebook
 from .errors import InputError
+from .feedback import render
+from .gradebook import record
+from .sandbox import Sandbox
 
-STUDENT_ID = re.compile(r"^[A-Za-z0-9_.-]+$")
-# What nbgrader's autograde log says, and the status note it becomes.
-LOG_NOTES = [
-    (re.compile(r"Timeout waiting for execute reply|CellTimeoutError|timed out", re.I),
-     "a cell hit the time limit"),
-    (re.compile(r"DeadKernelError|Kernel died", re.I),
-     "the kernel died (a cell ended the Python process: os._exit, crash, out of memory)"),
-]
+MAX_NOTEBOOK_BYTES = 50 << 20
+COPY_SUFFIX = re.compile(r"^(?:\s*\(\d+\)|[-_ ]copy\d*|-Copy\d+|[-_ ].*)?$", re.IGNORECASE)
 
 
 @dataclass
@@ -45,8 +47,9 @@ class GradeRow:
     lab: str
     score: float
     max_score: float
-    status: str        # "graded", "not submitted", or what went wrong, in words
-    seconds: float = 0.0   # wall time spent grading it (not in grades.csv)
+    status: str        # "graded[; notes]", "tampering detected: ...", "timed out: ...", ...
+    seconds: float = 0.0                         # wall time grading it (not in grades.csv)
+    tests: dict = field(default_factory=dict)    # {grade_id: points earned}, for gradebook.db
 
     def as_list(self) -> list:
         return [self.student, self.lab, f"{self.score:g}", f"{self.max_score:g}", self.status]
@@ -60,154 +63,118 @@ def student_root(submissions: Path) -> Path:
     return nested if nested.is_dir() else submissions
 
 
+def lab_of(path: Path, labs: list[str]) -> str | None:
+    """The lab a notebook file name is for: `NN-name.ipynb`, or a copy of it as browsers and
+    Jupyter name them (`NN-name (1)`, `NN-name-Copy1`, `NN-name_final`)."""
+    if path.suffix.lower() != ".ipynb":
+        return None
+    stem = path.stem.strip()
+    for lab in sorted(labs, key=len, reverse=True):
+        if stem.lower().startswith(lab.lower()) and COPY_SUFFIX.match(stem[len(lab):]):
+            return lab
+    return None
+
+
+def _newest(paths: list[Path], lab: str) -> Path:
+    """The newest file (then the exact name, then the last name) of several for one lab."""
+    return max(paths, key=lambda p: (p.stat().st_mtime, p.stem == lab, str(p)))
+
+
 def find_submissions(submissions: Path, labs: list[str]
                      ) -> tuple[list[str], dict[tuple[str, str], Path], dict[str, list[str]]]:
-    """Students; {(student, lab): notebook path}; per student the files that were not graded."""
-    students, found, ignored = [], {}, {}
+    """Students; {(student, lab): notebook}; per student, notes on files not graded."""
+    students, found, notes = [], {}, {}
     root = student_root(submissions)
     for student_dir in sorted(p for p in root.iterdir()
                               if p.is_dir() and not p.name.startswith(".")):
         student = student_dir.name
-        if not STUDENT_ID.match(student):
-            raise InputError(f"SUBMISSIONS: student folder name {student!r} must use "
-                             "letters, digits, _ . -")
         students.append(student)
-        for lab in labs:
-            for candidate in (student_dir / f"{lab}.ipynb", student_dir / lab / f"{lab}.ipynb"):
-                if candidate.is_file():
-                    found[(student, lab)] = candidate
+        by_lab: dict[str, list[Path]] = {}
         for f in sorted(student_dir.rglob("*")):
             rel = f.relative_to(student_dir)
-            if (f.is_file() and f not in found.values() and f.name != "timestamp.txt"
-                    and not any(part.startswith(".") for part in rel.parts)):
-                ignored.setdefault(student, []).append(str(rel))
-    return students, found, ignored
+            if not f.is_file() or any(part.startswith(".") for part in rel.parts):
+                continue
+            if lab := lab_of(f, labs):
+                by_lab.setdefault(lab, []).append(f)
+            elif f.name != "timestamp.txt":
+                notes.setdefault(student, []).append(f"{rel} (not a lab notebook)")
+        for lab, paths in by_lab.items():
+            found[(student, lab)] = chosen = _newest(paths, lab)
+            notes.setdefault(student, []).extend(
+                f"{p.relative_to(student_dir)} (older copy; graded "
+                f"{chosen.relative_to(student_dir)})" for p in paths if p != chosen)
+            if not notes[student]:
+                del notes[student]
+    return students, found, notes
 
 
-def test_cells(nb: nbformat.NotebookNode) -> dict[str, nbformat.NotebookNode]:
-    """{grade_id: cell} of the autograded test cells (the last copy of a repeated id)."""
-    return {c.metadata.nbgrader.grade_id: c for c in nb.cells
-            if c.metadata.get("nbgrader", {}).get("grade") and "grade_id" in c.metadata.nbgrader
-            and not c.metadata.nbgrader.get("solution")}
+def tests_digest(source_nb) -> str:
+    """sha256 of what decides a grade: each test cell's id, points and source."""
+    tests = [(c.metadata.nbgrader.grade_id, c.metadata.nbgrader.get("points"), c.source)
+             for c in test_cells(source_nb)]
+    return sha256(repr(tests).encode()).hexdigest()
 
 
-def tampered_tests(nb: nbformat.NotebookNode, release: nbformat.NotebookNode) -> list[str]:
-    """Status notes on test cells the student edited or deleted (nbgrader restores them)."""
-    theirs, ours = test_cells(nb), test_cells(release)
-    edited = [g for g, cell in ours.items() if g in theirs
-              and (theirs[g].source.strip() != cell.source.strip()
-                   or theirs[g].metadata.nbgrader.get("points") != cell.metadata.nbgrader.points)]
-    deleted = [g for g in ours if g not in theirs]
-    return (["test cells restored from the gradebook: "
-             + ", ".join([f"{g} (edited)" for g in edited] + [f"{g} (deleted)" for g in deleted])]
-            if edited or deleted else [])
+def max_points(source_nb) -> float:
+    return float(sum(c.metadata.nbgrader.get("points", 0) for c in test_cells(source_nb)))
 
 
-def drop_duplicate_ids(nb: nbformat.NotebookNode) -> list[str]:
-    """Un-mark every copy of a repeated grade_id but the last, in place; the repeated ids.
-
-    nbgrader 0.9.6 means to do the same (DeduplicateIds) but then fails on the un-marked
-    cells when it restores missing cells, so the submission is cleaned before it sees it.
-    """
-    seen, dups = set(), set()
-    for cell in reversed(nb.cells):
-        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
-        if grade_id in seen:
-            dups.add(grade_id)
-            del cell.metadata["nbgrader"]
-        elif grade_id:
-            seen.add(grade_id)
-    return sorted(dups)
+def _status(outcome) -> str:
+    if outcome.tampering:
+        return ("tampering detected: " + "; ".join(outcome.tampering)
+                + "; only the tests before it count, for the instructor to review")
+    if outcome.timed_out:
+        return "timed out: " + "; ".join([outcome.timed_out, *outcome.notes])
+    return "; ".join(["graded", *outcome.notes])
 
 
-def log_notes(log: str) -> list[str]:
-    """Status notes from nbgrader's autograde log: time limits, dead kernels."""
-    return [note for pattern, note in LOG_NOTES if pattern.search(log)]
-
-
-def _gradebook(course: Path) -> Gradebook:
-    return Gradebook(f"sqlite:///{course / 'gradebook.db'}")
-
-
-def _scores(course: Path, student: str, lab: str) -> tuple[float, float] | None:
-    with _gradebook(course) as gb:
-        try:
-            sub = gb.find_submission(lab, student)
-        except MissingEntry:
-            return None
-        return sub.score, sub.max_score
-
-
-def _max_score(course: Path, lab: str) -> float:
-    with _gradebook(course) as gb:
-        return gb.find_assignment(lab).max_score
-
-
-def _stage(course: Path, student: str, lab: str, notebook: Path,
-           cleaned: nbformat.NotebookNode | None) -> None:
-    """Put the submission (or its `cleaned` copy) where nbgrader reads it:
-    course/submitted/<student>/<lab>/, and the student in the gradebook."""
-    target = course / "submitted" / student / lab / f"{lab}.ipynb"
-    if notebook.resolve() != target.resolve():    # else grading the course's own submitted/
-        shutil.rmtree(target.parent, ignore_errors=True)
-        target.parent.mkdir(parents=True)
-        shutil.copy(notebook, target)
-        stamp = notebook.parent / "timestamp.txt"      # nbgrader's, for late penalties
-        if stamp.is_file() and notebook.parent.name == lab:
-            shutil.copy(stamp, target.parent / "timestamp.txt")
-    if cleaned is not None:
-        nbformat.write(cleaned, target)
-    with _gradebook(course) as gb:
-        gb.update_or_create_student(student)
-
-
-def _autograde(course: Path, student: str, lab: str, timeout: int) -> str:
-    """nbgrader autograde of one submission; its log."""
-    try:
-        proc = nbgrader(course, "autograde", lab, "--student", student, "--force",
-                        f"--Execute.timeout={timeout}", check=False,
-                        timeout=timeout * 40 + 300)
-        return proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired:
-        return "ERROR the autograder did not finish in time"
-
-
-def _feedback(course: Path, student: str, lab: str, out: Path) -> None:
-    nbgrader(course, "generate_feedback", lab, "--student", student, "--force", check=False)
-    html = course / "feedback" / student / lab / f"{lab}.html"
-    if html.is_file():
-        dest = journal.feedback_path(out, student, lab)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(html, dest)
-
-
-def grade_one(course: Path, student: str, lab: str, notebook: Path, timeout: int,
-              out: Path) -> GradeRow:
-    """Autograde one submission and write its feedback; never raises for a bad submission."""
-    start = time.perf_counter()
-    max_score = _max_score(course, lab)
+def grade_one(student: str, lab: str, notebook: Path, source_nb, sandbox: Sandbox,
+              slot: int, timeout: int, out: Path) -> GradeRow:
+    """Grade one submission and write its feedback page; never raises for a bad submission."""
+    start, max_score = time.perf_counter(), max_points(source_nb)
     journal.feedback_path(out, student, lab).unlink(missing_ok=True)
     try:
+        if notebook.stat().st_size > MAX_NOTEBOOK_BYTES:
+            raise ValueError(f"{notebook.stat().st_size} bytes, over {MAX_NOTEBOOK_BYTES}")
         nb = nbformat.read(notebook, as_version=4)
-    except Exception as e:  # any parse failure means "not a notebook"
+        if not isinstance(nb.get("cells"), list):
+            raise ValueError("no cells")
+    except Exception as e:  # any failure to parse means "not a notebook"
         return GradeRow(student, lab, 0, max_score, f"not a readable notebook "
                         f"({type(e).__name__}: {str(e)[:120]})", time.perf_counter() - start)
-    notes = tampered_tests(nb, nbformat.read(course / "release" / lab / f"{lab}.ipynb",
-                                             as_version=4))
-    if dups := drop_duplicate_ids(nb):
-        notes.append(f"duplicate grade_id {', '.join(dups)}: only the last copy was graded")
-    _stage(course, student, lab, notebook, nb if dups else None)
-    log = _autograde(course, student, lab, timeout)
-    notes = log_notes(log) + notes
-    scores = _scores(course, student, lab)
-    if scores is None or not (course / "autograded" / student / lab).is_dir():
-        reason = "; ".join(notes) or next(
-            (ln.strip()[:200] for ln in log.splitlines() if "ERROR" in ln), "no reason given")
-        return GradeRow(student, lab, 0, max_score, f"not graded, score 0: {reason}",
-                        time.perf_counter() - start)
-    _feedback(course, student, lab, out)
-    return GradeRow(student, lab, scores[0], scores[1], "; ".join(["graded", *notes]),
-                    time.perf_counter() - start)
+    outcome = grade_notebook(nb, source_nb, sandbox, slot, timeout,
+                             total_timeout=timeout * 20 + 600)
+    status = _status(outcome)
+    tests = {c.test.grade_id: c.earned for c in outcome.cells if c.kind == "test"}
+    atomic_write_text(journal.feedback_path(out, student, lab),
+                      render(student, lab, outcome.score, max_score, status, outcome.cells))
+    return GradeRow(student, lab, outcome.score, max_score, status,
+                    time.perf_counter() - start, tests)
+
+
+def read_csv(path: Path) -> list[GradeRow]:
+    """The rows of an earlier grades.csv (none if there is none)."""
+    if not path.is_file():
+        return []
+    with open(path, newline="", encoding="utf-8") as f:
+        return [GradeRow(r["student"], r["lab"], float(r["score"]), float(r["max_score"]),
+                         r["status"]) for r in csv.DictReader(f)]
+
+
+def write_csv(rows: list[GradeRow], path: Path) -> None:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["student", "lab", "score", "max_score", "status"])
+    writer.writerows(r.as_list() for r in sorted(rows, key=lambda r: (r.student, r.lab)))
+    atomic_write_text(path, buf.getvalue())
+
+
+def merge_csv(paths: list[Path], out: Path) -> list[GradeRow]:
+    """grades.csv files of several runs (e.g. shards of a class) merged; a later file's row
+    for the same (student, lab) wins. Written to `out`."""
+    rows = {(r.student, r.lab): r for p in paths for r in read_csv(p)}
+    write_csv(list(rows.values()), out)
+    return sorted(rows.values(), key=lambda r: (r.student, r.lab))
 
 
 def summary_table(rows: list[GradeRow]) -> str:
@@ -228,61 +195,88 @@ def summary_table(rows: list[GradeRow]) -> str:
     return "\n".join(lines)
 
 
-def _grade_or_resume(course: Path, root: Path, student: str, lab: str, notebook: Path,
-                     timeout: int, out: Path, force: bool) -> tuple[GradeRow, bool]:
-    """(row, whether it came from the journal); a new final row is journaled at once."""
-    key = journal.grading_key(notebook, root / "solutions" / f"{lab}.py", timeout)
-    if not force and (saved := journal.load(out, student, lab, key)) is not None:
-        return GradeRow(**saved), True
-    try:
-        row = grade_one(course, student, lab, notebook, timeout, out)
-    except Exception as e:  # our failure, not the student's: report it, retry next run
-        return GradeRow(student, lab, 0, _max_score(course, lab),
-                        f"grading error (will be retried): {type(e).__name__}: {e}"), False
-    journal.save(out, student, lab, key, asdict(row))
-    return row, False
+class _Grader:
+    """What every job shares: the course, the sources, the sandbox and the slots."""
 
+    def __init__(self, root: Path, out: Path, labs: list[str], sandbox: Sandbox, jobs: int,
+                 timeout: int):
+        self.root, self.out, self.sandbox, self.timeout = root, out, sandbox, timeout
+        self.sources = {lab: source_notebook(root / "solutions" / f"{lab}.py") for lab in labs}
+        self.slots: queue.Queue[int] = queue.Queue()
+        for slot in range(jobs):
+            self.slots.put(slot)
 
-def write_csv(rows: list[GradeRow], path: Path) -> None:
-    buf = io.StringIO()
-    writer = csv.writer(buf)
-    writer.writerow(["student", "lab", "score", "max_score", "status"])
-    writer.writerows(r.as_list() for r in rows)
-    atomic_write_text(path, buf.getvalue())
+    def key(self, notebook: Path, lab: str) -> dict:
+        return journal.grading_key(notebook, tests_digest(self.sources[lab]), self.timeout)
+
+    def grade(self, student: str, lab: str, notebook: Path) -> GradeRow:
+        """Grade in a free slot and journal the row; an internal error is not journaled."""
+        slot = self.slots.get()
+        try:
+            row = grade_one(student, lab, notebook, self.sources[lab], self.sandbox, slot,
+                            self.timeout, self.out)
+        except Exception as e:  # our failure, not the student's: report it, retry next run
+            return GradeRow(student, lab, 0, max_points(self.sources[lab]),
+                            f"grading error (will be retried): {type(e).__name__}: {e}")
+        finally:
+            self.slots.put(slot)
+        journal.save(self.out, student, lab, self.key(notebook, lab), asdict(row))
+        return row
 
 
 def grade(submissions: Path, root: Path, out: Path | None = None,
-          timeout: int = CELL_TIMEOUT_S, force: bool = False,
-          course: Path | None = None) -> list[GradeRow]:
-    """Autograde every submission; write out/grades.csv and out/feedback/; return the rows.
-
-    `course` is the nbgrader course directory to grade in (default build/course).
-    """
+          timeout: int = CELL_TIMEOUT_S, force: bool = False, course: Path | None = None,
+          jobs: int | None = None, unsafe_no_sandbox: bool = False,
+          gradebook_wait: float = 30.0) -> list[GradeRow]:
+    """Autograde every submission; merge out/grades.csv, write out/feedback/; the rows."""
     root = root.resolve()
     out = (out or root / "build" / "grades").resolve()
+    jobs = jobs or os.cpu_count() or 1
     labs = lab_names(root)
-    students, found, ignored = find_submissions(submissions.resolve(), labs)
+    students, found, notes = find_submissions(submissions.resolve(), labs)
     if not students:
         raise InputError(f"SUBMISSIONS {submissions} holds no student folders")
+    sandbox = Sandbox(root, unsafe=unsafe_no_sandbox)
+    sandbox.check()
     graded_labs = sorted({lab for _, lab in found}) or labs
-    course = generate_assignments(root, graded_labs, course and course.resolve())
-    rows = []
+    grader = _Grader(root, out, graded_labs, sandbox, jobs, timeout)
+    rows, todo = [], []
     for student in students:
         for lab in graded_labs:
-            if (student, lab) in found:
-                row, resumed = _grade_or_resume(course, root, student, lab,
-                                                found[(student, lab)], timeout, out, force)
+            notebook = found.get((student, lab))
+            saved = notebook and not force and journal.load(out, student, lab,
+                                                            grader.key(notebook, lab))
+            if notebook is None:
+                rows.append(GradeRow(student, lab, 0, max_points(grader.sources[lab]),
+                                     "not submitted"))
+            elif saved:
+                rows.append(GradeRow(**saved))
             else:
-                row, resumed = GradeRow(student, lab, 0, _max_score(course, lab),
-                                        "not submitted"), False
+                todo.append((student, lab, notebook))
+    print(f"{len(rows)} row(s) need no grading (not submitted, or unchanged since the "
+          f"journal's run); grading {len(todo)} submission(s), {jobs} at a time"
+          + (" WITHOUT A SANDBOX" if unsafe_no_sandbox else " in bubblewrap sandboxes"))
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=jobs) as pool, \
+            tqdm(total=len(todo), unit="submission", desc="grading") as bar:
+        futures = [pool.submit(grader.grade, *job) for job in todo]
+        for future in as_completed(futures):
+            row = future.result()
             rows.append(row)
-            how = "unchanged, kept from the journal" if resumed else f"{row.seconds:.1f} s"
-            print(f"{student:<20} {lab:<24} {row.score:g}/{row.max_score:g}  {row.status}"
-                  f"  [{how}]", flush=True)
-    write_csv(rows, out / "grades.csv")
+            bar.update()
+            bar.write(f"{row.student:<20} {row.lab:<24} {row.score:g}/{row.max_score:g}  "
+                      f"{row.status}  [{row.seconds:.1f} s]")
+    elapsed = time.perf_counter() - start
+    rows.sort(key=lambda r: (r.student, r.lab))
+    record(course or root / "build" / "course", root, rows, gradebook_wait)
+    merged = {(r.student, r.lab): r for r in read_csv(out / "grades.csv")}
+    merged.update({(r.student, r.lab): r for r in rows})   # this run's rows win
+    write_csv(list(merged.values()), out / "grades.csv")
     print(summary_table(rows))
-    for student, files in sorted(ignored.items()):
-        print(f"{student}: not graded (not named <NN-name>.ipynb for a lab of {labs}): "
-              + ", ".join(files))
+    for student, lines in sorted(notes.items()):
+        print(f"{student}: not graded: " + "; ".join(lines))
+    if todo:
+        print(f"graded {len(todo)} submission(s) in {elapsed:.1f} s with {jobs} job(s): "
+              f"{60 * len(todo) / elapsed:.2f} submissions per minute")
     print(f"wrote {out / 'grades.csv'} and feedback in {out / 'feedback'}")
     return rows

@@ -1,34 +1,53 @@
 """The grading journal: one result file per (student, lab), so an interrupted run resumes.
 
-    OUT/journal/<student>/<lab>.json = {"key": {...}, "row": {...}, "feedback": bool}
+    OUT/journal/<student key>/<lab>.json = {"key": {...}, "row": {...}, "feedback": bool}
 
-`key` names everything the grade depends on: the submitted file's sha256, the lab source's
-sha256 (solutions/NN-name.py: its tests and points) and the cell time limit. A later run
-reuses an entry whose key is unchanged (and whose feedback file, if it wrote one, is still
-there) instead of grading again. Each file is written atomically once its grade is final,
-so a run killed mid-way loses at most the submission it was grading.
+`key` names everything the grade depends on: the submitted file's sha256, the sha256 of the
+lab's test cells in the instructor's source, the grader's own code, and the cell time
+limit. A later run reuses an entry only when its key is the same (and its feedback page is
+still there); anything else is graded again. Each file is written atomically once its grade
+is final, so a run killed mid-way loses at most the submissions it was grading. Student
+folder names may be anything a file system allows; `student_key` makes a safe path of one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from pathlib import Path
 
 from .atomic import atomic_write_text
 from .hashing import sha256_file
 
+SAFE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+GRADER_FILES = ("autograde.py", "kernel.py", "kernel_guard.py", "sandbox.py")
+
+
+def student_key(student: str) -> str:
+    """`student` if it is a plain name, else an ASCII form of it and a hash (unique)."""
+    if SAFE.match(student) and student not in (".", ".."):
+        return student
+    ascii_name = re.sub(r"[^A-Za-z0-9_.-]+", "_", student).strip("._")[:40] or "student"
+    return f"{ascii_name}-{hashlib.sha256(student.encode()).hexdigest()[:10]}"
+
 
 def entry_path(out: Path, student: str, lab: str) -> Path:
-    return out / "journal" / student / f"{lab}.json"
+    return out / "journal" / student_key(student) / f"{lab}.json"
 
 
 def feedback_path(out: Path, student: str, lab: str) -> Path:
-    return out / "feedback" / student / f"{lab}.html"
+    return out / "feedback" / student_key(student) / f"{lab}.html"
 
 
-def grading_key(submission: Path, lab_source: Path, timeout: int) -> dict:
-    return {"submission_sha256": sha256_file(submission),
-            "lab_source_sha256": sha256_file(lab_source), "timeout_s": timeout}
+def grader_sha256() -> str:
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / f).read_bytes() for f in GRADER_FILES)).hexdigest()
+
+
+def grading_key(submission: Path, tests_sha256: str, timeout: int) -> dict:
+    return {"submission_sha256": sha256_file(submission), "tests_sha256": tests_sha256,
+            "grader_sha256": grader_sha256(), "timeout_s": timeout}
 
 
 def load(out: Path, student: str, lab: str, key: dict) -> dict | None:
@@ -40,9 +59,12 @@ def load(out: Path, student: str, lab: str, key: dict) -> dict | None:
         return None
     if not isinstance(entry, dict) or entry.get("key") != key:
         return None
+    row = entry.get("row")
+    if not isinstance(row, dict) or row.get("student") != student or row.get("lab") != lab:
+        return None
     if entry.get("feedback") and not feedback_path(out, student, lab).is_file():
         return None
-    return entry.get("row")
+    return row
 
 
 def save(out: Path, student: str, lab: str, key: dict, row: dict) -> None:

@@ -1,0 +1,168 @@
+"""One submission's Jupyter kernel, in its sandbox: start it, run code with a time limit, kill it.
+
+The kernel talks to the grader over Unix sockets in its private folder (the sandbox has no
+network). Only what the grader sends reaches the kernel, one cell at a time: the notebook
+file, with its hidden tests, never enters the sandbox.
+
+A cell over its time limit is interrupted; if it is still running `GRACE_S` later (a bare
+`except:` swallowed the KeyboardInterrupt) the kernel is killed, with every process it
+started, and `Reply.status` says so, for the caller to restart and replay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+from jupyter_client import BlockingKernelClient
+from jupyter_client.session import new_id_bytes
+
+from .sandbox import INSIDE, Sandbox
+
+GRACE_S = 10.0             # after an interrupt, how long a cell gets to stop by itself
+START_TIMEOUT_S = 120.0
+MAX_TEXT = 100_000         # characters of text output kept per request
+MAX_OUTPUTS = 100          # outputs kept per request
+MAX_IMAGE = 2_000_000      # bytes of a base64 image kept
+
+
+@dataclass
+class Reply:
+    status: str                     # "ok", "error", "timeout", "killed" (swallowed), "dead"
+    outputs: list = field(default_factory=list)       # nbformat outputs, capped
+    error: str = ""                 # "ename: evalue" of an error
+    expressions: dict = field(default_factory=dict)   # user_expressions, as the kernel sent
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def _cap(outputs: list, output: dict) -> None:
+    """Append `output` unless the request already printed too much (then a note, once)."""
+    text = sum(len(o.get("text", "")) for o in outputs)
+    if len(outputs) >= MAX_OUTPUTS or text >= MAX_TEXT:
+        if not outputs or outputs[-1].get("name") != "labkit":
+            outputs.append(nbformat.v4.new_output("stream", name="labkit",
+                                                  text="[output cut by the grader]\n"))
+        return
+    if output.get("output_type") == "stream":
+        output["text"] = output["text"][:MAX_TEXT - text]
+    for mime, data in list(output.get("data", {}).items()):
+        if isinstance(data, str) and len(data) > MAX_IMAGE:
+            output["data"][mime] = f"[{mime} of {len(data)} characters cut by the grader]"
+    outputs.append(output)
+
+
+class Kernel:
+    """A fresh IPython kernel in `sandbox`; `run` code in it; `close` kills everything."""
+
+    def __init__(self, sandbox: Sandbox, slot: int = 0):
+        self.sandbox, self.slot = sandbox, slot
+        self.private = Path(tempfile.mkdtemp(prefix="labkit-sandbox-"))
+        sandbox.prepare(self.private, slot)
+        inside = self.private if sandbox.unsafe else INSIDE
+        info = {"transport": "ipc", "ip": str(inside / "kernel"), "shell_port": 1,
+                "iopub_port": 2, "stdin_port": 3, "control_port": 4, "hb_port": 5,
+                "key": new_id_bytes().decode(), "signature_scheme": "hmac-sha256"}
+        (self.private / "kernel.json").write_text(json.dumps(info))
+        argv = [sys.executable, "-m", "ipykernel_launcher", "-f", str(inside / "kernel.json")]
+        self.log = open(self.private.parent / f"{self.private.name}.log", "w+b")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            sandbox.command(argv, self.private, slot), stdin=subprocess.DEVNULL,
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=self.private,
+            env=sandbox.env(self.private) if sandbox.unsafe else {}, start_new_session=True)
+        self.client = BlockingKernelClient()
+        self.client.load_connection_info({**info, "ip": str(self.private / "kernel")})
+        self._wait_until_ready()
+
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not any((self.private / f"kernel-{p}").exists() for p in (1, 2)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the sandboxed kernel did not start: {self.stderr()}")
+            time.sleep(0.05)
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=max(1.0, deadline - time.monotonic()))
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-500:]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, code: str, timeout: float, silent: bool = False,
+            expressions: dict | None = None) -> Reply:
+        """Execute `code`; its outputs, status and `expressions` (evaluated after success)."""
+        msg_id = self.client.execute(code, silent=silent, store_history=not silent,
+                                     user_expressions=expressions or {}, allow_stdin=False)
+        reply = Reply("ok")
+        deadline, interrupted = time.monotonic() + timeout, None
+        while True:
+            if not self.alive():
+                return Reply("dead", reply.outputs, "the kernel died")
+            now = time.monotonic()
+            if interrupted is None and now > deadline:
+                self.client.control_channel.send(self.client.session.msg("interrupt_request"))
+                interrupted = now
+            elif interrupted is not None and now > interrupted + GRACE_S:
+                self.close()
+                return Reply("killed", reply.outputs, f"still running {GRACE_S:g} s after "
+                             "the interrupt (an except clause swallowed it)")
+            try:
+                msg = self.client.get_iopub_msg(timeout=0.2)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind = msg["msg_type"]
+            if kind == "clear_output":
+                reply.outputs.clear()
+            elif kind in ("stream", "display_data", "execute_result", "error"):
+                _cap(reply.outputs, nbformat.v4.output_from_msg(msg))
+            elif kind == "status" and msg["content"]["execution_state"] == "idle":
+                return self._finish(msg_id, reply, timed_out=interrupted is not None)
+
+    def _finish(self, msg_id: str, reply: Reply, timed_out: bool) -> Reply:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                msg = self.client.get_shell_msg(timeout=1)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") == msg_id:
+                content = msg["content"]
+                reply.expressions = content.get("user_expressions", {})
+                if timed_out:
+                    reply.status, reply.error = "timeout", "the cell hit the time limit"
+                elif content.get("status") != "ok":
+                    reply.status = "error"
+                    reply.error = f"{content.get('ename', '?')}: {content.get('evalue', '')}"
+                return reply
+        return Reply("dead", reply.outputs, "the kernel sent no reply")
+
+    def close(self) -> None:
+        """Kill the sandbox (its PID namespace takes every process the notebook started);
+        without a sandbox, the kernel's process group."""
+        if self.log.closed:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.client.stop_channels()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+        shutil.rmtree(self.private, ignore_errors=True)

@@ -1,0 +1,136 @@
+"""The bubblewrap sandbox one submission's kernel runs in (threat model: labs/INSTRUCTORS.md).
+
+    bwrap  read-only: /usr /etc (+ /bin /lib... links), Python, the venv, <course>/src,
+                      <course>/experiments (the published base weights)
+           writable:  a private, empty folder of the grader's, seen inside as /home/student
+           absent:    solutions/, build/ (gradebook, sources, grades), other submissions,
+                      the network, the host's processes (own PID namespace, killed with it)
+    -> setpriv  (as root) a uid of its own per parallel slot, no capabilities
+    -> prlimit  address space, file size, processes, open files, no core files
+    -> python -m ipykernel_launcher -f /home/student/kernel.json
+
+Without bubblewrap the grader refuses to run unless `unsafe` is set; then the kernel runs as
+the grader's user with the same limits and a private cwd, but sees the whole machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InputError
+
+INSIDE = Path("/home/student")      # the private folder's path inside the sandbox
+SANDBOX_UID = 60000                 # + slot: a uid per parallel job, so limits are per job
+INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: `sudo apt-get install bubblewrap`; "
+                "Fedora: `sudo dnf install bubblewrap`), or pass --unsafe-no-sandbox to grade "
+                "without one (student code then runs with your permissions)")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """prlimit limits of one kernel (each submission gets a fresh kernel)."""
+    memory_bytes: int = 16 << 30     # address space; torch + Triton reserve several GiB
+    file_bytes: int = 256 << 20      # largest file it may write
+    processes: int = 1024            # threads count too (torch starts one per core)
+    open_files: int = 1024
+    cpu_seconds: int = 4 * 3600      # CPU time of the whole kernel (one thread per kernel)
+
+    def prlimit(self, processes: bool) -> list[str]:
+        return (["prlimit", f"--as={self.memory_bytes}", f"--fsize={self.file_bytes}",
+                 f"--nofile={self.open_files}", f"--cpu={self.cpu_seconds}", "--core=0"]
+                + ([f"--nproc={self.processes}"] if processes else []) + ["--"])
+
+
+def _ro_binds(course: Path) -> list[Path]:
+    """Host paths the kernel needs to read: the system, Python, the venv, the course's code."""
+    paths = [Path(p) for p in ("/usr", "/etc", "/opt") if Path(p).is_dir()]
+    paths += [Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(),
+              course / "src", course / "experiments"]
+    return [p for p in dict.fromkeys(paths) if p.exists()]
+
+
+def _dirs_for(path: Path) -> list[str]:
+    """bwrap arguments creating path's ancestors world-readable (bwrap's default is 0700);
+    /tmp is the sandbox's own tmpfs (mode 1777) and is left as it is."""
+    args = []
+    for parent in reversed(path.parents[:-1]):
+        if parent != Path("/tmp"):
+            args += ["--perms", "0755", "--dir", str(parent)]
+    return args
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    course: Path             # the course checkout (src/ and experiments/ are read from it)
+    unsafe: bool = False     # no bubblewrap: limits only
+    limits: Limits = Limits()
+
+    def env(self, home: Path = INSIDE) -> dict[str, str]:
+        """The kernel's whole environment: nothing of the grader's leaks in."""
+        return {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": home,
+                "LANG": "C.UTF-8", "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+                "MPLCONFIGDIR": f"{home}/.config/matplotlib", "NBGRADER_EXECUTION": "autograde",
+                "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
+                "TRITON_INTERPRET": "1", "TQDM_MININTERVAL": "5"}
+
+    def command(self, argv: list[str], private: Path, slot: int) -> list[str]:
+        """The command line running `argv` in the sandbox, `private` mounted as INSIDE."""
+        as_root = os.geteuid() == 0
+        if self.unsafe:
+            return self.limits.prlimit(processes=False) + argv
+        args = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+                "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+                "--hostname", "sandbox", "--proc", "/proc", "--dev", "/dev",
+                "--perms", "1777", "--tmpfs", "/tmp", "--clearenv"]
+        for name in ("bin", "sbin", "lib", "lib32", "lib64"):
+            host = Path("/") / name
+            if host.is_symlink():
+                args += ["--symlink", os.readlink(host), str(host)]
+            elif host.is_dir():
+                args += ["--ro-bind", str(host), str(host)]
+        for path in _ro_binds(self.course):
+            args += _dirs_for(path) + ["--ro-bind", str(path), str(path)]
+        args += _dirs_for(INSIDE) + ["--bind", str(private), str(INSIDE), "--chdir", str(INSIDE)]
+        for key, value in self.env().items():
+            args += ["--setenv", key, value]
+        if as_root:      # drop to a uid of the slot's own, so --nproc counts only this job
+            uid = str(SANDBOX_UID + slot)
+            args += ["--cap-add", "CAP_SETUID,CAP_SETGID", "--", "setpriv", f"--reuid={uid}",
+                     f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+                     "--bounding-set=-all"]
+        else:
+            args += ["--unshare-user", "--"]
+        return args + self.limits.prlimit(processes=as_root) + argv
+
+    def prepare(self, private: Path, slot: int) -> None:
+        """Make `private` the sandbox user's own (when the grader runs as root)."""
+        if not self.unsafe and os.geteuid() == 0:
+            os.chown(private, SANDBOX_UID + slot, SANDBOX_UID + slot)
+        private.chmod(0o700)
+
+    def check(self) -> None:
+        """Raise InputError saying why, when a sandbox cannot start here."""
+        if self.unsafe:
+            return
+        for tool in ("bwrap", "prlimit") + (("setpriv",) if os.geteuid() == 0 else ()):
+            if shutil.which(tool) is None:
+                raise InputError(f"cannot sandbox the submissions: `{tool}` is not installed; "
+                                 + INSTALL_HINT)
+        probe = Path(os.environ.get("TMPDIR", "/tmp")) / f"labkit-probe-{os.getpid()}"
+        probe.mkdir(exist_ok=True)
+        try:
+            self.prepare(probe, 0)
+            proc = subprocess.run(self.command([sys.executable, "-c", "import torch"], probe, 0),
+                                  capture_output=True, text=True, timeout=120, env={})
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+        if proc.returncode != 0:
+            raise InputError("cannot sandbox the submissions: bubblewrap failed to start "
+                             f"Python ({proc.stderr.strip()[-300:]}); on some systems "
+                             "unprivileged user namespaces are disabled "
+                             "(sysctl kernel.unprivileged_userns_clone=1); " + INSTALL_HINT)
