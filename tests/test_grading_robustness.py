@@ -454,3 +454,25 @@ def test_submissions_found_by_any_name(tmp_path):
     assert grading.lab_of(Path("01-quant-basics.ipynb"), [LAB]) is None
     keys = {journal.student_key(s) for s in ["Zoë O'Neil", "José García", "..", "a" * 100]}
     assert len(keys) == 4 and all(re.fullmatch(r"[A-Za-z0-9_.-]+", k) for k in keys)
+
+
+def test_no_bubblewrap_refuses_and_says_how_to_install(monkeypatch):
+    from labkit import sandbox
+    from labkit.errors import InputError
+    monkeypatch.setattr(sandbox.shutil, "which", lambda tool: None)
+    with pytest.raises(InputError, match="apt-get install bubblewrap.*--unsafe-no-sandbox"):
+        sandbox.Sandbox(ROOT).check()
+    sandbox.Sandbox(ROOT, unsafe=True).check()          # refusing is the sandbox's job only
+
+
+def test_unsafe_no_sandbox_still_grades_and_guards():
+    """Without bubblewrap (--unsafe-no-sandbox) the grading itself is the same."""
+    from labkit.autograde import grade_notebook
+    from labkit.sandbox import Sandbox
+    lab = Lab()
+    full = lab.submission(set(lab.solutions))
+    outcome = grade_notebook(full, lab.source, Sandbox(ROOT, unsafe=True), timeout=TIMEOUT_S)
+    assert outcome.score == lab.max and not outcome.tampering
+    cheat = with_cell(lab.submission(set()), attacks(Path("/nonexistent"))["transformer"])
+    outcome = grade_notebook(cheat, lab.source, Sandbox(ROOT, unsafe=True), timeout=TIMEOUT_S)
+    assert outcome.score == 0 and "input_transformers_post" in outcome.tampering[0]
