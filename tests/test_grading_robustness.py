@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import csv
 import hashlib
+import html
 import os
 import re
 import shutil
@@ -28,7 +29,7 @@ import pytest
 
 from labkit import grading, journal
 from labkit.autograde import HIDDEN
-from labkit.course import generate_assignments, source_notebook
+from labkit.course import generate_assignments, lab_names, source_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB = "00-setup-minigpt"
@@ -476,3 +477,26 @@ def test_unsafe_no_sandbox_still_grades_and_guards():
     cheat = with_cell(lab.submission(set()), attacks(Path("/nonexistent"))["transformer"])
     outcome = grade_notebook(cheat, lab.source, Sandbox(ROOT, unsafe=True), timeout=TIMEOUT_S)
     assert outcome.score == 0 and "input_transformers_post" in outcome.tampering[0]
+
+
+@pytest.mark.parametrize("lab", lab_names(ROOT))
+def test_feedback_of_every_lab_hides_its_hidden_tests(lab):
+    """Every test cell of every lab, passed or failed in its hidden part: no hidden line."""
+    from labkit.autograde import plan
+    from labkit.feedback import render
+    source = source_notebook(ROOT / "solutions" / f"{lab}.py")
+    release = nbformat.read(ROOT / "labs" / lab / f"{lab}.ipynb", as_version=4)
+    cells, _ = plan(release, source)
+    tests = [c for c in cells if c.kind == "test"]
+    for k, cell in enumerate(tests):
+        cell.status, cell.hidden_failed = ("ok", False) if k % 2 else ("error", True)
+        cell.error = "AssertionError: secret expected value"
+    page = render("student", lab, 0, 1, "graded", cells)
+    visible = "\n".join(c.source for c in cells)
+    hidden = [line.strip() for c in source.cells for m in HIDDEN.finditer(c.source)
+              for line in m.group(1).splitlines() if len(line.strip()) > 20]
+    assert hidden, f"{lab} has no hidden tests"
+    for line in hidden:
+        if line not in visible:
+            assert line not in page and html.escape(line) not in page, (lab, line)
+    assert "secret expected value" not in page
