@@ -176,6 +176,7 @@ def cases(lab: Lab, tmp: Path) -> dict[str, tuple[object, float, str]]:
     duplicated.cells.insert(i + 1, copy.deepcopy(duplicated.cells[i]))
     duplicated.cells[i + 1].id = "student-copy"
     loud = with_cell(full, "print('\\n'.join(['x' * 49] * 100_000))")        # 5 MB
+    flood = with_cell(full, "print('x' * 100_000_000)")     # one 100 MB message
     loud.cells[1].outputs = [nbformat.v4.new_output("stream", name="stdout", text="y" * 5_000_000)]
     other = source_notebook(ROOT / "solutions" / "01-quant-basics.py")
     pasted = copy.deepcopy(full)
@@ -198,6 +199,7 @@ def cases(lab: Lab, tmp: Path) -> dict[str, tuple[object, float, str]]:
         "edited": (edited, 0, f"instructor's source: {lab.tests[0]} (edited)"),
         "duplicated": (duplicated, lab.max, f"duplicate grade_id {first}"),
         "loud": (loud, lab.max, "graded"),
+        "flood": (flood, lab.max, "more output than the grader takes"),
         "pasted": (pasted, lab.max, "grade_id not in this lab"),
         "garbage": (b"\x00\xffnot json at all" * 1000, 0, "not a readable notebook"),
         "José García": (full, lab.max, "graded"),
@@ -267,7 +269,7 @@ def graded(tmp_path_factory):
 
 
 CASES = ["full", "blank", "partial", "loop", "bare-except", "crash", "deleted", "edited",
-         "duplicated", "loud", "pasted", "garbage", "José García", "renamed", "two-copies",
+         "duplicated", "loud", "flood", "pasted", "garbage", "José García", "renamed", "two-copies",
          "transformer", "gradebook", "detached", "snoop", "hidden", "tracer", "builtins"]
 
 
@@ -446,11 +448,14 @@ def test_submissions_found_by_any_name(tmp_path):
     (lab_dir / "notes.txt").write_text("extra")
     (tmp_path / "submitted" / "Zoë O'Neil").mkdir()
     (tmp_path / "submitted" / "Zoë O'Neil" / f"{LAB} (2).ipynb").write_text("{}")
+    (tmp_path / "submitted" / "eve").mkdir()          # a link to someone else's work
+    (tmp_path / "submitted" / "eve" / f"{LAB}.ipynb").symlink_to(lab_dir / f"{LAB}.ipynb")
     students, found, notes = grading.find_submissions(tmp_path, [LAB])
-    assert students == ["Zoë O'Neil", "ann"]
+    assert students == ["Zoë O'Neil", "ann", "eve"]
     zoe = tmp_path / "submitted" / "Zoë O'Neil" / f"{LAB} (2).ipynb"
     assert found == {("ann", LAB): lab_dir / f"{LAB}.ipynb", ("Zoë O'Neil", LAB): zoe}
-    assert notes == {"ann": [f"{LAB}/notes.txt (not a lab notebook)"]}
+    assert notes == {"ann": [f"{LAB}/notes.txt (not a lab notebook)"],
+                     "eve": [f"{LAB}.ipynb (a symbolic link)"]}
     assert grading.lab_of(Path(f"{LAB}-Copy1.ipynb"), [LAB]) == LAB
     assert grading.lab_of(Path("01-quant-basics.ipynb"), [LAB]) is None
     keys = {journal.student_key(s) for s in ["Zoë O'Neil", "José García", "..", "a" * 100]}

@@ -275,7 +275,8 @@ def run_plan(cells: list[Cell], notes: list[str], sandbox: Sandbox, slot: int = 
                 cell.outputs, cell.status, cell.error = reply.outputs, reply.status, reply.error
             if cell.status in ("killed", "dead"):
                 restarts += 1
-                what = ("swallowed the time-limit interrupt" if cell.status == "killed"
+                what = ("swallowed the time-limit interrupt (or sent more output than the "
+                        "grader takes in one message)" if cell.status == "killed"
                         else "ended the kernel (os._exit, crash, out of memory)")
                 if restarts > MAX_RESTARTS:
                     outcome.notes.append(f"cell {i + 1} {what}; {MAX_RESTARTS} restarts "

@@ -92,7 +92,12 @@ def find_submissions(submissions: Path, labs: list[str]
         by_lab: dict[str, list[Path]] = {}
         for f in sorted(student_dir.rglob("*")):
             rel = f.relative_to(student_dir)
-            if not f.is_file() or any(part.startswith(".") for part in rel.parts):
+            if any(part.startswith(".") for part in rel.parts):
+                continue
+            if f.is_symlink():      # could point at solutions/ or another student's work
+                notes.setdefault(student, []).append(f"{rel} (a symbolic link)")
+                continue
+            if not f.is_file():
                 continue
             if lab := lab_of(f, labs):
                 by_lab.setdefault(lab, []).append(f)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
+import zmq
 from jupyter_client import BlockingKernelClient
 from jupyter_client.session import new_id_bytes
 
@@ -34,6 +35,7 @@ START_TIMEOUT_S = 120.0
 MAX_TEXT = 100_000         # characters of text output kept per request
 MAX_OUTPUTS = 100          # outputs kept per request
 MAX_IMAGE = 2_000_000      # bytes of a base64 image kept
+MAX_MESSAGE = 64 << 20     # a larger message from the kernel drops its connection
 
 
 @dataclass
@@ -82,7 +84,9 @@ class Kernel:
             sandbox.command(argv, self.private, slot), stdin=subprocess.DEVNULL,
             stdout=self.log, stderr=subprocess.STDOUT, cwd=self.private,
             env=sandbox.env(self.private) if sandbox.unsafe else {}, start_new_session=True)
-        self.client = BlockingKernelClient()
+        context = zmq.Context()
+        context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)   # every socket the client opens
+        self.client = BlockingKernelClient(context=context)
         self.client.load_connection_info({**info, "ip": str(self.private / "kernel")})
         self._wait_until_ready()
 
@@ -130,7 +134,10 @@ class Kernel:
             if kind == "clear_output":
                 reply.outputs.clear()
             elif kind in ("stream", "display_data", "execute_result", "error"):
-                _cap(reply.outputs, nbformat.v4.output_from_msg(msg))
+                try:
+                    _cap(reply.outputs, nbformat.v4.output_from_msg(msg))
+                except (KeyError, TypeError, ValueError, AttributeError):
+                    continue        # a malformed message from a tampered kernel: dropped
             elif kind == "status" and msg["content"]["execution_state"] == "idle":
                 return self._finish(msg_id, reply, timed_out=interrupted is not None)
 
@@ -163,6 +170,7 @@ class Kernel:
             pass
         self.proc.wait()
         self.client.stop_channels()
+        self.client.context.destroy(linger=0)
         self.log.close()
         Path(self.log.name).unlink(missing_ok=True)
         shutil.rmtree(self.private, ignore_errors=True)
