@@ -9,8 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.course import source_notebook
-from labkit.exercises import graded_tests
+from labkit.course import graded_test_cells, source_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB = "00-setup-minigpt"
@@ -24,7 +23,7 @@ def check(*args: str) -> subprocess.CompletedProcess:
 
 def release_test_ids() -> list[str]:
     nb = nbformat.read(ROOT / "labs" / LAB / f"{LAB}.ipynb", as_version=4)
-    return [c.metadata.nbgrader.grade_id for c in graded_tests(nb)]
+    return [c.metadata.nbgrader.grade_id for c in graded_test_cells(nb)]
 
 
 def test_the_release_fails_every_test(checkout):

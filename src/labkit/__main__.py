@@ -39,11 +39,11 @@ def _course(args) -> int:
 
 
 def _grade(args) -> int:
-    from .grading import grade, merge_csv
+    from .grading import grade, merge_into, read_csv
 
     out = Path(args.out) if args.out else Path(args.root) / "build" / "grades"
     if args.merge:
-        rows = merge_csv([Path(p) for p in args.merge] + [out / "grades.csv"], out / "grades.csv")
+        rows = merge_into(out / "grades.csv", [r for p in args.merge for r in read_csv(Path(p))])
         print(f"merged {len(args.merge)} grades.csv file(s) into {out / 'grades.csv'}: "
               f"{len(rows)} row(s)")
     if args.submissions:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from hashlib import sha256
 from pathlib import Path
 
+from .course import graded_test_cells
 from .kernel import Kernel, Reply
 from .sandbox import Sandbox
 
@@ -73,11 +74,6 @@ class Cell:
     earned: float = 0.0
 
 
-def test_cells(nb) -> list:
-    return [c for c in nb.cells if c.cell_type == "code" and meta(c).get("grade")
-            and not meta(c).get("solution") and meta(c).get("grade_id")]
-
-
 def _anchor(source_nb, test_id: str, student_cells: list) -> int:
     """Index in `student_cells` after which a missing test goes: after the student's copy of
     the nearest earlier source cell (matched by grade_id, else by cell id); -1 at the top."""
@@ -95,7 +91,7 @@ def _anchor(source_nb, test_id: str, student_cells: list) -> int:
 
 def plan(student_nb, source_nb) -> tuple[list[Cell], list[str]]:
     """The cells to run (see the module docstring) and status notes on what was repaired."""
-    tests = {meta(c)["grade_id"]: Test.from_cell(c) for c in test_cells(source_nb)}
+    tests = {meta(c)["grade_id"]: Test.from_cell(c) for c in graded_test_cells(source_nb)}
     known = {meta(c).get("grade_id") for c in source_nb.cells} - {None}
     cells = [c for c in student_nb.cells if c.cell_type in ("code", "markdown")]
     last = {meta(c).get("grade_id"): i for i, c in enumerate(cells) if meta(c).get("grade_id")}

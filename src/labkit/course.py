@@ -84,6 +84,13 @@ def source_notebook(solution: Path) -> nbformat.NotebookNode:
     return nb
 
 
+def graded_test_cells(nb) -> list:
+    """The autograded test cells of `nb`: code cells nbgrader grades that are not answers."""
+    return [c for c in nb.cells if c.cell_type == "code"
+            and (m := c.metadata.get("nbgrader", {})).get("grade")
+            and not m.get("solution") and m.get("grade_id")]
+
+
 def write_notebook(nb: nbformat.NotebookNode, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, nbformat.writes(nb) + "\n")

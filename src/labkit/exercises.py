@@ -15,7 +15,7 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 
-from .course import CELL_TIMEOUT_S, CODE_STUB, lab_names, source_notebook
+from .course import CELL_TIMEOUT_S, CODE_STUB, graded_test_cells, lab_names, source_notebook
 from .errors import InputError
 from .learner import WORK, notebook_to_check, release_notebook_path, released_labs
 
@@ -40,12 +40,6 @@ def blank(nb: nbformat.NotebookNode, cell: int, region: int) -> nbformat.Noteboo
     return nb
 
 
-def graded_tests(nb: nbformat.NotebookNode) -> list[nbformat.NotebookNode]:
-    """The autograded test cells of `nb` (nbgrader grade cells that are not answers)."""
-    return [cell for cell in nb.cells if cell.metadata.get("nbgrader", {}).get("grade")
-            and not cell.metadata["nbgrader"].get("solution")]
-
-
 def error_of(cell: nbformat.NotebookNode) -> str | None:
     """'ename: evalue' of an executed cell's first error output, or None if it passed."""
     for o in cell.get("outputs", []):
@@ -62,7 +56,7 @@ def test_results(nb: nbformat.NotebookNode, cwd: Path, timeout: int = CELL_TIMEO
                             kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
     client.execute()
     return {cell.metadata["nbgrader"]["grade_id"]: error_of(cell) is None
-            for cell in graded_tests(nb)}
+            for cell in graded_test_cells(nb)}
 
 
 def check_exercises(root: Path, labs: list[str] | None = None) -> bool:
@@ -112,7 +106,7 @@ def notebook_for_check(root: Path, lab: str, notebook: Path | None
     except Exception as e:  # absent, or not a notebook
         raise InputError(f"{named} is not a readable notebook "
                          f"({type(e).__name__}: {str(e)[:120]})") from e
-    if not graded_tests(nb):
+    if not graded_test_cells(nb):
         raise InputError(f"{named} has no graded test cells: is it a lab notebook?")
     return path, nb
 
@@ -134,7 +128,7 @@ def self_check(root: Path, lab: str, notebook: Path | None = None,
                          "process, e.g. os._exit or out of memory)") from e
     print(f"{lab}: visible tests of {path}")
     earned = total = 0
-    for cell in graded_tests(nb):
+    for cell in graded_test_cells(nb):
         grade_id, points = cell.metadata.nbgrader.grade_id, cell.metadata.nbgrader.points
         error = error_of(cell)
         earned, total = earned + (0 if error else points), total + points

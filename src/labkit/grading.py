@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 from . import journal
 from .atomic import atomic_write_text
-from .autograde import grade_notebook, test_cells
-from .course import CELL_TIMEOUT_S, lab_names, source_notebook
+from .autograde import grade_notebook
+from .course import CELL_TIMEOUT_S, graded_test_cells, lab_names, source_notebook
 from .errors import InputError
 from .feedback import render
 from .gradebook import record
@@ -116,12 +116,12 @@ def find_submissions(submissions: Path, labs: list[str]
 def tests_digest(source_nb) -> str:
     """sha256 of what decides a grade: each test cell's id, points and source."""
     tests = [(c.metadata.nbgrader.grade_id, c.metadata.nbgrader.get("points"), c.source)
-             for c in test_cells(source_nb)]
+             for c in graded_test_cells(source_nb)]
     return sha256(repr(tests).encode()).hexdigest()
 
 
 def max_points(source_nb) -> float:
-    return float(sum(c.metadata.nbgrader.get("points", 0) for c in test_cells(source_nb)))
+    return float(sum(c.metadata.nbgrader.get("points", 0) for c in graded_test_cells(source_nb)))
 
 
 def _status(outcome) -> str:
@@ -174,12 +174,12 @@ def write_csv(rows: list[GradeRow], path: Path) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
-def merge_csv(paths: list[Path], out: Path) -> list[GradeRow]:
-    """grades.csv files of several runs (e.g. shards of a class) merged; a later file's row
-    for the same (student, lab) wins. Written to `out`."""
-    rows = {(r.student, r.lab): r for p in paths for r in read_csv(p)}
-    write_csv(list(rows.values()), out)
-    return sorted(rows.values(), key=lambda r: (r.student, r.lab))
+def merge_into(path: Path, rows: list[GradeRow]) -> list[GradeRow]:
+    """Write `path` as its own rows updated with `rows` (a later row for the same student
+    and lab wins); the merged rows. Shards of a class merge the same way."""
+    merged = {(r.student, r.lab): r for r in [*read_csv(path), *rows]}
+    write_csv(list(merged.values()), path)
+    return sorted(merged.values(), key=lambda r: (r.student, r.lab))
 
 
 def summary_table(rows: list[GradeRow]) -> str:
@@ -274,9 +274,7 @@ def grade(submissions: Path, root: Path, out: Path | None = None,
     elapsed = time.perf_counter() - start
     rows.sort(key=lambda r: (r.student, r.lab))
     record(course or root / "build" / "course", root, rows, gradebook_wait)
-    merged = {(r.student, r.lab): r for r in read_csv(out / "grades.csv")}
-    merged.update({(r.student, r.lab): r for r in rows})   # this run's rows win
-    write_csv(list(merged.values()), out / "grades.csv")
+    merge_into(out / "grades.csv", rows)           # this run's rows win
     print(summary_table(rows))
     for student, lines in sorted(notes.items()):
         print(f"{student}: not graded: " + "; ".join(lines))
