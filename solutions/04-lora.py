@@ -68,7 +68,7 @@ import peft  # noqa: E402
 import minigpt  # noqa: E402
 import miniquant  # noqa: E402
 import minituner  # noqa: E402
-from labkit.forbid import forbid, refuse  # noqa: E402
+from labkit.course.forbid import forbid, refuse  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks  # noqa: E402
 
 torch.set_num_threads(1)   # small matrices: one thread is faster than several on a busy CPU

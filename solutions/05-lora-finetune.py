@@ -22,8 +22,8 @@
 #
 # | # | you write | what it must match |
 # |---|---|---|
-# | 1 | `normalize_rewards(rewards)`, `answer_loss(logits, y, mask, weights)`: the prompt-masked, reward-weighted loss | `minituner.reward_weights`, `minituner.train.sequence_loss`, a per-example loop |
-# | 2 | `lr_schedule(step, cfg)` (warm-up + cosine), `clip_grads(params, max_value, max_norm)` | `minituner.train.lr_at`, `minituner.train.clip_gradients` |
+# | 1 | `normalize_rewards(rewards)`, `answer_loss(logits, y, mask, weights)`: the prompt-masked, reward-weighted loss | `minituner.reward_weights`, `minituner.trainer.sequence_loss`, a per-example loop |
+# | 2 | `lr_schedule(step, cfg)` (warm-up + cosine), `clip_grads(params, max_value, max_norm)` | `minituner.trainer.lr_at`, `minituner.trainer.clip_gradients` |
 # | 3 | `train_loop(model, data, cfg)`: AdamW on the trainable parameters, no decay on 1-D tensors | `minituner.train`, loss for loss and weight for weight |
 # | 4 | `greedy_answers(model, prompts)`, `exact_match(model, examples)` | `minigpt.answers`, `minigpt.evaluate`, also with LoRA dropout on |
 #
@@ -56,15 +56,15 @@ import torch.nn.functional as F
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 import minigpt  # noqa: E402
 import minituner  # noqa: E402
-from labkit.forbid import forbid  # noqa: E402
+from labkit.course.forbid import forbid  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks  # noqa: E402
 from minituner import SequenceData, TrainConfig  # noqa: E402
 from minituner.data import BatchOrder  # noqa: E402
 from minituner.qlora import BLOCK_LINEARS  # noqa: E402
-from minituner.train import clip_gradients, lr_at, sequence_loss  # noqa: E402
+from minituner.trainer import clip_gradients, lr_at, sequence_loss  # noqa: E402
 
 # `minituner.train` is the function; the module that holds the loop is this one.
-TRAIN = importlib.import_module("minituner.train")
+TRAIN = importlib.import_module("minituner.trainer")
 
 torch.set_num_threads(1)   # small matrices: one thread is faster than several on a busy CPU
 torch.manual_seed(0)
@@ -192,7 +192,7 @@ print("  train_on_prompt mask of row 0:", "".join("#" if m else "." for m in mas
 #   (`logits.float()`: Lab 06 runs its model in bfloat16) and keep it differentiable.
 #
 # Off-limits: `minituner.reward_weights`, `SequenceData.with_rewards` and
-# `minituner.train.sequence_loss` (the tests switch them off while your code runs).
+# `minituner.trainer.sequence_loss` (the tests switch them off while your code runs).
 
 # %% nbgrader={"grade": false, "grade_id": "weighted_loss", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def normalize_rewards(rewards) -> torch.Tensor:
@@ -336,7 +336,7 @@ def _check_loss(logits, y, mask, weights=None, what=""):
     loop = _loop_loss(logits.detach(), y, mask, weights)
     torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6,
                                msg=lambda m: (f"{where}: expected {want.item():.6f} "
-                                              f"(minituner.train.sequence_loss), got "
+                                              f"(minituner.trainer.sequence_loss), got "
                                               f"{got.item():.6f}\n{m}"))
     torch.testing.assert_close(want.detach(), loop.detach(), rtol=1e-5, atol=1e-6)
     assert got.requires_grad, f"{where}: the loss must stay differentiable (no .item(), no " \
@@ -359,7 +359,7 @@ _g = _check_loss(_logits, _y, _mask, _w)                    # weighted: mean of 
 assert _g[0].abs().max() == 0 and _g[5].abs().max() == 0, \
     "examples of weight 0 must get no gradient at all"
 print("answer_loss: the token mean without weights, the weighted mean of per-example means "
-      "with them, as minituner.train.sequence_loss and a per-row loop")
+      "with them, as minituner.trainer.sequence_loss and a per-row loop")
 
 ### BEGIN HIDDEN TESTS
 # all-equal weights: per-example means, which is not the token mean
@@ -459,7 +459,7 @@ for label, data in (("plain SFT", make_data(noisy)),
 # stages off, the gradients are untouched and $n$ is still returned.
 #
 # Write `lr_schedule(step, cfg) -> float` and `clip_grads(params, max_value, max_norm) ->
-# Tensor`. Off-limits: `minituner.train.lr_at`, `minituner.train.clip_gradients` and
+# Tensor`. Off-limits: `minituner.trainer.lr_at`, `minituner.trainer.clip_gradients` and
 # `torch.nn.utils.clip_grad_norm_` / `clip_grad_value_` / `clip_grads_with_norm_`
 # (`torch.linalg.vector_norm` is yours to use).
 
@@ -560,7 +560,7 @@ def _check_clip(shapes, max_value, max_norm, seed=0, scale=1.0, none_at=(), what
             continue
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m, i=i: (
             f"{where}: the clipped gradient of parameter {i} differs from "
-            f"minituner.train.clip_gradients' (clamp first, then scale by "
+            f"minituner.trainer.clip_gradients' (clamp first, then scale by "
             f"max_norm / (norm + 1e-6) when that is < 1)\n{m}"))
 
 
@@ -568,7 +568,7 @@ _check_clip([(3, 4), (5,)], 0.0, 1.0)              # global norm only (norm abou
 _check_clip([(3, 4), (5,)], 0.5, 0.0)              # clamp only
 _check_clip([(3, 4), (5,)], 0.5, 1.0)              # both: clamp, then the norm of the clamped
 _check_clip([(3, 4), (5,)], 0.0, 100.0)            # the norm is below max_norm: untouched
-print("clip_grads: clamp, then the global norm, as minituner.train.clip_gradients")
+print("clip_grads: clamp, then the global norm, as minituner.trainer.clip_gradients")
 
 ### BEGIN HIDDEN TESTS
 _check_clip([(7, 3), (2, 2, 2), (1,), (4,)], 0.3, 0.8, seed=5, what="hidden: ")
@@ -642,7 +642,7 @@ plt.show()
 # end. (`minituner.train` does more — a NaN guard, validation, logging, checkpoints, the MoE
 # auxiliary loss, which is 0 for these dense models — none of which changes the numbers.)
 #
-# Off-limits: `minituner.train` and everything in the module `minituner.train` (the tests
+# Off-limits: `minituner.train` and everything in the module `minituner.trainer` (the tests
 # switch them off while your loop runs): use your `answer_loss`, `lr_schedule` and
 # `clip_grads`.
 

@@ -68,7 +68,7 @@ import miniquant  # noqa: E402
 import minituner  # noqa: E402
 import minituner.qlora  # noqa: E402
 from labkit import memory  # noqa: E402
-from labkit.forbid import forbid  # noqa: E402
+from labkit.course.forbid import forbid  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, evaluate, tasks  # noqa: E402
 from minigpt.checkpoint import repo_root  # noqa: E402
 from miniquant import QuantizedLinear, quantize_model  # noqa: E402

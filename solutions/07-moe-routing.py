@@ -65,16 +65,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import minigpt
 import minimoe
 import minimoe.moe
-import minimoe.parallel_linear
+import minimoe.parallel_experts
 import minimoe.reference
 import minimoe.routing
 import minimoe.sort
-from labkit.forbid import forbid
+from labkit.course.forbid import forbid
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks
 from minigpt.checkpoint import repo_root
 from minimoe.reference import moe_loop
 from minituner import SequenceData
-from minituner.train import sequence_loss
+from minituner.trainer import sequence_loss
 
 torch.set_num_threads(1)   # small matrices: one thread is faster than several on a busy CPU
 torch.manual_seed(0)
@@ -111,7 +111,7 @@ _REFERENCE = [(minimoe, "route"), (minimoe.routing, "route"), (minimoe.routing, 
               (minimoe, "dispatch_torch"), (minimoe.moe, "dispatch_torch"),
               (minimoe, "dispatch_triton"), (minimoe.moe, "dispatch_triton"),
               (minimoe, "expert_swiglu"), (minimoe.moe, "expert_swiglu"),
-              (minimoe, "parallel_linear"), (minimoe.parallel_linear, "parallel_linear"),
+              (minimoe, "parallel_linear"), (minimoe.parallel_experts, "parallel_linear"),
               (minimoe.reference, "moe_loop"), (minimoe.reference, "linear_loop")]
 
 

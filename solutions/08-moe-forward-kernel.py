@@ -68,12 +68,12 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import minimoe  # noqa: E402
-from labkit.forbid import forbid  # noqa: E402
+from labkit.course.forbid import forbid  # noqa: E402
 from minimoe import flatten_sort_count  # noqa: E402
 from minimoe.reference import linear_loop  # noqa: E402
 
 # `minimoe.parallel_linear` is the function; the module of the same name is reached this way.
-_pl_module = importlib.import_module("minimoe.parallel_linear")
+_pl_module = importlib.import_module("minimoe.parallel_experts")
 _kernels_module = importlib.import_module("minimoe.kernels")
 _ops_module = importlib.import_module("minimoe.ops")
 _moe_module = importlib.import_module("minimoe.moe")

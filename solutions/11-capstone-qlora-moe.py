@@ -68,7 +68,7 @@ import minituner  # noqa: E402
 import minituner.data  # noqa: E402
 import minituner.qlora  # noqa: E402
 from labkit import memory  # noqa: E402
-from labkit.forbid import forbid  # noqa: E402
+from labkit.course.forbid import forbid  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks  # noqa: E402
 from minigpt.generate import greedy_generate  # noqa: E402
 from minimoe import MoEMLP, NF4Experts, attach_expert_lora  # noqa: E402
@@ -462,7 +462,7 @@ def reward_weighted_batch_loss(logits: torch.Tensor, targets: torch.Tensor, mask
 
 # %% nbgrader={"grade": true, "grade_id": "test_reward_weighted_batch_loss", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 # `minituner.train` is the training function; its module is reached through sys.modules.
-_TRAIN_MODULE = importlib.import_module("minituner.train")
+_TRAIN_MODULE = importlib.import_module("minituner.trainer")
 _NO_REWARD_REFS = [(minituner, "reward_weights"), (minituner.data, "reward_weights"),
                    (minituner, "sequence_loss"), (_TRAIN_MODULE, "sequence_loss"),
                    (SequenceData, "with_rewards")]

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .course import CELL_TIMEOUT_S
+from .course.build import CELL_TIMEOUT_S
 from .errors import InputError
 
 
@@ -32,14 +32,14 @@ def _reproduce(args) -> int:
 
 
 def _course(args) -> int:
-    from .course import build_course
+    from .course.build import build_course
 
     build_course(Path(args.root), check=args.check)
     return 0
 
 
 def _grade(args) -> int:
-    from .grading import grade, merge_into, read_csv
+    from .course.grading import grade, merge_into, read_csv
 
     out = Path(args.out) if args.out else Path(args.root) / "build" / "grades"
     if args.merge:
@@ -56,27 +56,27 @@ def _grade(args) -> int:
 
 
 def _check_exercises(args) -> int:
-    from .exercises import check_exercises
+    from .course.exercises import check_exercises
 
     return 0 if check_exercises(Path(args.root), labs=args.labs) else 1
 
 
 def _check(args) -> int:
-    from .exercises import self_check
+    from .course.exercises import self_check
 
     notebook = Path(args.notebook) if args.notebook else None
     return 0 if self_check(Path(args.root), args.lab, notebook, timeout=args.timeout) else 1
 
 
 def _work(args) -> int:
-    from .learner import make_work_copies, report_work_copies
+    from .course.learner import make_work_copies, report_work_copies
 
     report_work_copies(Path(args.root), make_work_copies(Path(args.root)))
     return 0
 
 
 def _lab(args) -> int:
-    from .labserver import serve
+    from .course.labserver import serve
 
     _work(args)
     serve(Path(args.root), args.mode, args.jupyter_args)

@@ -15,7 +15,7 @@ from .experts import ExpertLinear
 from .moe import MoEMLP, attach_expert_lora, dispatch_torch, dispatch_triton, expert_swiglu
 from .nf4_experts import NF4Experts, nf4_parallel_linear, quantize_experts
 from .ops import group, group_bwd_lora, group_bwd_W, scatter2scatter, scatter2scatter_lora
-from .parallel_linear import parallel_linear
+from .parallel_experts import parallel_linear
 from .routing import (
     NonFiniteLogitsError,
     load_balancing_loss,

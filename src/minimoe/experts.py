@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn as nn
 
-from .parallel_linear import parallel_linear
+from .parallel_experts import parallel_linear
 
 
 def init_expert_lora(module: nn.Module, E: int, K: int, N: int, r: int, alpha: float,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from .experts import ExpertLinear
 from .nf4_experts import NF4Experts
-from .parallel_linear import parallel_linear
+from .parallel_experts import parallel_linear
 from .routing import load_balancing_loss, route
 from .sort import flatten_sort_count
 

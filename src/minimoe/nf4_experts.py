@@ -37,7 +37,7 @@ from miniquant.triton_dequant import selective_dequantize_nf4, selective_dequant
 
 from .experts import init_expert_lora
 from .ops import check_expert_lora
-from .parallel_linear import parallel_linear
+from .parallel_experts import parallel_linear
 
 __all__ = ["NF4Experts", "active_experts", "nf4_parallel_linear", "quantize_experts"]
 

@@ -9,7 +9,7 @@ from .activations import peak_step_bytes, saved_activation_bytes
 from .adapters import AdapterLoadReport, load_adapter, save_adapter, trainable_summary, wrap_lora
 from .data import SequenceData, reward_weights
 from .lora import LoRALinear, lora_linear
-from .train import TrainConfig, TrainResult, mean_loss, sequence_loss, train
+from .trainer import TrainConfig, TrainResult, mean_loss, sequence_loss, train
 
 __all__ = ["AdapterLoadReport", "LoRALinear", "SequenceData", "TrainConfig", "TrainResult",
            "load_adapter", "lora_linear", "mean_loss", "peak_step_bytes", "qlora",

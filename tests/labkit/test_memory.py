@@ -261,7 +261,7 @@ def test_regime_rejected(bad, match):
 RSS_SCRIPT = """
 import gc, json, sys, torch
 sys.path.insert(0, {tests!r})
-from test_labkit_memory import _minigpt, _two_steps
+from test_memory import _minigpt, _two_steps
 from labkit import memory
 torch.set_num_threads(1)
 cfg = dict(n_layer=6, n_head=6, n_embd=384, d_ff=1152, block_size=48)

@@ -14,7 +14,7 @@ import pytest
 
 from labkit import read_manifest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = {"batch_size": 8, "lr": 0.003, "warmup_steps": 2, "log_every": 2}
 
 

@@ -11,7 +11,7 @@ import time
 import warnings
 from pathlib import Path
 
-from .course import generate_assignments
+from .build import generate_assignments
 
 
 def _retry(action, wait: float):

@@ -9,9 +9,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.course import graded_test_cells, source_notebook
+from labkit.course.build import graded_test_cells, source_notebook
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAB = "00-setup-minigpt"
 pytestmark = pytest.mark.notebooks
 

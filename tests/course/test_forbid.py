@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from labkit.forbid import forbid, refuse
+from labkit.course.forbid import forbid, refuse
 
 
 def test_forbid_blocks_attribute_and_alias_and_restores():

@@ -18,7 +18,7 @@ from labkit import read_manifest
 from labkit.experiment import verify_files
 from labkit.manifest import seal
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXP00 = ROOT / "experiments" / "00-pretrain-base"
 
 TINY = {

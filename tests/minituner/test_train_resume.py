@@ -10,11 +10,11 @@ import os
 import pytest
 import torch
 import torch.nn as nn
-from test_train import TOK, small_model, task_data
+from support import TOK, small_model, task_data
 
 from minituner import TrainConfig, train, wrap_lora
 from minituner import checkpoint as ckpt
-from minituner.train import lr_at
+from minituner.trainer import lr_at
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

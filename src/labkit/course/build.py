@@ -22,8 +22,8 @@ from pathlib import Path
 import jupytext
 import nbformat
 
-from .atomic import atomic_write_text
-from .errors import InputError
+from ..atomic import atomic_write_text
+from ..errors import InputError
 from .learner import WORK, release_notebook_path, work_copy
 
 COURSE_ID = "miniqlora-moe-labs"
@@ -35,7 +35,7 @@ CELL_TIMEOUT_S = 300
 # What nbgrader puts in place of a solution region in the release (and check-exercises too).
 CODE_STUB = "raise NotImplementedError()"
 NBGRADER_CONFIG = '''\
-# Written by `python -m labkit course`; edit labkit/course.py instead.
+# Written by `python -m labkit course`; edit src/labkit/course/build.py instead.
 c = get_config()  # noqa: F821
 c.CourseDirectory.course_id = "{course_id}"
 c.CourseDirectory.root = {root!r}

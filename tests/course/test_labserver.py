@@ -17,12 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from labkit import labserver
-from labkit.course import CELL_TIMEOUT_S, prepare_course
-from labkit.labserver import INSTRUCTOR_LAB_PLUGINS, INSTRUCTOR_SERVER_EXTENSIONS, lab_command
-from labkit.learner import released_labs
+from labkit.course import labserver
+from labkit.course.build import CELL_TIMEOUT_S, prepare_course
+from labkit.course.labserver import (
+    INSTRUCTOR_LAB_PLUGINS,
+    INSTRUCTOR_SERVER_EXTENSIONS,
+    lab_command,
+)
+from labkit.course.learner import released_labs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAB = "00-setup-minigpt"
 TOKEN = "labserver-test-token"
 LINK = re.compile(r"\]\(([^)#\s]+)")

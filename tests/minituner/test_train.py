@@ -13,31 +13,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from support import TOK, ZeroGradExtras, quiet, small_model, task_data
 
-from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks
 from minituner import SequenceData, TrainConfig, mean_loss, reward_weights, train, wrap_lora
-from minituner.train import batches, clip_gradients, lr_at, sequence_loss
+from minituner.trainer import batches, clip_gradients, lr_at, sequence_loss
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-TOK = CharTokenizer()
-SMALL = dict(block_size=24, n_layer=1, n_head=2, n_embd=16, d_ff=32)
-
-
-def quiet(**kw) -> TrainConfig:
-    return TrainConfig(**{"progress": False, **kw})
-
-
-def task_data(task="copy", n=8, seed=0) -> SequenceData:
-    exs = tasks.make_examples(task, n, seed=seed)
-    return SequenceData.from_pairs([(TOK.encode(ex.prompt), TOK.encode(ex.answer) + [TOK.eos_id])
-                                    for ex in exs])
-
-
-def small_model(seed=0, **kw) -> MiniGPT:
-    torch.manual_seed(seed)
-    return MiniGPT(MiniGPTConfig(**{**SMALL, **kw}))
-
 
 def params_of(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -240,21 +221,6 @@ def test_train_changes_only_trainable_params():
             assert not torch.equal(p, before[n]), f"{n} should have been trained"
         else:
             assert torch.equal(p, before[n]), f"{n} is frozen but changed"
-
-
-class ZeroGradExtras(nn.Module):
-    """A bigram model plus a 1-D and a 2-D parameter that get exactly-zero gradients, so that
-    AdamW changes them only through weight decay."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(TOK.vocab_size, 8)
-        self.head = nn.Linear(8, TOK.vocab_size)
-        self.vec = nn.Parameter(torch.ones(5))
-        self.mat = nn.Parameter(torch.ones(3, 4))
-
-    def forward(self, x):
-        return self.head(self.emb(x)) + 0.0 * (self.vec.sum() + self.mat.sum())
 
 
 def test_weight_decay_only_on_matrices():

@@ -13,11 +13,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.course import read_generated, source_notebook, stale_message, write_generated
-from labkit.course import text_sha256 as sha
+from labkit.course.build import read_generated, source_notebook, stale_message, write_generated
+from labkit.course.build import text_sha256 as sha
+from labkit.course.exercises import notebook_for_check
+from labkit.course.learner import copy_if_absent, make_work_copies, release_notebook_path, work_copy
 from labkit.errors import InputError
-from labkit.exercises import notebook_for_check
-from labkit.learner import copy_if_absent, make_work_copies, release_notebook_path, work_copy
 
 LAB = "00-setup-minigpt"
 

@@ -4,10 +4,10 @@
     SUBMISSIONS/<student>/<NN-name>/<NN-name>.ipynb  ...: the newest is graded, the rest named)
     SUBMISSIONS/submitted/<student>/<NN-name>/...  (an nbgrader course after `nbgrader collect`)
 
-Each submission is graded by labkit.autograde in a kernel of its own inside a bubblewrap
-sandbox (labkit.sandbox), `jobs` at a time. The tests come from solutions/ (never from the
+Each submission is graded by labkit.course.autograde in a kernel of its own inside a bubblewrap
+sandbox (labkit.course.sandbox), `jobs` at a time. The tests come from solutions/ (never from the
 student's file or a database the student could reach). Each final row is journaled at once
-(labkit.journal), bound to the hashes of the submission, the lab's tests and the grader; a
+(labkit.course.journal), bound to the hashes of the submission, the lab's tests and the grader; a
 re-run grades only what changed. Then `grades.csv` is merged with the rows of earlier runs,
 the feedback pages are written, and the scores are recorded in nbgrader's gradebook.db.
 """
@@ -28,11 +28,11 @@ from pathlib import Path
 import nbformat
 from tqdm import tqdm
 
+from ..atomic import atomic_write_text
+from ..errors import InputError
 from . import journal
-from .atomic import atomic_write_text
 from .autograde import grade_notebook
-from .course import CELL_TIMEOUT_S, graded_test_cells, lab_names, source_notebook
-from .errors import InputError
+from .build import CELL_TIMEOUT_S, graded_test_cells, lab_names, source_notebook
 from .feedback import render
 from .gradebook import record
 from .sandbox import Sandbox

@@ -14,9 +14,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.course import build_course, course_dir, lab_names
+from labkit.course.build import build_course, course_dir, lab_names
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LABS = lab_names(ROOT)
 pytestmark = pytest.mark.notebooks
 

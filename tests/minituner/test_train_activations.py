@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from test_train import ZeroGradExtras, small_model, task_data
+from support import ZeroGradExtras, small_model, task_data
 
 from minigpt import MiniGPT, MiniGPTConfig
 from minituner import TrainConfig, peak_step_bytes, saved_activation_bytes, train, wrap_lora

@@ -15,8 +15,8 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 
-from .course import CELL_TIMEOUT_S, CODE_STUB, graded_test_cells, lab_names, source_notebook
-from .errors import InputError
+from ..errors import InputError
+from .build import CELL_TIMEOUT_S, CODE_STUB, graded_test_cells, lab_names, source_notebook
 from .learner import WORK, notebook_to_check, release_notebook_path, released_labs
 
 REGION = re.compile(r"^([ \t]*)### BEGIN SOLUTION\n.*?^[ \t]*### END SOLUTION[ \t]*$",

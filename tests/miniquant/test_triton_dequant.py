@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 import torch
+from support import poison
 
 from miniquant.nf4 import NF4_CODE, NF4Weight, dequantize_nf4, quantize_nf4
 from miniquant.triton_dequant import (
@@ -84,18 +85,6 @@ def experts(n_experts=5, d_out=16, d_in=160, blocksize=64, double_quant=False, s
 
 
 SELECTIVE = [selective_dequantize_nf4, selective_dequantize_nf4_torch]
-
-
-def poison(q: NF4Weight, keep: list[int]) -> None:
-    """Overwrite every stored byte and scale of the experts not in `keep`, in place."""
-    n_experts = q.shape[0]
-    for t in (q.packed, q.block_absmax, q.absmax_codes):
-        if t is None:
-            continue
-        per_expert = t.view(n_experts, -1)
-        for e in range(n_experts):
-            if e not in keep:
-                per_expert[e] = float("nan") if t.is_floating_point() else 0xFF
 
 
 @pytest.mark.parametrize("dtype", OUT_DTYPES)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from hashlib import sha256
 from pathlib import Path
 
-from .course import graded_test_cells
+from .build import graded_test_cells
 from .kernel import Kernel, Reply
 from .sandbox import Sandbox
 

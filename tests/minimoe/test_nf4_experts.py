@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_miniquant_triton import poison
+from support import poison
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves

@@ -23,8 +23,8 @@ import os
 import sys
 from pathlib import Path
 
-from .atomic import atomic_write_text
-from .course import CELL_TIMEOUT_S, course_dir
+from ..atomic import atomic_write_text
+from .build import CELL_TIMEOUT_S, course_dir
 from .learner import WORK
 
 MODES = ("learner", "instructor")
