@@ -265,30 +265,10 @@ def regime_specs(shape: TransformerShape, regime: str, r: int = 8, weight_bits: 
 
 
 def _moe_mlp_saved(shape: TransformerShape, regime: str, r: int) -> tuple[int, int]:
-    """(floats, int64s) per token that one MiniGPT-MoE MLP keeps for backward.
-
-    Counted from the PyTorch dispatch of minimoe, which experiment 11 trains with (the
-    saved-tensor ledger in tests/test_labkit_memory.py checks every term). Routing, in every
-    regime: two [E] softmaxes (router and balancing loss), the [E] top-k sort indices, the k
-    picked weights and, renormalised (k > 1), their sum.
-    - full: the per-expert loop keeps, per slot, its gathered input, gate, up, SiLU, product,
-      down output and gated output (3·d_model + 4·d_ff), its gate, and its (token, slot) pair.
-    - lora (sorted path): the k gates (k > 1), the gathered inputs of the gate and up adapters
-      (2·d_model), x·Aᵀ of the three (3r), gate, up, SiLU, product (4·d_ff), the down output
-      kept by the k-way mix (d_model), and int64 row indices (4 token gathers, 2 inverse
-      permutations).
-    - qlora: each NF4 expert linear is checkpointed, so it keeps only its inputs: the k gates
-      (k > 1), the MLP input (d_model, once), gate, up, SiLU, product (4·d_ff), the slot
-      order and the three compact expert ids; nothing of size K·N (minimoe.nf4_experts).
-    """
-    d, f, E, k = shape.d_model, shape.d_ff, shape.n_experts, shape.top_k
-    routing = 2 * E + k + (k > 1)
-    if regime == "full":
-        return routing + k * (3 * d + 4 * f + 1), E + 2 * k
-    gates = k if k > 1 else 0
-    if regime == "lora":
-        return routing + gates + k * (3 * d + 4 * f + 3 * r), E + 6 * k
-    return routing + gates + d + 4 * k * f, E + 4 * k
+    """(floats, int64s) per token one MiniGPT-MoE MLP keeps: minimoe's own account."""
+    from minimoe.moe import saved_per_token
+    kind = {"full": "float", "lora": "lora", "qlora": "nf4_lora"}[regime]
+    return saved_per_token(shape.d_model, shape.d_ff, shape.n_experts, shape.top_k, kind, r)
 
 
 def activation_bytes(shape: TransformerShape, regime: str, tokens: int, r: int = 8,

@@ -12,7 +12,14 @@ dequantize only the experts with tokens; expert LoRA fused into the kernels
 
 from . import reference
 from .experts import ExpertLinear
-from .moe import MoEMLP, attach_expert_lora, dispatch_torch, dispatch_triton, expert_swiglu
+from .moe import (
+    MoEMLP,
+    attach_expert_lora,
+    dispatch_torch,
+    dispatch_triton,
+    expert_swiglu,
+    saved_per_token,
+)
 from .nf4_experts import NF4Experts, nf4_parallel_linear, quantize_experts
 from .ops import group, group_bwd_lora, group_bwd_W, scatter2scatter, scatter2scatter_lora
 from .parallel_experts import parallel_linear
@@ -29,4 +36,5 @@ __all__ = ["ExpertLinear", "MoEMLP", "NF4Experts", "NonFiniteLogitsError", "atta
            "dispatch_torch", "dispatch_triton", "expert_swiglu", "flatten_sort_count", "group",
            "group_bwd_W", "group_bwd_lora", "load_balancing_loss", "nf4_parallel_linear",
            "parallel_linear", "quantize_experts", "reference", "route", "router_z_loss",
+           "saved_per_token",
            "scatter2scatter", "scatter2scatter_lora", "update_selection_bias"]

@@ -74,6 +74,40 @@ def dispatch_triton(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     return _expert_linear(w_down, h, k, idx, backend, gates=weights, grouped_in=True)  # [T, C]
 
 
+EXPERT_KINDS = ("float", "lora", "nf4_lora")
+
+
+def saved_per_token(d_model: int, d_ff: int, n_experts: int, top_k: int, experts: str,
+                    r: int = 8) -> tuple[int, int]:
+    """(floats, int64s) per token that one MoEMLP keeps for backward: this module's own
+    account of what its forward saves (tests hold it to a saved-tensor hook; minituner.memory
+    builds its predictions on it).
+
+    Routing, for every kind of experts: two [E] softmaxes (router and balancing loss), the
+    [E] top-k sort indices, the k picked weights and, renormalised (k > 1), their sum.
+    - "float" (PyTorch dispatch, trained experts): per slot, the gathered input, gate, up,
+      SiLU, product, down output and gated output (3·d_model + 4·d_ff), its gate, and its
+      (token, slot) pair.
+    - "lora" (sorted path, frozen float base + expert LoRA): the k gates (k > 1), the gathered
+      inputs of the gate and up adapters (2·d_model), x·Aᵀ of the three (3r), gate, up, SiLU,
+      product (4·d_ff), the down output kept by the k-way mix (d_model), and int64 row indices
+      (4 token gathers, 2 inverse permutations).
+    - "nf4_lora": each NF4 expert linear is checkpointed, so it keeps only its inputs: the k
+      gates (k > 1), the MLP input (d_model, once), gate, up, SiLU, product (4·d_ff), the slot
+      order and the three compact expert ids; nothing of size K·N (nf4_experts.py).
+    """
+    if experts not in EXPERT_KINDS:
+        raise ValueError(f"experts must be one of {EXPERT_KINDS}, got {experts!r}")
+    d, f, E, k = d_model, d_ff, n_experts, top_k
+    routing = 2 * E + k + (k > 1)
+    if experts == "float":
+        return routing + k * (3 * d + 4 * f + 1), E + 2 * k
+    gates = k if k > 1 else 0
+    if experts == "lora":
+        return routing + gates + k * (3 * d + 4 * f + 3 * r), E + 6 * k
+    return routing + gates + d + 4 * k * f, E + 4 * k
+
+
 class MoEMLP(nn.Module):
     """Top-k routed SwiGLU experts. After each forward, `aux_loss` holds the balancing loss.
 
