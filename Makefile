@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-TORCH := torch==2.13.0
+# torch's version is pinned in constraints.txt alone; it is read here for the torch-first install.
+TORCH := $(shell grep -m1 '^torch==' constraints.txt)
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 EXP ?= experiments/00-pretrain-base
@@ -24,8 +25,9 @@ venv: $(STAMP)
 # torch first and pinned, so that nothing later can pull a CUDA build onto a CPU machine.
 $(STAMP): pyproject.toml constraints.txt
 	@echo "== setting up $(VENV) =="
+	@test -n "$(TORCH)" || { echo "constraints.txt has no torch==VERSION line"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	@touch $@
 

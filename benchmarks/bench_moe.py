@@ -5,7 +5,7 @@
 
 One expert linear of a top-k MoE layer, the gate/up projection shape W [E, d_model, d_ff],
 with the gates mixing each token's k outputs: out[t] = Σ_j g[t,j] · x[t] @ W[e(t,j)]
-(`parallel_linear(x, W, k, *flatten_sort_count(experts, E), gates=g)`). Methods, all timed
+(`parallel_linear(x, W, flatten_sort_count(experts, E), gates=g)`). Methods, all timed
 from the [T, k] routing (the sort / the per-expert masks are inside the timing):
 
 - `triton`: `parallel_linear(backend="triton")` (ScatterMoE: sort once, one grouped GEMM),
@@ -114,8 +114,8 @@ def per_expert_loop(x, W, gates, experts, lora_A=None, lora_B=None, scaling=1.0)
     return out
 
 
-def make_method(name: str, k: int):
-    from minimoe import flatten_sort_count, parallel_linear
+def make_method(name: str):
+    from minimoe import ExpertLoRA, flatten_sort_count, parallel_linear
 
     if name == "loop":
         return per_expert_loop
@@ -123,9 +123,10 @@ def make_method(name: str, k: int):
     lora_path = "split" if name == "triton_split" else "fused"
 
     def sorted_method(x, W, gates, experts, lora_A=None, lora_B=None, scaling=1.0):
-        idx = flatten_sort_count(experts, W.shape[0])
-        return parallel_linear(x, W, k, *idx, gates=gates, lora_A=lora_A, lora_B=lora_B,
-                               scaling=scaling, backend=backend, lora_path=lora_path)
+        routing = flatten_sort_count(experts, W.shape[0])       # k from experts [T, k]
+        lora = None if lora_A is None else ExpertLoRA(lora_A, lora_B, scaling)
+        return parallel_linear(x, W, routing, gates=gates, lora=lora, backend=backend,
+                               lora_path=lora_path)
 
     return sorted_method
 
@@ -164,7 +165,7 @@ def bench_model(model: str, args, dtype) -> list[dict]:
     scaling = 2.0
     dout = torch.randn(T, N, device=dev, generator=gen).to(dtype)
 
-    methods = {m: make_method(m, k) for m in METHODS}
+    methods = {m: make_method(m) for m in METHODS}
     # A benchmark of a wrong kernel is meaningless: check every method against the loop.
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     ref = per_expert_loop(x.float(), W.float(), gates.float(), experts, A.float(), B.float(),

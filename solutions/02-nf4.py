@@ -54,16 +54,12 @@ import bitsandbytes.functional as bnbF  # noqa: E402
 
 import minigpt  # noqa: E402
 import miniquant  # noqa: E402
+from labkit.course.harness import forbid, randn, swap  # noqa: E402
 
 torch.set_num_threads(1)   # small tensors: one thread is faster than several on a busy CPU
 torch.manual_seed(0)
 print("torch", torch.__version__, "| bitsandbytes", bitsandbytes.__version__,
       "| threads:", torch.get_num_threads())
-
-
-def randn(*shape, seed=0, dtype=torch.float32):
-    """A reproducible standard-normal tensor (the tests use it too)."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 # %% [markdown]
@@ -185,20 +181,13 @@ _real_ndtri = torch.special.ndtri
 _poison = torch.zeros(16)
 
 
-def _forbidden(*args, **kwargs):
-    raise AssertionError("nf4_codebook must not call the reference (miniquant / bitsandbytes)")
-
-
 _saved_code = globals().get("CODE")
 try:
     if _saved_code is not None:
         globals()["CODE"] = _poison
-    with mock.patch.object(miniquant, "NF4_CODE", _poison), \
-            mock.patch.object(miniquant.nf4, "NF4_CODE", _poison), \
-            mock.patch.object(miniquant, "nf4_codebook", _forbidden), \
-            mock.patch.object(miniquant.nf4, "nf4_codebook", _forbidden), \
-            mock.patch.object(bnbF, "get_4bit_type", _forbidden), \
-            mock.patch.object(bnbF, "create_normal_map", _forbidden), \
+    with swap(miniquant.NF4_CODE, _poison, globals()), \
+            forbid([miniquant.nf4_codebook, (bnbF, "get_4bit_type"), (bnbF, "create_normal_map")],
+                   globals(), why="nf4_codebook must derive the codebook, not copy it"), \
             mock.patch.object(torch.special, "ndtri", wraps=_real_ndtri) as _spy:
         _fresh = nf4_codebook()
 finally:
@@ -416,20 +405,11 @@ _ri, _ra = nf4_indices(_w.contiguous(), 64)
 assert torch.equal(_ti, _ri) and torch.equal(_ta, _ra), \
     "a transposed (non-contiguous) weight gave other codes than its contiguous copy"
 # the reference is off-limits: switch it off and call yours
-def _forbidden(*args, **kwargs):
-    raise AssertionError("nf4_indices must not call miniquant's quantizer or bitsandbytes")
-
-
 _w = randn(7, 9, seed=6)
 _want = miniquant.quantize_nf4(_w, 32)
-with mock.patch.object(miniquant, "quantize_nf4", _forbidden), \
-        mock.patch.object(miniquant.nf4, "quantize_nf4", _forbidden), \
-        mock.patch.object(miniquant.nf4, "scale_blocks", _forbidden), \
-        mock.patch.object(miniquant.nf4, "nearest_code", _forbidden), \
-        mock.patch.object(miniquant.dynamic, "scale_blocks", _forbidden), \
-        mock.patch.object(miniquant.dynamic, "nearest_code", _forbidden), \
-        mock.patch.object(miniquant.dynamic, "quantize_blockwise_8bit", _forbidden), \
-        mock.patch.object(bnbF, "quantize_4bit", _forbidden):
+with forbid([miniquant.quantize_nf4, miniquant.dynamic.scale_blocks,
+             miniquant.dynamic.nearest_code, miniquant.dynamic.quantize_blockwise_8bit,
+             (bnbF, "quantize_4bit")], globals(), why="nf4_indices must not call it"):
     _got = nf4_indices(_w, 32)
 assert torch.equal(_got[0], _want.codes()) and torch.equal(_got[1], _want.absmax), \
     "with the reference switched off, nf4_indices gave other codes or absmax"
@@ -570,15 +550,9 @@ _all = torch.arange(256, dtype=torch.int32).to(torch.uint8)
 assert unpack_nibbles(_all, 512).tolist() == [v for b in range(256) for v in (b >> 4, b & 15)]
 assert unpack_nibbles(_all, 5).tolist() == [0, 0, 0, 1, 0]
 # the reference is off-limits
-def _forbidden(*args, **kwargs):
-    raise AssertionError("pack_nibbles / unpack_nibbles must not call the reference")
-
-
 _c = torch.randint(0, 16, (33,), generator=_g, dtype=torch.uint8)
-with mock.patch.object(miniquant.nf4, "pack_nibbles", _forbidden), \
-        mock.patch.object(miniquant.nf4, "unpack_nibbles", _forbidden), \
-        mock.patch.object(miniquant.NF4Weight, "codes", _forbidden), \
-        mock.patch.object(bnbF, "quantize_4bit", _forbidden):
+with forbid([miniquant.nf4.pack_nibbles, miniquant.nf4.unpack_nibbles, miniquant.NF4Weight.codes,
+             (bnbF, "quantize_4bit")], globals(), why="pack_nibbles / unpack_nibbles must not call it"):
     _pk = pack_nibbles(_c)
     _back = unpack_nibbles(_pk, 33)
 assert torch.equal(_back, _c) and _pk[-1].item() == (int(_c[32]) << 4) | 7
@@ -691,16 +665,10 @@ _c, _am = _q.codes(), _q.absmax
 _loop = torch.stack([CODE[int(_c[i])] * _am[i // 32] for i in range(_w.numel())]).reshape(3, 30)
 assert torch.equal(nf4_dequantize(_c, _am, 32, (3, 30)), _loop), "differs from the element loop"
 # the reference is off-limits
-def _forbidden(*args, **kwargs):
-    raise AssertionError("nf4_dequantize must not call the reference dequantizers")
-
-
 _want = miniquant.dequantize_nf4(_q)
-with mock.patch.object(miniquant, "dequantize_nf4", _forbidden), \
-        mock.patch.object(miniquant.nf4, "dequantize_nf4", _forbidden), \
-        mock.patch.object(miniquant.NF4Weight, "dequantize", _forbidden), \
-        mock.patch.object(miniquant, "triton_dequantize_nf4", _forbidden), \
-        mock.patch.object(bnbF, "dequantize_4bit", _forbidden):
+with forbid([miniquant.dequantize_nf4, miniquant.NF4Weight.dequantize,
+             miniquant.triton_dequantize_nf4, (bnbF, "dequantize_4bit")], globals(),
+            why="nf4_dequantize must not call it"):
     _got = nf4_dequantize(_c, _am, 32, (3, 30))
 assert torch.equal(_got, _want)
 ### END HIDDEN TESTS
@@ -887,20 +855,13 @@ assert _c[:2].tolist() == [255, 237] and _s.tolist() == [65521.0], \
     f"partial nested block: expected codes [255, 237] (divide by the scale), scale 65521; " \
     f"got {_c[:2].tolist()}, {_s.tolist()}"
 # the reference is off-limits
-def _forbidden(*args, **kwargs):
-    raise AssertionError("double_quantize_absmax must not call the reference quantizers")
-
-
 _w = randn(64 * 300 + 5, seed=26)
 _q = miniquant.quantize_nf4(_w, double_quant=True)
 _am = miniquant.quantize_nf4(_w).absmax
-with mock.patch.object(miniquant, "quantize_nf4", _forbidden), \
-        mock.patch.object(miniquant, "quantize_blockwise_8bit", _forbidden), \
-        mock.patch.object(miniquant.dynamic, "quantize_blockwise_8bit", _forbidden), \
-        mock.patch.object(miniquant.dynamic, "scale_blocks", _forbidden), \
-        mock.patch.object(miniquant.dynamic, "nearest_code", _forbidden), \
-        mock.patch.object(miniquant.nf4, "quantize_blockwise_8bit", _forbidden), \
-        mock.patch.object(bnbF, "quantize_blockwise", _forbidden):
+with forbid([miniquant.quantize_nf4, miniquant.dynamic.quantize_blockwise_8bit,
+             miniquant.dynamic.scale_blocks, miniquant.dynamic.nearest_code,
+             (bnbF, "quantize_blockwise")], globals(),
+            why="double_quantize_absmax must not call it"):
     _c, _s, _o = double_quantize_absmax(_am)
 assert torch.equal(_c, _q.absmax_codes) and torch.equal(_s, _q.absmax_scales)
 ### END HIDDEN TESTS

@@ -43,7 +43,6 @@
 # minute on a laptop CPU.
 
 # %%
-import contextlib
 import os
 import time
 
@@ -60,16 +59,12 @@ import triton
 import triton.language as tl
 
 import miniquant
+import miniquant.triton_dequant
+from labkit.course import harness
 from miniquant import NF4_CODE, NF4Weight, dequantize_nf4, quantize_nf4
 from miniquant.nf4 import pack_nibbles, unpack_nibbles
 
-# The interpreter runs one program at a time with NumPy; extra CPU threads only add overhead.
-torch.set_num_threads(1)
-torch.manual_seed(0)
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
-print(f"torch {torch.__version__} | triton {triton.__version__} | "
-      f"{'Triton interpreter on the CPU' if INTERPRET else 'compiled Triton on ' + DEVICE}")
+INTERPRET, DEVICE = harness.triton_setup()   # one CPU thread, seed 0, and where kernels run
 
 # %% [markdown]
 # ## Part A — Triton in five minutes
@@ -174,71 +169,18 @@ def axpy(alpha: float, x: torch.Tensor, y: torch.Tensor, block: int = 1024) -> t
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_axpy", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-# Helpers used by this and the later test cells.
-class _Spy:
-    """Stands in for a kernel and counts its launches (kernel[grid](...))."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-    def __getattr__(self, name):
-        return getattr(self.kernel, name)
+# Helpers used by this and the later test cells. While a test runs your code inside
+# `_no_reference()`, miniquant's dequantization and unpacking raise if reached (under any name).
+_REFERENCE = [miniquant.dequantize_nf4, miniquant.triton_dequantize_nf4,
+              miniquant.selective_dequantize_nf4, unpack_nibbles, NF4Weight.dequantize,
+              NF4Weight.codes, miniquant.triton_dequant._launch,
+              miniquant.triton_dequant._nf4_dequant_kernel]
 
 
-@contextlib.contextmanager
-def _spy_on(name):
-    """Replace the notebook's global `name` (a kernel) by a _Spy while the block runs."""
-    spy = _Spy(globals()[name])
-    globals()[name] = spy
-    try:
-        yield spy
-    finally:
-        globals()[name] = spy.kernel
-
-
-class _Refuse:
-    """A stand-in that fails loudly when called or launched."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def _fail(self, *args, **kwargs):
-        raise AssertionError(f"{self.name} was called while your function ran: this exercise "
-                             "must be done with your own kernel, without it")
-
-    __call__ = _fail
-    __getitem__ = _fail
-
-
-@contextlib.contextmanager
-def _forbid(*extra_globals):
-    """While the block runs, miniquant's dequantization and unpacking functions (and the
-    notebook globals named in extra_globals) raise if anything calls them."""
-    import miniquant.nf4 as _nf4
-    import miniquant.triton_dequant as _td
-    targets = [(miniquant, "dequantize_nf4"), (miniquant, "triton_dequantize_nf4"),
-               (miniquant, "selective_dequantize_nf4"), (_nf4, "dequantize_nf4"),
-               (_nf4, "unpack_nibbles"), (_td, "triton_dequantize_nf4"),
-               (_td, "selective_dequantize_nf4"), (_td, "_launch"),
-               (_td, "_nf4_dequant_kernel"), (NF4Weight, "dequantize"), (NF4Weight, "codes")]
-    saved = [(obj, name, obj.__dict__[name]) for obj, name in targets if name in obj.__dict__]
-    g = globals()
-    names = ["dequantize_nf4", "unpack_nibbles", *extra_globals]
-    saved_globals = {name: g[name] for name in names if name in g}
-    try:
-        for obj, name, _ in saved:
-            setattr(obj, name, _Refuse(f"{getattr(obj, '__name__', obj)}.{name}"))
-        for name in saved_globals:
-            g[name] = _Refuse(name)
-        yield
-    finally:
-        for obj, name, value in saved:
-            setattr(obj, name, value)
-        g.update(saved_globals)
+def _no_reference(*yours):
+    """harness.forbid(...) of the references, and of the functions of yours in `yours`."""
+    return harness.forbid([*_REFERENCE, *yours], globals(),
+                  why="this exercise must be done with your own kernel, without it")
 
 
 def _check_axpy(n_or_shape, alpha=2.5, seed=0):
@@ -302,7 +244,7 @@ for _bad in ((torch.zeros(3), torch.zeros(4)), (torch.zeros(3, dtype=torch.float
         raise AssertionError(f"axpy accepted x {_bad[0].dtype}{tuple(_bad[0].shape)} and "
                              f"y {_bad[1].dtype}{tuple(_bad[1].shape)}; expected ValueError")
 # the wrapper launches the kernel
-with _spy_on("axpy_kernel") as _spy:
+with harness.spy_on(globals(), axpy_kernel) as _spy:
     _check_axpy(100, seed=5)
 assert _spy.grids, "axpy did not launch axpy_kernel: the arithmetic must happen in the kernel"
 ### END HIDDEN TESTS
@@ -437,7 +379,7 @@ for _args in ((torch.zeros(3, dtype=torch.uint8), 7), (torch.zeros(4, dtype=torc
                              f"{tuple(_args[0].shape)} with n = {_args[1]}; expected ValueError")
 # the reference is off-limits, and the wrapper launches the kernel
 _codes, _packed = _random_packed(301, 9)
-with _forbid(), _spy_on("unpack_nibbles_kernel") as _spy:
+with _no_reference(), harness.spy_on(globals(), unpack_nibbles_kernel) as _spy:
     _got = my_unpack_nibbles(_packed.to(DEVICE), 301).cpu()
 assert torch.equal(_got, _codes), "my_unpack_nibbles is wrong once the reference is unavailable"
 assert _spy.grids, "my_unpack_nibbles did not launch unpack_nibbles_kernel"
@@ -604,7 +546,7 @@ _w = torch.randn(9, 70).to(DEVICE)
 for _dq in (False, True):
     _q = quantize_nf4(_w, blocksize=64, double_quant=_dq)
     _want = dequantize_nf4(_q, torch.float32)
-    with _forbid(), _spy_on("nf4_dequant_kernel") as _spy:
+    with _no_reference(), harness.spy_on(globals(), nf4_dequant_kernel) as _spy:
         _got = my_dequantize_nf4(_q)
     assert torch.equal(_got, _want), "my_dequantize_nf4 is wrong once the reference is unavailable"
     assert _spy.grids, "my_dequantize_nf4 did not launch nf4_dequant_kernel"
@@ -761,7 +703,7 @@ def _check_selective(E, d_out, d_in, active, blocksize=64, double_quant=False, s
     where = (f"[E={E}, {d_out}, {d_in}], blocksize {blocksize}, double_quant={double_quant}, "
              f"active {active.tolist()} (experts {others} poisoned)")
     if forbid:
-        with _forbid("my_dequantize_nf4"), _spy_on("selective_dequant_kernel") as spy:
+        with _no_reference(my_dequantize_nf4), harness.spy_on(globals(), selective_dequant_kernel) as spy:
             got = my_selective_dequantize(poisoned, active.to(DEVICE))
         assert spy.grids, f"{where}: selective_dequant_kernel was never launched"
     else:

@@ -52,7 +52,6 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 import matplotlib.pyplot as plt
 import safetensors.torch
@@ -68,18 +67,13 @@ import peft  # noqa: E402
 import minigpt  # noqa: E402
 import miniquant  # noqa: E402
 import minituner  # noqa: E402
-from labkit.course.forbid import forbid, refuse  # noqa: E402
+from labkit.course.harness import forbid, randn  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks  # noqa: E402
 
 torch.set_num_threads(1)   # small matrices: one thread is faster than several on a busy CPU
 torch.manual_seed(0)
 print("torch", torch.__version__, "| peft", peft.__version__,
       "| threads:", torch.get_num_threads())
-
-
-def randn(*shape, seed=0, dtype=torch.float32):
-    """A reproducible standard-normal tensor (the tests use it too)."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 SMALL = MiniGPTConfig(n_layer=2, n_head=2, n_embd=32, d_ff=48, block_size=16)
@@ -218,13 +212,9 @@ class MyLoRALinear(nn.Module):
 
 # %% nbgrader={"grade": true, "grade_id": "test_lora_init", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 _WHY = "this exercise must be done without the reference (minituner) or PEFT"
-_REFERENCE = [(minituner, "LoRALinear"), (minituner.lora, "LoRALinear"),
-              (minituner, "lora_linear"), (minituner.lora, "lora_linear"),
-              (minituner, "wrap_lora"), (minituner.adapters, "wrap_lora"),
-              (minituner, "save_adapter"), (minituner.adapters, "save_adapter"),
-              (minituner, "load_adapter"), (minituner.adapters, "load_adapter"),
-              (minituner, "trainable_summary"), (minituner.adapters, "trainable_summary"),
-              (minituner.adapters, "_select"), (minituner.adapters, "_matches"),
+_REFERENCE = [minituner.LoRALinear, minituner.lora_linear, minituner.wrap_lora,
+              minituner.save_adapter, minituner.load_adapter, minituner.trainable_summary,
+              minituner.adapters._select, minituner.adapters._matches,
               (peft, "get_peft_model"), (peft, "LoraConfig"), (peft.PeftModel, "from_pretrained"),
               (peft.PeftModel, "save_pretrained")]
 
@@ -598,7 +588,7 @@ _gradcheck(8, 16, 5, 5, 0.125, seed=11, what="hidden: ")        # r = out
 _check_grads(33, 17, 9, 6, 1 / math.sqrt(6), seed=12, what="hidden: ")
 _check_grads(1, 64, 48, 8, 4.0, seed=13, what="hidden: ")
 # the backward is written, not delegated to autograd
-with mock.patch.object(torch.autograd, "grad", refuse("torch.autograd.grad", _WHY)):
+with forbid([(torch.autograd, "grad")], globals(), why=_WHY):
     _check_grads(5, 12, 10, 2, 3.0, seed=14, what="hidden (autograd.grad switched off): ")
 # only x needs a gradient (A, B frozen): still fine
 _x = randn(4, 6, seed=15).requires_grad_()

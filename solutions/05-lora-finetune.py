@@ -40,7 +40,6 @@
 # is needed.
 
 # %%
-import importlib
 import logging
 import math
 import tempfile
@@ -56,15 +55,13 @@ import torch.nn.functional as F
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 import minigpt  # noqa: E402
 import minituner  # noqa: E402
-from labkit.course.forbid import forbid  # noqa: E402
+import minituner.trainer  # noqa: E402
+from labkit.course.harness import forbid, pairs_of, randn  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks  # noqa: E402
 from minituner import SequenceData, TrainConfig  # noqa: E402
 from minituner.data import BatchOrder  # noqa: E402
 from minituner.qlora import BLOCK_LINEARS  # noqa: E402
 from minituner.trainer import clip_gradients, lr_at, sequence_loss  # noqa: E402
-
-# `minituner.train` is the function; the module that holds the loop is this one.
-TRAIN = importlib.import_module("minituner.trainer")
 
 torch.set_num_threads(1)   # small matrices: one thread is faster than several on a busy CPU
 torch.manual_seed(0)
@@ -73,19 +70,9 @@ print("torch", torch.__version__, "| threads:", torch.get_num_threads())
 tok = CharTokenizer()
 
 
-def pairs_of(examples) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids + <eos>) for each tasks.Example."""
-    return [(tok.encode(ex.prompt), tok.encode(ex.answer) + [tok.eos_id]) for ex in examples]
-
-
 def make_data(examples, rewards=None) -> SequenceData:
     """Padded training tensors for a list of tasks.Example (optionally reward-weighted)."""
-    return SequenceData.from_pairs(pairs_of(examples), pad_id=tok.pad_id, rewards=rewards)
-
-
-def randn(*shape, seed=0, dtype=torch.float32):
-    """A reproducible standard-normal tensor (the tests use it too)."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return SequenceData.from_pairs(pairs_of(examples, tok), pad_id=tok.pad_id, rewards=rewards)
 
 
 SMALL = MiniGPTConfig(n_layer=1, n_head=2, n_embd=16, d_ff=32, block_size=24)
@@ -228,21 +215,15 @@ def answer_loss(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
 
 # %% nbgrader={"grade": true, "grade_id": "test_normalize_rewards", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 _WHY = "this exercise must be done without the reference (minituner) or its torch shortcut"
-_REFERENCE = [(minituner, "reward_weights"), (minituner.data, "reward_weights"),
-              (SequenceData, "with_rewards"),
-              (TRAIN, "sequence_loss"), (minituner, "sequence_loss"), (TRAIN, "_token_ce"),
-              (TRAIN, "mean_loss"),
-              (minituner, "mean_loss"), (TRAIN, "lr_at"), (TRAIN, "clip_gradients"),
-              (TRAIN, "make_optimizer"), (TRAIN, "_Run"), (TRAIN, "train"),
-              (minituner, "train"),
-              (torch.nn.utils, "clip_grad_norm_"), (torch.nn.utils, "clip_grad_value_"),
-              (torch.nn.utils, "clip_grads_with_norm_"),
-              (torch.nn.utils.clip_grad, "clip_grad_norm_"),
-              (torch.nn.utils.clip_grad, "clip_grad_value_"),
-              (torch.nn.utils.clip_grad, "clip_grads_with_norm_"),
-              (minigpt, "evaluate"), (minigpt, "answers"), (minigpt, "greedy_generate"),
-              (minigpt.generate, "evaluate"), (minigpt.generate, "answers"),
-              (minigpt.generate, "greedy_generate")]
+_REFERENCE = [minituner.reward_weights, SequenceData.with_rewards, sequence_loss,
+              minituner.trainer._token_ce, minituner.trainer.mean_loss, lr_at, clip_gradients,
+              minituner.trainer.make_optimizer, minituner.trainer._Run, minituner.train,
+              minigpt.evaluate, minigpt.answers, minigpt.greedy_generate,
+              # torch's shortcuts, under the names torch gives them
+              *[(torch.nn.utils, name)
+                for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")],
+              *[(torch.nn.utils.clip_grad, name)
+                for name in ("clip_grad_norm_", "clip_grad_value_", "_clip_grads_with_norm_")]]
 
 
 def _forbid_reference():

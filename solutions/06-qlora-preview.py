@@ -30,8 +30,8 @@
 # |---|---|---|
 # | 1 | `qlora_wrap(model, r, alpha, blocksize, double_quant)`: quantize, then wrap | `minituner.qlora.wrap_minigpt_qlora`, same structure and logits; refuses the wrong order |
 # | 2 | `logit_parity(model_a, model_b, tokens)` | hand-computed values; experiment 06's tolerance on the real adapter |
-# | 3 | `held(model, optimizer)`: bytes of weights, gradients, optimizer state | `labkit.memory.held_bytes`, tensor by tensor |
-# | 4 | `nf4_storage_bytes(...)`, `predict_bytes(shape, regime, ...)` | `NF4Weight.nbytes`; `labkit.memory.predict_training`, up to LLaMA-7B |
+# | 3 | `held(model, optimizer)`: bytes of weights, gradients, optimizer state | `labkit.measure.held_bytes`, tensor by tensor |
+# | 4 | `nf4_storage_bytes(...)`, `predict_bytes(shape, regime, ...)` | `NF4Weight.nbytes`; `minituner.memory.predict_training`, up to LLaMA-7B |
 # | 5 | `swap_adapter(model, directory)`: a second adapter into the same NF4 model | fresh loads, bit for bit; the NF4 buffers untouched |
 #
 # The adapters come from experiment 05 (`experiments/05-lora-finetune`): `rev_replay` was
@@ -67,12 +67,12 @@ import minigpt  # noqa: E402
 import miniquant  # noqa: E402
 import minituner  # noqa: E402
 import minituner.qlora  # noqa: E402
-from labkit import memory  # noqa: E402
-from labkit.course.forbid import forbid  # noqa: E402
+from labkit import measure  # noqa: E402
+from labkit.course.harness import forbid, pairs_of, randn, randomize_lora  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, evaluate, tasks  # noqa: E402
 from minigpt.checkpoint import repo_root  # noqa: E402
 from miniquant import QuantizedLinear, quantize_model  # noqa: E402
-from minituner import LoRALinear, load_adapter, save_adapter, wrap_lora  # noqa: E402
+from minituner import LoRALinear, load_adapter, memory, save_adapter, wrap_lora  # noqa: E402
 from minituner.activations import saved_activation_bytes  # noqa: E402
 from minituner.qlora import wrap_minigpt_qlora  # noqa: E402
 
@@ -98,20 +98,10 @@ print("experiment 06's tolerance:", TOLERANCE)
 tok = CharTokenizer()
 
 
-def pairs_of(examples):
-    """Examples -> (prompt ids, answer ids + eos) pairs, as the training data holds them."""
-    return [(tok.encode(e.prompt), tok.encode(e.answer) + [tok.eos_id]) for e in examples]
-
-
 def fixed_prompts(per_task=32, seed=0):
     """[6 · per_task, L] prompt + answer tokens of evaluation examples of every task, padded."""
     examples = [e for t in tasks.TASKS for e in tasks.make_examples(t, per_task, seed, "eval")]
-    return minituner.SequenceData.from_pairs(pairs_of(examples), pad_id=tok.pad_id).tokens
-
-
-def randn(*shape, seed=0, dtype=torch.float32):
-    """A reproducible standard-normal tensor (the tests use it too)."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return minituner.SequenceData.from_pairs(pairs_of(examples, tok), pad_id=tok.pad_id).tokens
 
 
 SMALL = MiniGPTConfig(n_layer=2, n_head=2, n_embd=32, d_ff=48, block_size=16)
@@ -121,15 +111,6 @@ def small_gpt(seed=0, config=SMALL) -> MiniGPT:
     """A tiny random MiniGPT (2 blocks, width 32): what most tests quantize and wrap."""
     torch.manual_seed(seed)
     return MiniGPT(config).eval()
-
-
-def randomize_lora(model: nn.Module, seed=1, std=0.1) -> None:
-    """Random lora_A / lora_B values, so that an adapter does something (B starts at zero)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * std)
 
 
 def float_lora(adapter=None) -> MiniGPT:
@@ -181,7 +162,7 @@ right = minigpt.load_base("dense")
 quantize_model(right, BLOCK_PROJECTIONS)
 wrap_lora(right, BLOCK_PROJECTIONS, r=8, alpha=16.0)
 for label, model in (("wrapped, never quantized", wrong), ("quantized, then wrapped", right)):
-    w = memory.held_bytes(model).weights
+    w = measure.held_bytes(model).weights
     print(f"{label:<26} weights held: {w / MiB:6.2f} MiB")
 print(right.blocks[0].attn.q_proj)
 
@@ -219,13 +200,7 @@ def qlora_wrap(model: nn.Module, r: int = 8, alpha: float = 16.0, blocksize: int
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_qlora_wrap", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-def _forbid(*targets):
-    """While the block runs, the given (object, attribute) pairs raise if called (also through
-    names the notebook imported from them)."""
-    return forbid(targets, globals())
-
-
-_NO_REFERENCE_WRAP = [(minituner.qlora, "wrap_minigpt_qlora")]
+_NO_REFERENCE_WRAP = [minituner.qlora.wrap_minigpt_qlora]
 
 
 def _structure(model):
@@ -237,7 +212,7 @@ def _check_qlora_wrap(make, r=8, alpha=16.0, blocksize=64, double_quant=True, wh
             f"double_quant={double_quant})"
     mine, ref, plain = make(), make(), make()
     torch.manual_seed(5)
-    with _forbid(*_NO_REFERENCE_WRAP):
+    with forbid(_NO_REFERENCE_WRAP, globals()):
         names = qlora_wrap(mine, r=r, alpha=alpha, blocksize=blocksize,
                            double_quant=double_quant)
     torch.manual_seed(5)
@@ -308,7 +283,7 @@ _check_qlora_wrap(lambda: small_gpt(1, MiniGPTConfig(n_layer=3, n_head=2, n_embd
                   r=1, alpha=1.0, what="hidden (3 blocks, width 48): ")
 # only the layers of `target`
 _m = small_gpt()
-with _forbid(*_NO_REFERENCE_WRAP):
+with forbid(_NO_REFERENCE_WRAP, globals()):
     _names = qlora_wrap(_m, target=r"blocks\.1\.mlp\.(up|down)_proj")
 assert _names == ["blocks.1.mlp.up_proj", "blocks.1.mlp.down_proj"], \
     f"hidden: target r'blocks\\.1\\.mlp\\.(up|down)_proj' should wrap just those two, got {_names}"
@@ -323,7 +298,7 @@ def _check_refuses(lora_target, what=""):
     before = _structure(model)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     try:
-        with _forbid(*_NO_REFERENCE_WRAP):
+        with forbid(_NO_REFERENCE_WRAP, globals()):
             qlora_wrap(model)
     except ValueError as e:
         assert "quantiz" in str(e).lower(), \
@@ -532,7 +507,7 @@ assert _self["max_abs_diff"] == 0.0 and _self["argmax_agreement"] == 1.0, \
 # %%
 train_examples = (tasks.make_examples(tasks.HELD_OUT, 512, seed=0, split="train")
                   + tasks.make_mixture(tasks.PRETRAIN_TASKS, 32, seed=1, split="train"))
-train_data = minituner.SequenceData.from_pairs(pairs_of(train_examples), pad_id=tok.pad_id)
+train_data = minituner.SequenceData.from_pairs(pairs_of(train_examples, tok), pad_id=tok.pad_id)
 
 qmodel = minigpt.load_base("dense")
 qlora_wrap(qmodel, r=8, alpha=16.0)
@@ -608,7 +583,7 @@ print("after .to(bfloat16): lora_A", cast.blocks[0].attn.q_proj.lora_A.dtype, "|
 # over the same memory adds nothing, and a tensor that is a slice of a larger storage holds
 # that whole storage. `t.untyped_storage()` gives the storage; its `.nbytes()` the bytes and
 # its `.data_ptr()` an address that identifies it. A storage counted once is never counted
-# again, in any of the three groups. Off-limits: `labkit.memory.held_bytes`.
+# again, in any of the three groups. Off-limits: `labkit.measure.held_bytes`.
 
 # %% nbgrader={"grade": false, "grade_id": "held", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def held(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
@@ -634,11 +609,11 @@ def held(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> di
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_held", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-_NO_HELD_BYTES = [(memory, "held_bytes")]
+_NO_HELD_BYTES = [(measure, "held_bytes")]   # labkit lies outside the course packages
 
 
 def _held(model, opt=None):
-    with _forbid(*_NO_HELD_BYTES):
+    with forbid(_NO_HELD_BYTES, globals()):
         got = held(model, opt)
     assert isinstance(got, dict) and sorted(got) == ["grads", "optimizer", "weights"], \
         f"expected a dict with keys grads, optimizer, weights; got {got!r}"
@@ -686,7 +661,7 @@ def _check_against_reference(model, label, opt=None):
     assert before["optimizer"] == 0 and before["grads"] == 0, \
         f"{label}, before the first step: AdamW has no state yet and no grad exists; expected " \
         f"grads = optimizer = 0, got {before}"
-    got, want = _held(model, opt), memory.held_bytes(model, opt)
+    got, want = _held(model, opt), measure.held_bytes(model, opt)
     want = {"weights": want.weights, "grads": want.grads, "optimizer": want.optimizer}
     assert got == want, f"{label}, after two steps: expected {want}, got {got}"
     return got
@@ -700,7 +675,7 @@ wrap_minigpt_qlora(_ql, r=4, alpha=8.0)
 _ql_held = _check_against_reference(_ql, "QLoRA")
 assert _ql_held["grads"] == _lo_held["grads"] and _ql_held["weights"] < _lo_held["weights"]
 print(f"held: shared storage counted once; after two AdamW steps equal to "
-      f"labkit.memory.held_bytes for LoRA {_lo_held} and QLoRA {_ql_held}")
+      f"labkit.measure.held_bytes for LoRA {_lo_held} and QLoRA {_ql_held}")
 
 ### BEGIN HIDDEN TESTS
 # a Parameter that is a slice of a larger storage holds the whole storage
@@ -730,20 +705,20 @@ assert _held(_big)["grads"] == 0, "hidden: after setting every .grad to None, gr
 # AdamW steps, then your `held` plus the activations one forward keeps for its backward
 # (`minituner.activations.saved_activation_bytes`: it records every tensor the forward
 # allocates and counts those still alive when it returns — counted, not sampled, so it is the
-# same on every machine). Beside it, `labkit.memory.predict_training` from the model's shape
+# same on every machine). Beside it, `minituner.memory.predict_training` from the model's shape
 # alone: the course's claim is that prediction and measurement agree within 10%. One RSS
 # reading is printed too, to show why it is not the number to report.
 
 # %%
 mem_batch = minituner.SequenceData.from_pairs(
-    pairs_of(tasks.make_examples(tasks.HELD_OUT, 64, seed=0, split="train")), pad_id=tok.pad_id)
+    pairs_of(tasks.make_examples(tasks.HELD_OUT, 64, seed=0, split="train"), tok), pad_id=tok.pad_id)
 mx, my, _ = mem_batch.batch(torch.arange(len(mem_batch)))
 
 
 def memory_row(model, regime):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     lazy = held(model, opt)["optimizer"]
-    with memory.measure() as rss:
+    with measure.measure() as rss:
         for _ in range(2):
             opt.zero_grad()
             F.cross_entropy(model(mx).flatten(0, 1), my.flatten()).backward()
@@ -801,12 +776,12 @@ plt.show()
 # tensor of `numel` elements (Lab 02): $\lceil n/2 \rceil$ bytes of packed codes, plus per
 # block of `blocksize` elements (the last one may be partial) either a float32 absmax (4
 # bytes), or with double quantization a 1-byte code, plus a float32 scale per 256 blocks
-# (rounded up) and one float32 offset. Off-limits: `labkit.memory.nf4_bytes` and quantizing
+# (rounded up) and one float32 offset. Off-limits: `miniquant.nf4_bytes` and quantizing
 # anything (a 7B model has no tensor to quantize here).
 #
 # **`predict_bytes(shape, regime, r=8, weight_bits=16, blocksize=64, double_quant=True) ->
 # dict`** with the integer keys `"weights"`, `"grads"`, `"optimizer"` for a
-# `labkit.memory.TransformerShape`, in one of three regimes:
+# `minituner.memory.TransformerShape`, in one of three regimes:
 #
 # | regime | block projections | everything else | LoRA factors (r·(in + out) per projection) | trained |
 # |---|---|---|---|---|
@@ -818,7 +793,7 @@ plt.show()
 # trained element (leave out the 4-byte step counters). `shape.block_linears()` lists the
 # `(out, in)` of one block's seven projections and `shape.n_layer` says how many blocks;
 # `shape.other_params()` counts everything else (embeddings, norms, head). Raise `ValueError`
-# for any other regime. Off-limits: `labkit.memory.predict`, `predict_training`,
+# for any other regime. Off-limits: `minituner.memory.predict`, `predict_training`,
 # `regime_specs`, `param_specs`, `nf4_bytes` (the tests compare you with them).
 
 # %% nbgrader={"grade": false, "grade_id": "predict_bytes", "locked": false, "schema_version": 3, "solution": true, "task": false}
@@ -856,13 +831,12 @@ def predict_bytes(shape: memory.TransformerShape, regime: str, r: int = 8, weigh
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_nf4_storage_bytes", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
-_NO_PREDICTOR = [(memory, "nf4_bytes"), (memory, "predict"), (memory, "predict_training"),
-                 (memory, "regime_specs"), (memory, "param_specs"),
-                 (miniquant, "quantize_nf4"), (miniquant.nf4, "quantize_nf4")]
+_NO_PREDICTOR = [miniquant.nf4_bytes, memory.predict, memory.predict_training,
+                 memory.regime_specs, memory.param_specs, miniquant.quantize_nf4]
 
 
 def _check_nf4_bytes(numel, blocksize=64, double_quant=True, what=""):
-    with _forbid(*_NO_PREDICTOR):
+    with forbid(_NO_PREDICTOR, globals()):
         got = nf4_storage_bytes(numel, blocksize, double_quant)
     want = miniquant.quantize_nf4(randn(numel, seed=numel), blocksize=blocksize,
                                   double_quant=double_quant).nbytes
@@ -886,15 +860,15 @@ for _n, _bs, _dq in ((77, 64, False), (1000, 32, False), (384 * 128, 128, True),
                      (64 * 256, 64, True), (64 * 256 + 1, 64, True), (5000, 4096, True),
                      (33, 32, True)):
     _check_nf4_bytes(_n, _bs, _dq, what="hidden: ")
-with _forbid(*_NO_PREDICTOR):
+with forbid(_NO_PREDICTOR, globals()):
     _got = nf4_storage_bytes(11008 * 4096, 128, False)
-assert _got == memory.nf4_bytes(11008 * 4096, 128, False), "hidden: 7B MLP matrix, blocksize 128"
+assert _got == miniquant.nf4_bytes(11008 * 4096, 128, False), "hidden: 7B MLP matrix, blocksize 128"
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_predict_bytes", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 def _check_predict(shape, regime, what="", **kw):
     where = f"{what}predict_bytes({shape}, {regime!r}, {kw})"
-    with _forbid(*_NO_PREDICTOR):
+    with forbid(_NO_PREDICTOR, globals()):
         got = predict_bytes(shape, regime, **kw)
     want = memory.predict_training(shape, regime, tokens=1, **kw).as_dict()
     assert isinstance(got, dict) and sorted(got) == ["grads", "optimizer", "weights"], \
@@ -922,13 +896,13 @@ for _regime, _wrap in (("lora", lambda m: wrap_lora(m, BLOCK_PROJECTIONS, r=8, a
         _opt.zero_grad()
         F.cross_entropy(_model(_x).flatten(0, 1), _x.roll(-1, 1).flatten()).backward()
         _opt.step()
-    _row = memory.held_bytes(_model, _opt)
-    with _forbid(*_NO_PREDICTOR):
+    _row = measure.held_bytes(_model, _opt)
+    with forbid(_NO_PREDICTOR, globals()):
         _p = predict_bytes(_shape, _regime, r=8, weight_bits=32)
     assert _p["weights"] == _row.weights and _p["grads"] == _row.grads, \
         f"MiniGPT, {_regime}: predicted weights / grads {_p['weights']:,d} / {_p['grads']:,d} " \
         f"differ from what the model holds after two steps, {_row.weights:,d} / {_row.grads:,d}"
-print("predict_bytes equals labkit.memory.predict_training for LLaMA-7B and MiniGPT, and the "
+print("predict_bytes equals minituner.memory.predict_training for LLaMA-7B and MiniGPT, and the "
       "weights and grads that MiniGPT's models hold")
 
 ### BEGIN HIDDEN TESTS
@@ -953,7 +927,7 @@ else:
 #
 # LLaMA-7B (32 layers, d_model 4096, d_ff 11008, vocabulary 32000), weights outside NF4 in
 # bfloat16, LoRA r = 8 on all seven projections of every block, one step of 2048 tokens
-# (activations in 16 bits, from `labkit.memory.activation_bytes`, the count checked against
+# (activations in 16 bits, from `minituner.memory.activation_bytes`, the count checked against
 # MiniGPT's saved tensors). The lines mark a 24 GiB consumer GPU and an 80 GB data-centre one.
 
 # %%
@@ -1050,11 +1024,8 @@ def swap_adapter(model: nn.Module, directory) -> list[str]:
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_swap_adapter", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-_NO_LOADER = [(minituner, "load_adapter"), (minituner.adapters, "load_adapter"),
-              (miniquant, "quantize_model"), (miniquant.linear, "quantize_model"),
-              (minituner.qlora, "quantize_model"), (miniquant, "quantize_nf4"),
-              (miniquant.nf4, "quantize_nf4"), (miniquant.linear, "quantize_nf4"),
-              (QuantizedLinear, "from_linear"), (minituner.qlora, "wrap_minigpt_qlora")]
+_NO_LOADER = [minituner.load_adapter, miniquant.quantize_model, miniquant.quantize_nf4,
+              (QuantizedLinear, "from_linear"), minituner.qlora.wrap_minigpt_qlora]
 
 
 def _snapshot(model):
@@ -1079,7 +1050,7 @@ def _check_untouched(model, snap, what):
 
 
 def _swap(model, directory):
-    with _forbid(*_NO_LOADER):
+    with forbid(_NO_LOADER, globals()):
         return swap_adapter(model, directory)
 
 

@@ -53,9 +53,9 @@
 # CPU; no GPU is needed.
 
 # %%
+import contextlib
 import json
 import time
-from unittest import mock
 
 import matplotlib.pyplot as plt
 import torch
@@ -64,12 +64,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import minigpt
 import minimoe
-import minimoe.moe
-import minimoe.parallel_experts
 import minimoe.reference
 import minimoe.routing
-import minimoe.sort
-from labkit.course.forbid import forbid
+from labkit.course.harness import forbid, swap
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks
 from minigpt.checkpoint import repo_root
 from minimoe.reference import moe_loop
@@ -101,18 +98,11 @@ def distinct_experts(T, k, E, seed=0):
 
 
 _WHY = "this exercise rebuilds it, so the tests switch it off while your code runs"
-_REFERENCE = [(minimoe, "route"), (minimoe.routing, "route"), (minimoe.routing, "_route"),
-              (minimoe.routing, "_topk_stable"),
-              (minimoe, "load_balancing_loss"), (minimoe.routing, "load_balancing_loss"),
-              (minimoe, "router_z_loss"), (minimoe.routing, "router_z_loss"),
-              (minimoe, "update_selection_bias"), (minimoe.routing, "update_selection_bias"),
-              (minimoe, "flatten_sort_count"), (minimoe.sort, "flatten_sort_count"),
-              (minimoe.moe, "flatten_sort_count"),
-              (minimoe, "dispatch_torch"), (minimoe.moe, "dispatch_torch"),
-              (minimoe, "dispatch_triton"), (minimoe.moe, "dispatch_triton"),
-              (minimoe, "expert_swiglu"), (minimoe.moe, "expert_swiglu"),
-              (minimoe, "parallel_linear"), (minimoe.parallel_experts, "parallel_linear"),
-              (minimoe.reference, "moe_loop"), (minimoe.reference, "linear_loop")]
+_REFERENCE = [minimoe.route, minimoe.routing._route, minimoe.routing._topk_stable,
+              minimoe.load_balancing_loss, minimoe.router_z_loss, minimoe.update_selection_bias,
+              minimoe.flatten_sort_count, minimoe.dispatch_torch, minimoe.dispatch_triton,
+              minimoe.expert_swiglu, minimoe.parallel_linear, minimoe.reference.moe_loop,
+              minimoe.reference.linear_loop]
 
 
 def _forbid_reference():
@@ -812,8 +802,8 @@ plt.show()
 #
 # `MoEMLP.forward` calls `route`, `load_balancing_loss` and a dispatch function that it looks
 # up in `minimoe.moe` when it runs. The test below puts yours there (with
-# `unittest.mock.patch`) and runs the pretrained MiniGPT-MoE on evaluation prompts of every
-# task: the logits, every layer's choices and the balancing loss must be the model's own.
+# `labkit.course.harness.swap`, which replaces a function wherever it is bound) and runs the
+# pretrained MiniGPT-MoE on evaluation prompts of every task: the logits, every layer's choices and the balancing loss must be the model's own.
 
 # %% nbgrader={"grade": true, "grade_id": "test_minigpt_moe", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 def eval_batch(per_task=8, seed=0):
@@ -821,6 +811,20 @@ def eval_batch(per_task=8, seed=0):
     ex = [e for t in tasks.TASKS for e in tasks.make_examples(t, per_task, seed, "eval")]
     return SequenceData.from_pairs([(tok.encode(e.prompt), tok.encode(e.answer)) for e in ex],
                                    pad_id=tok.pad_id).tokens
+
+
+@contextlib.contextmanager
+def _yours_in_the_model():
+    """Your route, balancing loss and MoE forward stand in for minimoe's wherever the model
+    reaches them; the rest of what you rebuilt stays switched off."""
+    yours = {minimoe.route: my_route, minimoe.load_balancing_loss: my_load_balancing_loss,
+             minimoe.dispatch_torch: my_moe_forward}
+    with contextlib.ExitStack() as stack:
+        for reference, mine in yours.items():
+            stack.enter_context(swap(reference, mine, globals()))
+        stack.enter_context(forbid([t for t in _REFERENCE if t not in yours], globals(),
+                                   why=_WHY))
+        yield
 
 
 def run_moe(model, idx):
@@ -831,9 +835,7 @@ def run_moe(model, idx):
 
 _idx = eval_batch()
 _want = run_moe(moe_model, _idx)
-with _forbid_reference(), mock.patch.object(minimoe.moe, "route", my_route), \
-        mock.patch.object(minimoe.moe, "load_balancing_loss", my_load_balancing_loss), \
-        mock.patch.object(minimoe.moe, "dispatch_torch", my_moe_forward):
+with _yours_in_the_model():
     _got = run_moe(moe_model, _idx)
 for _i, (_g, _w) in enumerate(zip(_got[1], _want[1], strict=True)):
     _diff = (_g != _w).any(1).sum().item()
@@ -850,9 +852,7 @@ print(f"MiniGPT-MoE on {len(_idx)} prompts with your code: same routing in all 4
 ### BEGIN HIDDEN TESTS
 _idx = eval_batch(per_task=4, seed=1)[:, :9]
 _want = run_moe(moe_model, _idx)
-with _forbid_reference(), mock.patch.object(minimoe.moe, "route", my_route), \
-        mock.patch.object(minimoe.moe, "load_balancing_loss", my_load_balancing_loss), \
-        mock.patch.object(minimoe.moe, "dispatch_torch", my_moe_forward):
+with _yours_in_the_model():
     _got = run_moe(moe_model, _idx)
 assert all(torch.equal(a, b) for a, b in zip(_got[1], _want[1], strict=True)), "hidden: routing"
 torch.testing.assert_close(_got[0], _want[0], rtol=1e-4, atol=1e-4)

@@ -51,8 +51,6 @@
 # notebook runs in well under a minute on a laptop CPU.
 
 # %%
-import contextlib
-import importlib
 import os
 import time
 
@@ -68,23 +66,13 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import minimoe  # noqa: E402
-from labkit.course.forbid import forbid  # noqa: E402
+import minimoe.kernels  # noqa: E402
+import minimoe.parallel_experts  # noqa: E402
+from labkit.course import harness  # noqa: E402
 from minimoe import flatten_sort_count  # noqa: E402
 from minimoe.reference import linear_loop  # noqa: E402
 
-# `minimoe.parallel_linear` is the function; the module of the same name is reached this way.
-_pl_module = importlib.import_module("minimoe.parallel_experts")
-_kernels_module = importlib.import_module("minimoe.kernels")
-_ops_module = importlib.import_module("minimoe.ops")
-_moe_module = importlib.import_module("minimoe.moe")
-
-# The interpreter runs one program at a time with NumPy; extra CPU threads only add overhead.
-torch.set_num_threads(1)
-torch.manual_seed(0)
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
-print(f"torch {torch.__version__} | triton {triton.__version__} | "
-      f"{'Triton interpreter on the CPU' if INTERPRET else 'compiled Triton on ' + DEVICE}")
+INTERPRET, DEVICE = harness.triton_setup()   # one CPU thread, seed 0, and where kernels run
 
 # %% [markdown]
 # ## Part A — slots, the sorted order, and tiles that span experts
@@ -200,93 +188,19 @@ def sorted_expert_linear(x: torch.Tensor, W: torch.Tensor, expert_idxs: torch.Te
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_sorted_expert_linear", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-# Helpers used by this and the later test cells.
-class _Refuse:
-    """A stand-in for a kernel that fails loudly when launched (kernel[grid](...))."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def _fail(self, *args, **kwargs):
-        raise AssertionError(f"{self.name} was launched while your code ran: this exercise "
-                             "rebuilds it, so it is switched off here")
-
-    __call__ = _fail
-    __getitem__ = _fail
-
-
-_REFERENCE = [(minimoe.reference, "linear_loop"), (minimoe.reference, "moe_loop"),
-              (minimoe, "parallel_linear"), (_pl_module, "parallel_linear"),
-              (_pl_module, "_torch_parallel_linear"), (_pl_module, "ParallelLinear"),
-              (_pl_module, "_combine"), (minimoe, "scatter2scatter"), (minimoe, "group"),
-              (_ops_module, "scatter2scatter"), (_ops_module, "group"),
-              (minimoe, "dispatch_torch"), (minimoe, "dispatch_triton"),
-              (_moe_module, "dispatch_torch"), (_moe_module, "dispatch_triton")]
-_REFERENCE_KERNELS = ("_scatter2scatter_kernel", "_group_kernel")
-
-
-@contextlib.contextmanager
-def _no_reference():
-    """While the block runs, minimoe's dispatch functions and kernels raise if reached."""
-    saved = {name: getattr(_kernels_module, name) for name in _REFERENCE_KERNELS}
-    try:
-        for name in saved:
-            setattr(_kernels_module, name, _Refuse(f"minimoe.kernels.{name}"))
-        with forbid(_REFERENCE, globals()):
-            yield
-    finally:
-        for name, value in saved.items():
-            setattr(_kernels_module, name, value)
-
-
-class _Spy:
-    """Stands in for a kernel and counts its launches (kernel[grid](...))."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-    def __getattr__(self, name):
-        return getattr(self.kernel, name)
-
-
-@contextlib.contextmanager
-def _spy_on(name):
-    """Replace the notebook's global `name` (a kernel) by a _Spy while the block runs."""
-    spy = _Spy(globals()[name])
-    globals()[name] = spy
-    try:
-        yield spy
-    finally:
-        globals()[name] = spy.kernel
-
-
-def _routing(T, k, E, seed=0, only=None, skip=None):
-    """expert_idxs [T, k]: k distinct experts per token; `only` restricts the choice to those
-    experts, `skip` leaves one expert without tokens."""
-    g = torch.Generator().manual_seed(seed)
-    allowed = list(range(E)) if only is None else list(only)
-    if skip is not None:
-        allowed.remove(skip)
-    rows = [torch.tensor(allowed)[torch.randperm(len(allowed), generator=g)[:k]]
-            for _ in range(T)]
-    return torch.stack(rows).long()
+# What this lab rebuilds, and the loops the tests compare with: while a test runs your code
+# inside `harness.forbid(_REFERENCE, globals())`, each of them raises if reached (under any name).
+_REFERENCE = [minimoe.reference.linear_loop, minimoe.reference.moe_loop,
+              minimoe.parallel_linear, minimoe.parallel_experts.ParallelLinear,
+              minimoe.parallel_experts._torch_parallel_linear, minimoe.parallel_experts._combine,
+              minimoe.scatter2scatter, minimoe.group, minimoe.dispatch_torch,
+              minimoe.dispatch_triton, minimoe.kernels._scatter2scatter_kernel,
+              minimoe.kernels._group_kernel]
 
 
 def _problem(T, K, N, E, k, seed=0, **routing):
-    g = torch.Generator().manual_seed(seed + 100)
-    x = torch.randn(T, K, generator=g)
-    W = torch.randn(E, K, N, generator=g) / K ** 0.5
-    return x.to(DEVICE), W.to(DEVICE), _routing(T, k, E, seed, **routing).to(DEVICE)
-
-
-def _where(x, W, idx):
-    return (f"T={x.shape[0]}, K={x.shape[1]}, N={W.shape[2]}, E={W.shape[0]}, "
-            f"k={idx.shape[1]}, tokens per expert "
-            f"{torch.bincount(idx.reshape(-1).cpu(), minlength=W.shape[0]).tolist()}")
+    """x [T, K], W [E, K, N], expert_idxs [T, k] (the harness's awkward MoE problem)."""
+    return harness.expert_problem(T, K, N, E, k, seed, device=DEVICE, **routing)[:3]
 
 
 def _close(got, want, what, rtol=1e-5, atol=1e-5):
@@ -306,9 +220,9 @@ def _close(got, want, what, rtol=1e-5, atol=1e-5):
 def _check_sorted_linear(T, K, N, E, k, seed=0, **routing):
     x, W, idx = _problem(T, K, N, E, k, seed, **routing)
     want = linear_loop(x, W, idx)
-    with _no_reference():
+    with harness.forbid(_REFERENCE, globals()):
         got = sorted_expert_linear(x, W, idx)
-    _close(got, want, f"sorted_expert_linear, {_where(x, W, idx)}")
+    _close(got, want, f"sorted_expert_linear, {harness.describe(x, W, idx)}")
 
 
 # worked by hand: W[e] = (e + 1)·I, so every output row is its token times (expert + 1)
@@ -440,7 +354,7 @@ def _launch_group(T, N, k, E=4, BLOCK_M=16, BLOCK_N=16, with_coeff=True, seed=0)
     """Launch group_kernel directly on strided views; whatever lies outside must survive."""
     g = torch.Generator().manual_seed(seed)
     M = T * k
-    _, ssi, _ = flatten_sort_count(_routing(T, k, E, seed), E)
+    _, ssi, _ = flatten_sort_count(harness.expert_routing(T, k, E, seed), E)
     Xbuf = torch.randn(T, N + 5, generator=g)
     X = Xbuf[:, :N]                                          # rows of N + 5: stride 0 = N + 5
     coeff = torch.rand(M, generator=g) + 0.5
@@ -465,12 +379,12 @@ def _launch_group(T, N, k, E=4, BLOCK_M=16, BLOCK_N=16, with_coeff=True, seed=0)
 
 def _check_my_group(T, N, k, E=4, with_coeff=False, seed=0, check_spy=False):
     g = torch.Generator().manual_seed(seed)
-    _, ssi, _ = flatten_sort_count(_routing(T, k, E, seed), E)
+    _, ssi, _ = flatten_sort_count(harness.expert_routing(T, k, E, seed), E)
     X = torch.randn(T, N, generator=g).to(DEVICE)
     coeff = (torch.rand(T, k, generator=g) + 0.5).to(DEVICE) if with_coeff else None
     ssi = ssi.to(DEVICE)
     want = minimoe.group(X, ssi, fan_out=k, coeff=coeff)
-    with _no_reference(), _spy_on("group_kernel") as spy:
+    with harness.forbid(_REFERENCE, globals()), harness.spy_on(globals(), group_kernel) as spy:
         got = my_group(X, ssi, fan_out=k, coeff=coeff)
     where = f"my_group(X [{T}, {N}], ssi, fan_out={k}, coeff {'[T, k]' if with_coeff else None})"
     _close(got, want, where, rtol=1e-6, atol=1e-6)
@@ -492,7 +406,7 @@ _check_my_group(33, 24, 2, E=8, with_coeff=True, seed=6, check_spy=True)
 _check_my_group(4, 40, 1, with_coeff=False, seed=7, check_spy=True)
 # coeff given flat [M] works too
 _Xg = torch.randn(6, 24).to(DEVICE)
-_, _ssig, _ = flatten_sort_count(_routing(6, 2, 4, 8), 4)
+_, _ssig, _ = flatten_sort_count(harness.expert_routing(6, 2, 4, 8), 4)
 _cg = (torch.rand(12) + 0.5).to(DEVICE)
 _close(my_group(_Xg, _ssig.to(DEVICE), 2, _cg), minimoe.group(_Xg, _ssig.to(DEVICE), 2, _cg),
        "my_group with a flat coeff [M]", rtol=1e-6, atol=1e-6)
@@ -630,7 +544,7 @@ def _launch_s2s(T, K, N, E, k, x_grouped=False, y_grouped=False, BLOCK_M=16, BLO
         W.stride(0), W.stride(1), W.stride(2), Y.stride(0), Y.stride(1),
         FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
-    where = (f"scatter2scatter_kernel[{grid}], {_where(x, W, idx)}, x_grouped={x_grouped}, "
+    where = (f"scatter2scatter_kernel[{grid}], {harness.describe(x, W, idx)}, x_grouped={x_grouped}, "
              f"y_grouped={y_grouped}, BLOCK_M/N/K = {BLOCK_M}/{BLOCK_N}/{BLOCK_K}")
     _close(buf[:M, :N], want, where)
     outside = buf.clone()
@@ -788,9 +702,9 @@ def _expect_value_error(what, names, fn):
 
 _x, _W, _idx = _problem(6, 24, 40, 4, 2, seed=20)
 _sei, _ssi, _ = flatten_sort_count(_idx, 4)
-with _no_reference(), _spy_on("scatter2scatter_kernel") as _spy:
+with harness.forbid(_REFERENCE, globals()), harness.spy_on(globals(), scatter2scatter_kernel) as _spy:
     _Y = my_scatter2scatter(_x, _W, _sei, _ssi, 2)
-_close(_Y, linear_loop(_x, _W, _idx), f"my_scatter2scatter, {_where(_x, _W, _idx)}")
+_close(_Y, linear_loop(_x, _W, _idx), f"my_scatter2scatter, {harness.describe(_x, _W, _idx)}")
 assert _spy.grids, "my_scatter2scatter did not launch scatter2scatter_kernel"
 _expect_value_error("k = 5 > E = 4", ["k"],
                     lambda: my_scatter2scatter(_x, _W, _sei, _ssi, 5))
@@ -833,7 +747,7 @@ _close(my_scatter2scatter(_Xg, _W, _sei, _ssi, 2, x_grouped=True, y_grouped=True
 _Wt = _W.transpose(1, 2).contiguous().transpose(1, 2)               # same values, strided
 _close(my_scatter2scatter(_x, _Wt, _sei, _ssi, 2), linear_loop(_x, _W, _idx),
        "my_scatter2scatter with a non-contiguous W")
-with _spy_on("scatter2scatter_kernel") as _spy:
+with harness.spy_on(globals(), scatter2scatter_kernel) as _spy:
     _Y0 = my_scatter2scatter(torch.zeros(0, 24, device=DEVICE), _W,
                              torch.zeros(0, dtype=torch.int64, device=DEVICE),
                              torch.zeros(0, dtype=torch.int64, device=DEVICE), 2)
@@ -850,9 +764,9 @@ def _check_moe_linear(T, K, N, E, k, seed=0, **routing):
     sei, ssi, offsets = flatten_sort_count(idx, E)
     want = minimoe.parallel_linear(x, W, k, sei, ssi, offsets, gates=gates)
     _close(want, linear_loop(x, W, idx, gates=gates), "parallel_linear vs linear_loop (setup)")
-    with _no_reference(), _spy_on("scatter2scatter_kernel") as spy:
+    with harness.forbid(_REFERENCE, globals()), harness.spy_on(globals(), scatter2scatter_kernel) as spy:
         got = moe_linear(x, W, idx, gates)
-    where = f"moe_linear, {_where(x, W, idx)}"
+    where = f"moe_linear, {harness.describe(x, W, idx)}"
     _close(got, want.detach(), where)
     assert spy.grids, f"{where}: scatter2scatter_kernel was never launched"
 
@@ -978,7 +892,7 @@ _check_work([3, 0, 0, 1], 4, {"rows_sorted": 4, "rows_block_padded": 8, "rows_bm
 _check_work([100], 32, {"rows_sorted": 100, "rows_block_padded": 128, "rows_bmm": 100,
                         "tiles_sorted": 4, "passes_sorted": 4})
 # against a brute-force count on a random routing
-_cnt = torch.bincount(_routing(50, 2, 8, 30).reshape(-1), minlength=8)
+_cnt = torch.bincount(harness.expert_routing(50, 2, 8, 30).reshape(-1), minlength=8)
 _ids = torch.repeat_interleave(torch.arange(8), _cnt)
 _want_passes = sum(int(_ids[min(t + 16, 100) - 1] - _ids[t]) + 1 for t in range(0, 100, 16))
 _got = dispatch_work(_cnt, 16)

@@ -48,8 +48,6 @@
 # `scatter2scatter`. The whole notebook runs in about a minute on a laptop CPU.
 
 # %%
-import contextlib
-import importlib
 import os
 import time
 
@@ -66,23 +64,13 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import minimoe  # noqa: E402
-from labkit.course.forbid import forbid  # noqa: E402
+import minimoe.kernels  # noqa: E402
+import minimoe.parallel_experts  # noqa: E402
+from labkit.course import harness  # noqa: E402
 from minimoe import MoEMLP, flatten_sort_count, group, route, scatter2scatter  # noqa: E402
 from minimoe.reference import linear_loop, moe_loop  # noqa: E402
 
-# `minimoe.parallel_linear` is the function; the module of the same name is reached this way.
-_pl_module = importlib.import_module("minimoe.parallel_experts")
-_kernels_module = importlib.import_module("minimoe.kernels")
-_ops_module = importlib.import_module("minimoe.ops")
-_moe_module = importlib.import_module("minimoe.moe")
-
-# The interpreter runs one program at a time with NumPy; extra CPU threads only add overhead.
-torch.set_num_threads(1)
-torch.manual_seed(0)
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
-print(f"torch {torch.__version__} | triton {triton.__version__} | "
-      f"{'Triton interpreter on the CPU' if INTERPRET else 'compiled Triton on ' + DEVICE}")
+INTERPRET, DEVICE = harness.triton_setup()   # one CPU thread, seed 0, and where kernels run
 
 # %% [markdown]
 # ## Part A — the backward math
@@ -201,125 +189,27 @@ def backward_by_hand(x: torch.Tensor, W: torch.Tensor, expert_idxs: torch.Tensor
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_backward_by_hand", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
-# Helpers used by this and the later test cells.
-class _Refuse:
-    """A stand-in for a kernel that fails loudly when launched (kernel[grid](...))."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def _fail(self, *args, **kwargs):
-        raise AssertionError(f"{self.name} was launched while your code ran: this exercise "
-                             "rebuilds it, so it is switched off here")
-
-    __call__ = _fail
-    __getitem__ = _fail
+# The backward this lab rebuilds, and the loops the tests compare with: each raises if your
+# code reaches it (under any name). The forward pieces (flatten_sort_count, group,
+# scatter2scatter and their kernels) stay available.
+_REFERENCE = [minimoe.reference.linear_loop, minimoe.reference.moe_loop,
+              minimoe.parallel_linear, minimoe.parallel_experts.ParallelLinear,
+              minimoe.parallel_experts._torch_parallel_linear, minimoe.group_bwd_W,
+              minimoe.dispatch_torch, minimoe.dispatch_triton,
+              minimoe.kernels._group_bwd_W_kernel]
 
 
-# The backward this lab rebuilds, and the loops the tests compare with. The forward pieces
-# (flatten_sort_count, group, scatter2scatter and their kernels) stay available.
-_REFERENCE = [(minimoe.reference, "linear_loop"), (minimoe.reference, "moe_loop"),
-              (minimoe, "parallel_linear"), (_pl_module, "parallel_linear"),
-              (_pl_module, "_torch_parallel_linear"), (_pl_module, "ParallelLinear"),
-              (_pl_module, "_with_lora"), (minimoe, "group_bwd_W"), (_ops_module, "group_bwd_W"),
-              (minimoe, "dispatch_torch"), (minimoe, "dispatch_triton"),
-              (_moe_module, "dispatch_torch"), (_moe_module, "dispatch_triton")]
-_REFERENCE_KERNELS = ("_group_bwd_W_kernel",)
-
-
-@contextlib.contextmanager
-def _no_reference(allow=()):
-    """While the block runs, minimoe's backward (and the loops) raise if reached; the names
-    in `allow` (attribute names) stay usable."""
-    saved = {name: getattr(_kernels_module, name) for name in _REFERENCE_KERNELS}
-    try:
-        for name in saved:
-            setattr(_kernels_module, name, _Refuse(f"minimoe.kernels.{name}"))
-        with forbid([t for t in _REFERENCE if t[1] not in allow], globals()):
-            yield
-    finally:
-        for name, value in saved.items():
-            setattr(_kernels_module, name, value)
-
-
-class _Spy:
-    """Stands in for a kernel or function and counts its launches / calls."""
-
-    def __init__(self, target):
-        self.target, self.grids, self.calls = target, [], 0
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.target[grid]
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.target(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.target, name)
-
-
-@contextlib.contextmanager
-def _spy_on(name):
-    """Replace the notebook's global `name` by a _Spy while the block runs."""
-    spy = _Spy(globals()[name])
-    globals()[name] = spy
-    try:
-        yield spy
-    finally:
-        globals()[name] = spy.target
-
-
-def _routing(T, k, E, seed=0, only=None, skip=None):
-    """expert_idxs [T, k]: k distinct experts per token; `only` restricts the choice to those
-    experts, `skip` leaves one expert without tokens."""
-    g = torch.Generator().manual_seed(seed)
-    allowed = list(range(E)) if only is None else list(only)
-    if skip is not None:
-        allowed.remove(skip)
-    rows = [torch.tensor(allowed)[torch.randperm(len(allowed), generator=g)[:k]]
-            for _ in range(T)]
-    return torch.stack(rows).long()
+def _no_reference(*allow):
+    """harness.forbid(...) of the references, but for the objects in `allow`."""
+    return harness.forbid([t for t in _REFERENCE if t not in allow], globals())
 
 
 def _problem(T, K, N, E, k, seed=0, **routing):
     """x [T, K], W [E, K, N], expert_idxs [T, k], gates [T, k] (positive), dout [T, N]."""
-    g = torch.Generator().manual_seed(seed + 100)
-    x = torch.randn(T, K, generator=g)
-    W = torch.randn(E, K, N, generator=g) / K ** 0.5
-    gates = torch.rand(T, k, generator=g) + 0.1
-    dout = torch.randn(T, N, generator=g)
-    idx = _routing(T, k, E, seed, **routing)
-    return x.to(DEVICE), W.to(DEVICE), idx.to(DEVICE), gates.to(DEVICE), dout.to(DEVICE)
-
-
-def _where(x, W, idx):
-    return (f"T={x.shape[0]}, K={x.shape[1]}, N={W.shape[2]}, E={W.shape[0]}, "
-            f"k={idx.shape[1]}, tokens per expert "
-            f"{torch.bincount(idx.reshape(-1).cpu(), minlength=W.shape[0]).tolist()}")
+    return harness.expert_problem(T, K, N, E, k, seed, device=DEVICE, **routing)[:5]
 
 
 RTOL = 1e-5   # relative to the largest entry of the expected tensor (see Part A)
-
-
-def _close(got, want, what, rtol=RTOL):
-    """|got - want| <= rtol · (|want| + max |want|), elementwise; a message that says where."""
-    assert isinstance(got, torch.Tensor), f"{what}: expected a tensor, got {type(got).__name__}"
-    assert got.shape == want.shape, \
-        f"{what}: expected shape {tuple(want.shape)}, got {tuple(got.shape)}"
-    assert got.dtype == want.dtype, f"{what}: expected dtype {want.dtype}, got {got.dtype}"
-    got, want = got.detach().float().cpu(), want.detach().float().cpu()
-    scale = max(float(want.abs().max()) if want.numel() else 0.0, 1e-12)
-    err = (got - want).abs()
-    bad = err > rtol * (want.abs() + scale)
-    if bad.any():
-        where = bad.nonzero()[0].tolist()
-        raise AssertionError(
-            f"{what}: {int(bad.sum())} of {want.numel()} entries differ (tolerance {rtol:g} "
-            f"relative to max |expected| = {scale:.3g}); max error {float(err.max()):.3g}; "
-            f"first at index {where}: expected {float(want[tuple(where)]):.6g}, got "
-            f"{float(got[tuple(where)]):.6g}")
 
 
 def _zero_experts(dW, idx, what):
@@ -340,9 +230,9 @@ def _check_by_hand(T, K, N, E, k, seed=0, **routing):
         got = backward_by_hand(x, W, idx, gates, dout)
     assert isinstance(got, tuple) and len(got) == 3, \
         f"backward_by_hand must return (dx, dW, dgates), got {type(got).__name__}"
-    where = f"backward_by_hand, {_where(x, W, idx)}"
+    where = f"backward_by_hand, {harness.describe(x, W, idx)}"
     for name, gt, wt in zip(("dx", "dW", "dgates"), got, want, strict=True):
-        _close(gt, wt, f"{where}: {name}")
+        harness.assert_close(gt, wt, f"{where}: {name}")
     _zero_experts(got[1], idx, where)
 
 
@@ -529,7 +419,7 @@ def _launch_bwd_W(T, K, N, E, k, BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, seed=0, **r
         f"{where}: NaN left in dW at {DW.isnan().nonzero()[0].tolist()} — an element was never " \
         "written (store the accumulator even when the expert has no rows) or a row past " \
         "`end` was read (mask the rows against end)"
-    _close(DW, want, where)
+    harness.assert_close(DW, want, where)
     _zero_experts(DW, idx, where)
     outside = wbuf.clone()
     outside[:, :K, :N] = float("nan")
@@ -537,14 +427,8 @@ def _launch_bwd_W(T, K, N, E, k, BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, seed=0, **r
         f"{where} wrote outside dW[:, :K, :N]: mask the store with k < K and n < N"
 
 
-def _no_atomics(kernel):
-    fn = getattr(kernel, "fn", kernel)
-    names = [n for n in getattr(getattr(fn, "__code__", None), "co_names", ()) if "atomic" in n]
-    assert not names, f"group_bwd_W_kernel uses {names}: each program owns its dW tile, so no " \
-                      "atomics are needed (and they make the sum order non-deterministic)"
-
-
-_no_atomics(group_bwd_W_kernel)
+harness.assert_no_atomics(group_bwd_W_kernel, "each program owns its dW tile, so no atomics "
+                          "are needed (and they make the sum order non-deterministic)")
 _launch_bwd_W(7, 24, 40, 4, 2)                       # partial K and N tiles
 _launch_bwd_W(33, 40, 24, 8, 2, seed=1)              # rows loop over several BLOCK_M steps
 _launch_bwd_W(9, 24, 24, 4, 3, seed=2, skip=2)       # k = 3, expert 2 without rows
@@ -570,12 +454,12 @@ _bwd_W_reference = minimoe.group_bwd_W          # compared with before it is swi
 def _check_my_bwd_W(T, K, N, E, k, seed=0, **routing):
     Xg, DYg, offs, idx, want = _grouped_problem(T, K, N, E, k, seed, **routing)
     ref = _bwd_W_reference(DYg, Xg, offs, E)
-    _close(ref, want, "minimoe.group_bwd_W against the loop (the reference itself)")
-    with _no_reference(), _spy_on("group_bwd_W_kernel") as spy:
+    harness.assert_close(ref, want, "minimoe.group_bwd_W against the loop (the reference itself)")
+    with _no_reference(), harness.spy_on(globals(), group_bwd_W_kernel) as spy:
         got = my_group_bwd_W(DYg, Xg, offs, E)
     where = f"my_group_bwd_W, {_where_rows(Xg, DYg, E, idx)}"
     assert spy.grids, f"{where}: group_bwd_W_kernel was not launched"
-    _close(got, ref, where)
+    harness.assert_close(got, ref, where)
     _zero_experts(got, idx, where)
 
 
@@ -590,7 +474,7 @@ _check_my_bwd_W(13, 40, 40, 8, 3, seed=3, only=[1, 6, 7])
 _Xg, _DYg, _offs, _idx, _want = _grouped_problem(7, 24, 40, 4, 2, seed=4)
 _Xt = _Xg.T.contiguous().T
 with _no_reference():
-    _close(my_group_bwd_W(_DYg, _Xt, _offs, 4), _want, "my_group_bwd_W with a non-contiguous X")
+    harness.assert_close(my_group_bwd_W(_DYg, _Xt, _offs, 4), _want, "my_group_bwd_W with a non-contiguous X")
 # bad inputs
 _bad_calls = [
     ("DY with other rows", lambda: my_group_bwd_W(_DYg[:-1], _Xg, _offs, 4)),
@@ -603,14 +487,7 @@ _bad_calls = [
 if INTERPRET:
     _bad_calls.append(("float64 under the interpreter",
                        lambda: my_group_bwd_W(_DYg.double(), _Xg.double(), _offs, 4)))
-for _what, _call in _bad_calls:
-    try:
-        with _no_reference():
-            _call()
-    except ValueError:
-        pass
-    else:
-        raise AssertionError(f"my_group_bwd_W accepted {_what}; expected ValueError")
+harness.assert_rejects("my_group_bwd_W", _bad_calls, _no_reference)
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -727,7 +604,7 @@ def _check_grouped_dy(T, N, E, k, seed=0, gated=True, **routing):
         gates, want = None, dout[ssi]
     with _no_reference():
         got = grouped_dy(dout, ssi, k, gates)
-    _close(got, want, f"grouped_dy(gates={'[T, k]' if gated else None}), {_where(x, W, idx)}"
+    harness.assert_close(got, want, f"grouped_dy(gates={'[T, k]' if gated else None}), {harness.describe(x, W, idx)}"
            + (" — did the gate multiply dout?" if gated else ""))
 
 
@@ -758,7 +635,7 @@ def _check_input_grad(T, K, N, E, k, seed=0, grouped_in=False, **routing):
         want = _loop_grads(x, W, idx, gates, dout)[0]
     with _no_reference(), torch.no_grad():
         got = input_grad(dYg, W, sei, ssi, k, grouped_in=grouped_in)
-    _close(got, want, f"input_grad(grouped_in={grouped_in}), {_where(x, W, idx)}"
+    harness.assert_close(got, want, f"input_grad(grouped_in={grouped_in}), {harness.describe(x, W, idx)}"
            + ("" if grouped_in else " — the k copies of a token must be summed"))
 
 
@@ -857,10 +734,6 @@ def my_parallel_linear(x: torch.Tensor, W: torch.Tensor, k: int,
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_parallel_linear", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
-def _leaf(t):
-    return t.detach().clone().requires_grad_()
-
-
 def _ours_and_torch(x, W, idx, gates, dout, grouped_in=False, grouped_out=False):
     """(your output and gradients, minimoe's backend="torch" output and gradients)."""
     E, k = W.shape[0], idx.shape[1]
@@ -869,14 +742,14 @@ def _ours_and_torch(x, W, idx, gates, dout, grouped_in=False, grouped_out=False)
     kw = dict(gates=gates, grouped_in=grouped_in, grouped_out=grouped_out)
     results = {}
     for which in ("torch", "yours"):
-        xr, Wr = _leaf(xin), _leaf(W)
-        gr = None if gates is None else _leaf(gates)
+        xr, Wr = harness.leaf(xin), harness.leaf(W)
+        gr = None if gates is None else harness.leaf(gates)
         args = (xr, Wr, k, sei, ssi, offs)
         if which == "torch":
             out = minimoe.parallel_linear(*args, **{**kw, "gates": gr}, backend="torch")
             out.backward(dout)
         else:
-            with _no_reference(), _spy_on("my_group_bwd_W") as spy:
+            with _no_reference(), harness.spy_on(globals(), my_group_bwd_W) as spy:
                 out = my_parallel_linear(*args, **{**kw, "gates": gr})
                 out.backward(dout)
             assert spy.calls, "the backward of MyParallelLinear did not call my_group_bwd_W"
@@ -894,17 +767,17 @@ def _check_pl(T, K, N, E, k, seed=0, gated=True, grouped_in=False, grouped_out=F
     if not grouped_in and not grouped_out:              # the naive loop, where it applies
         loop = linear_loop(x, W, idx, gates)
         want_grads = _loop_grads(x, W, idx, gates, dout)
-        _close(ref[0], loop, "minimoe backend='torch' against the loop (the reference itself)")
+        harness.assert_close(ref[0], loop, "minimoe backend='torch' against the loop (the reference itself)")
     else:
         loop, want_grads = ref[0], ref[1:]
     where = (f"my_parallel_linear(gates={'[T, k]' if gated else None}, grouped_in={grouped_in},"
-             f" grouped_out={grouped_out}), {_where(x, W, idx)}")
-    _close(ours[0], loop, f"{where}: output")
+             f" grouped_out={grouped_out}), {harness.describe(x, W, idx)}")
+    harness.assert_close(ours[0], loop, f"{where}: output")
     for name, got, want in zip(("dx", "dW", "dgates"), ours[1:], want_grads, strict=True):
         if want is None:
             assert got is None, f"{where}: {name} should be None (no gates), got a tensor"
         else:
-            _close(got, want, f"{where}: {name}")
+            harness.assert_close(got, want, f"{where}: {name}")
     _zero_experts(ours[2], idx, f"{where}: dW")
     return ours, ref
 
@@ -934,15 +807,15 @@ else:
     raise AssertionError("my_parallel_linear accepted gates with grouped_out=True; expected "
                          "ValueError")
 # only x requires a gradient: W's gradient is not needed (and must not break the backward)
-_xr = _leaf(_xx)
+_xr = harness.leaf(_xx)
 with _no_reference():
     my_parallel_linear(_xr, _WW, 2, *_ss, gates=_gg).sum().backward()
-_close(_xr.grad, _loop_grads(_xx, _WW, _ii, _gg, torch.ones(4, 24))[0],
+harness.assert_close(_xr.grad, _loop_grads(_xx, _WW, _ii, _gg, torch.ones(4, 24))[0],
        "my_parallel_linear: dx when W and gates do not require gradients")
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_moe_step", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-def _moe_step(C, Fd, E, k, T, seed=0, use_yours=True):
+def _moe_step(C, Fd, E, k, T, seed=0):
     """One forward/backward of MoEMLP(backend="triton") (its parallel_linear replaced by
     yours) and of reference.moe_loop on the same parameters and routing."""
     torch.manual_seed(seed)
@@ -951,19 +824,16 @@ def _moe_step(C, Fd, E, k, T, seed=0, use_yours=True):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, C, generator=g).to(DEVICE)
     dout = torch.randn(T, C, generator=g).to(DEVICE)
-    xa = _leaf(x)
-    saved = _moe_module.parallel_linear
-    try:
-        with _no_reference(allow=("dispatch_triton",)):
-            _moe_module.parallel_linear = my_parallel_linear if use_yours else saved
-            out = moe(xa)
-            out.backward(dout)
-    finally:
-        _moe_module.parallel_linear = saved
+    xa = harness.leaf(x)
+    # minimoe.parallel_linear is yours wherever it is bound, the rest of the backward is off
+    with _no_reference(minimoe.dispatch_triton, minimoe.parallel_linear), \
+            harness.swap(minimoe.parallel_linear, harness.accept_routing(my_parallel_linear), globals()):
+        out = moe(xa)
+        out.backward(dout)
     grads = {"x": xa.grad, **{n: p.grad for n, p in moe.named_parameters()}}
     # the loop on copies of the same parameters, routed by the same (float32) router
-    ref = {n: _leaf(p) for n, p in moe.named_parameters()}
-    xb = _leaf(x)
+    ref = {n: harness.leaf(p) for n, p in moe.named_parameters()}
+    xb = harness.leaf(x)
     logits = F.linear(xb, ref["router.weight"])
     weights, experts = route(logits, k, renormalize=k > 1)
     assert torch.equal(experts, moe.last_experts), "routing differs between the two runs"
@@ -971,9 +841,9 @@ def _moe_step(C, Fd, E, k, T, seed=0, use_yours=True):
     out_loop.backward(dout)
     want = {"x": xb.grad, **{n: p.grad for n, p in ref.items()}}
     where = f"MoEMLP(backend='triton') with my_parallel_linear, C={C}, F={Fd}, E={E}, k={k}, T={T}"
-    _close(out.detach(), out_loop.detach(), f"{where}: output")
+    harness.assert_close(out.detach(), out_loop.detach(), f"{where}: output")
     for name in want:
-        _close(grads[name], want[name], f"{where}: gradient of {name}")
+        harness.assert_close(grads[name], want[name], f"{where}: gradient of {name}")
     for name in ("w_gate", "w_up", "w_down"):
         _zero_experts(grads[name], experts, f"{where}: {name}")
     return grads, want
@@ -1047,7 +917,7 @@ _x, _W, _idx, _gates, _dout = _problem(33, 40, 40, 8, 2, seed=60)
 _ss = flatten_sort_count(_idx, 8)
 try:
     for _name, _fn in (("yours", my_parallel_linear), ("minimoe (triton)", minimoe.parallel_linear)):
-        _xr, _Wr, _gr = _leaf(_x), _leaf(_W), _leaf(_gates)
+        _xr, _Wr, _gr = harness.leaf(_x), harness.leaf(_W), harness.leaf(_gates)
         _t0 = time.perf_counter()
         _o = _fn(_xr, _Wr, 2, *_ss, gates=_gr)
         _t1 = time.perf_counter()

@@ -49,7 +49,6 @@
 
 # %%
 import contextlib
-import importlib
 import os
 import time
 
@@ -65,8 +64,10 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import minimoe  # noqa: E402
+import minimoe.kernels  # noqa: E402
+import minimoe.parallel_experts  # noqa: E402
 import miniquant  # noqa: E402
-from labkit.course.forbid import forbid  # noqa: E402
+from labkit.course import harness  # noqa: E402
 from minimoe import (  # noqa: E402
     flatten_sort_count,
     group,
@@ -81,24 +82,7 @@ from miniquant.triton_dequant import (  # noqa: E402
     selective_dequantize_nf4_torch,
 )
 
-# Modules whose attributes the tests switch off (`minimoe.parallel_linear` is the function;
-# the module of the same name is reached this way).
-_pl_module = importlib.import_module("minimoe.parallel_experts")
-_kernels_module = importlib.import_module("minimoe.kernels")
-_ops_module = importlib.import_module("minimoe.ops")
-_moe_module = importlib.import_module("minimoe.moe")
-_experts_module = importlib.import_module("minimoe.experts")
-_nf4e_module = importlib.import_module("minimoe.nf4_experts")
-_nf4q_module = importlib.import_module("miniquant.nf4")
-_td_module = importlib.import_module("miniquant.triton_dequant")
-
-# The interpreter runs one program at a time with NumPy; extra CPU threads only add overhead.
-torch.set_num_threads(1)
-torch.manual_seed(0)
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
-print(f"torch {torch.__version__} | triton {triton.__version__} | "
-      f"{'Triton interpreter on the CPU' if INTERPRET else 'compiled Triton on ' + DEVICE}")
+INTERPRET, DEVICE = harness.triton_setup()   # one CPU thread, seed 0, and where kernels run
 
 # %% [markdown]
 # ## Part A — the math of expert LoRA
@@ -196,40 +180,21 @@ def split_lora_linear(x: torch.Tensor, W: torch.Tensor, k: int,
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_split_lora", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-# Helpers used by this and the later test cells.
-class _Refuse:
-    """A stand-in for a kernel that fails loudly when launched (kernel[grid](...))."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def _fail(self, *args, **kwargs):
-        raise AssertionError(f"{self.name} was launched while your code ran: this exercise "
-                             "rebuilds it, so it is switched off here")
-
-    __call__ = _fail
-    __getitem__ = _fail
-
-
-# What this lab rebuilds, the loops the tests compare with, and the full dequantizers.
-_REFERENCE = [(minimoe.reference, "linear_loop"), (minimoe.reference, "moe_loop"),
-              (minimoe, "scatter2scatter_lora"), (_ops_module, "scatter2scatter_lora"),
-              (minimoe, "group_bwd_lora"), (_ops_module, "group_bwd_lora"),
-              (minimoe, "parallel_linear"), (_pl_module, "parallel_linear"),
-              (_pl_module, "ParallelLinear"), (_pl_module, "_torch_parallel_linear"),
-              (_pl_module, "_split_lora"),
-              (minimoe, "nf4_parallel_linear"), (_nf4e_module, "nf4_parallel_linear"),
-              (minimoe, "NF4Experts"), (_nf4e_module, "NF4Experts"),
-              (minimoe, "ExpertLinear"), (_experts_module, "ExpertLinear"),
-              (_experts_module, "parallel_linear"), (_nf4e_module, "parallel_linear"),
-              (minimoe, "dispatch_torch"), (minimoe, "dispatch_triton"),
-              (_moe_module, "dispatch_torch"), (_moe_module, "dispatch_triton"),
-              (miniquant, "dequantize_nf4"), (_nf4q_module, "dequantize_nf4"),
-              (miniquant, "triton_dequantize_nf4"), (_td_module, "triton_dequantize_nf4"),
-              (NF4Weight, "dequantize")]
-_REFERENCE_KERNELS = ("_scatter2scatter_kernel", "_group_bwd_lora_kernel")
+# What this lab rebuilds, the loops the tests compare with, and the full dequantizers: each
+# raises if your code reaches it (under any name).
+_REFERENCE = [minimoe.reference.linear_loop, minimoe.reference.moe_loop,
+              minimoe.scatter2scatter_lora, minimoe.group_bwd_lora,
+              minimoe.parallel_linear, minimoe.parallel_experts.ParallelLinear,
+              minimoe.parallel_experts._torch_parallel_linear,
+              minimoe.parallel_experts._split_lora, minimoe.nf4_parallel_linear,
+              minimoe.NF4Experts, minimoe.ExpertLinear, minimoe.dispatch_torch,
+              minimoe.dispatch_triton, miniquant.dequantize_nf4, miniquant.triton_dequantize_nf4,
+              NF4Weight.dequantize, minimoe.kernels._scatter2scatter_kernel,
+              minimoe.kernels._group_bwd_lora_kernel]
 # Exercise 1 may run parallel_linear (the Lab 09 Function) without LoRA.
-_BASE_PL = ("parallel_linear", "ParallelLinear", "_torch_parallel_linear")
+_BASE_PL = (minimoe.parallel_linear, minimoe.parallel_experts.ParallelLinear,
+            minimoe.parallel_experts._torch_parallel_linear,
+            minimoe.kernels._scatter2scatter_kernel)
 _pl_reference = minimoe.parallel_linear
 
 
@@ -245,128 +210,23 @@ def _base_only(x, W, k, *args, **kwargs):
 def _no_reference(base_linear=False):
     """While the block runs, what this lab rebuilds raises if reached; with `base_linear`,
     parallel_linear (and the scatter2scatter kernel under it) stays usable without LoRA."""
-    kernels = [n for n in _REFERENCE_KERNELS if not (base_linear and n == "_scatter2scatter_kernel")]
-    targets = [t for t in _REFERENCE if not (base_linear and t[1] in _BASE_PL)]
-    saved = {name: getattr(_kernels_module, name) for name in kernels}
-    swapped = [(minimoe, "parallel_linear"), (_pl_module, "parallel_linear")] if base_linear else []
-    before = [getattr(o, n) for o, n in swapped]
-    alias = globals().get("parallel_linear")
-    try:
-        for name in saved:
-            setattr(_kernels_module, name, _Refuse(f"minimoe.kernels.{name}"))
-        for o, n in swapped:
-            setattr(o, n, _base_only)
-        if base_linear:
-            globals()["parallel_linear"] = _base_only
-        with forbid(targets, globals()):
+    if not base_linear:
+        with harness.forbid(_REFERENCE, globals()):
             yield
-    finally:
-        for name, value in saved.items():
-            setattr(_kernels_module, name, value)
-        for (o, n), value in zip(swapped, before, strict=True):
-            setattr(o, n, value)
-        globals()["parallel_linear"] = alias
-
-
-class _Spy:
-    """Stands in for a kernel or function and counts its launches / calls."""
-
-    def __init__(self, target):
-        self.target, self.grids, self.calls, self.results = target, [], 0, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.target[grid]
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        out = self.target(*args, **kwargs)
-        self.results.append((args, kwargs, out))
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self.target, name)
-
-
-@contextlib.contextmanager
-def _spy_on(*names):
-    """Replace the notebook's globals `names` by _Spy objects while the block runs."""
-    spies = [_Spy(globals()[n]) for n in names]
-    for n, s in zip(names, spies, strict=True):
-        globals()[n] = s
-    try:
-        yield spies[0] if len(spies) == 1 else spies
-    finally:
-        for n, s in zip(names, spies, strict=True):
-            globals()[n] = s.target
-
-
-def _routing(T, k, E, seed=0, only=None, skip=None):
-    """expert_idxs [T, k]: k distinct experts per token; `only` restricts the choice to those
-    experts, `skip` leaves one expert without tokens."""
-    g = torch.Generator().manual_seed(seed)
-    allowed = list(range(E)) if only is None else list(only)
-    if skip is not None:
-        allowed.remove(skip)
-    rows = [torch.tensor(allowed)[torch.randperm(len(allowed), generator=g)[:k]]
-            for _ in range(T)]
-    return torch.stack(rows).long()
+        return
+    with harness.forbid([t for t in _REFERENCE if t not in _BASE_PL], globals()), \
+            harness.swap(minimoe.parallel_linear, _base_only, globals()):
+        yield
 
 
 def _problem(T, K, N, E, k, r, seed=0, **routing):
     """x [T, K], W [E, K, N], expert_idxs [T, k], gates [T, k], dout [T, N],
     A [r·E, K], B [N, r·E] (B non-zero, so the LoRA term shows)."""
-    g = torch.Generator().manual_seed(seed + 100)
-    x = torch.randn(T, K, generator=g)
-    W = torch.randn(E, K, N, generator=g) / K ** 0.5
-    gates = torch.rand(T, k, generator=g) + 0.1
-    dout = torch.randn(T, N, generator=g)
-    A = torch.randn(r * E, K, generator=g) / K ** 0.5
-    B = torch.randn(N, r * E, generator=g) / r ** 0.5
-    idx = _routing(T, k, E, seed, **routing)
-    return tuple(t.to(DEVICE) for t in (x, W, idx, gates, dout, A, B))
-
-
-def _where(x, W, idx, r):
-    return (f"T={x.shape[0]}, K={x.shape[1]}, N={W.shape[2]}, E={W.shape[0]}, "
-            f"k={idx.shape[1]}, r={r}, tokens per expert "
-            f"{torch.bincount(idx.reshape(-1).cpu(), minlength=W.shape[0]).tolist()}")
-
-
-def _leaf(t):
-    return t.detach().clone().requires_grad_()
-
-
-def _loop(x, W, idx, gates, A, B, scaling, dout):
-    """(out, dx, dW, dgates, dA, dB) by autograd through reference.linear_loop (float32)."""
-    xr, Wr, Ar, Br = _leaf(x), _leaf(W), _leaf(A), _leaf(B)
-    gr = None if gates is None else _leaf(gates)
-    out = linear_loop(xr, Wr, idx, gr, Ar, Br, scaling)
-    out.backward(dout)
-    return out.detach(), xr.grad, Wr.grad, None if gr is None else gr.grad, Ar.grad, Br.grad
+    return harness.expert_problem(T, K, N, E, k, seed, r=r, device=DEVICE, **routing)
 
 
 RTOL = 1e-5   # relative to the largest entry of the expected tensor (float32 sums)
 SCALING = 0.5
-
-
-def _close(got, want, what, rtol=RTOL):
-    """|got - want| <= rtol · (|want| + max |want|), elementwise; a message that says where."""
-    assert isinstance(got, torch.Tensor), f"{what}: expected a tensor, got {type(got).__name__}"
-    assert got.shape == want.shape, \
-        f"{what}: expected shape {tuple(want.shape)}, got {tuple(got.shape)}"
-    assert got.dtype == want.dtype, f"{what}: expected dtype {want.dtype}, got {got.dtype}"
-    got, want = got.detach().float().cpu(), want.detach().float().cpu()
-    scale = max(float(want.abs().max()) if want.numel() else 0.0, 1e-12)
-    err = (got - want).abs()
-    bad = ~(err <= rtol * (want.abs() + scale))            # NaN counts as bad
-    if bad.any():
-        where = bad.nonzero()[0].tolist()
-        raise AssertionError(
-            f"{what}: {int(bad.sum())} of {want.numel()} entries differ (tolerance {rtol:g} "
-            f"relative to max |expected| = {scale:.3g}); max error {float(err.max()):.3g}; "
-            f"first at index {where}: expected {float(want[tuple(where)]):.6g}, got "
-            f"{float(got[tuple(where)]):.6g}")
 
 
 def _zero_lora(dA, dB, idx, E, what):
@@ -387,21 +247,21 @@ def _check_split(T, K, N, E, k, r, seed=0, gated=True, **routing):
     if not gated:
         gates = None
         dout = torch.randn(T * k, N, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
-    want = _loop(x, W, idx, gates, A, B, SCALING, dout)
+    want = harness.loop_grads(x, W, idx, gates, dout, A, B, SCALING)
     sei, ssi, offs = flatten_sort_count(idx, E)
-    xr, Wr, Ar, Br = _leaf(x), _leaf(W), _leaf(A), _leaf(B)
-    gr = None if gates is None else _leaf(gates)
+    xr, Wr, Ar, Br = harness.leaf(x), harness.leaf(W), harness.leaf(A), harness.leaf(B)
+    gr = None if gates is None else harness.leaf(gates)
     with _no_reference(base_linear=True):
         out = split_lora_linear(xr, Wr, k, sei, ssi, offs, Ar, Br, SCALING, gates=gr)
         out.backward(dout)
-    where = f"split_lora_linear(gates={'[T, k]' if gated else None}), {_where(x, W, idx, r)}"
-    _close(out, want[0], f"{where}: output")
+    where = f"split_lora_linear(gates={'[T, k]' if gated else None}), {harness.describe(x, W, idx, r)}"
+    harness.assert_close(out, want[0], f"{where}: output")
     for name, got, w in zip(("dx", "dW", "dgates", "dA", "dB"),
                             (xr.grad, Wr.grad, None if gr is None else gr.grad, Ar.grad, Br.grad),
                             want[1:], strict=True):
         if w is not None:
             assert got is not None, f"{where}: {name} is None — did the graph reach it?"
-            _close(got, w, f"{where}: {name}")
+            harness.assert_close(got, w, f"{where}: {name}")
     _zero_lora(Ar.grad, Br.grad, idx, E, where)
 
 
@@ -595,12 +455,12 @@ def _launch_s2s_lora(T, K, N, E, k, r, x_grouped=False, y_grouped=False, BLOCK_M
         FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=rank_block(r))
     where = (f"scatter2scatter_lora_kernel[{grid}] (x_grouped={x_grouped}, y_grouped="
-             f"{y_grouped}), {_where(x, W, idx, r)}, BLOCK_M/N/K/R = "
+             f"{y_grouped}), {harness.describe(x, W, idx, r)}, BLOCK_M/N/K/R = "
              f"{BLOCK_M}/{BLOCK_N}/{BLOCK_K}/{rank_block(r)}")
     assert not Y.isnan().any(), \
         f"{where}: NaN left in Y at {Y.isnan().nonzero()[0].tolist()}: an output row was never " \
         "stored"
-    _close(Y, want, where + (" — is the LoRA term there (and scaled)?"
+    harness.assert_close(Y, want, where + (" — is the LoRA term there (and scaled)?"
                              if not torch.allclose(Y, want, atol=1e-3) else ""))
     outside = ybuf.clone()
     outside[:M, :N] = float("nan")
@@ -628,13 +488,13 @@ def _check_s2s_lora(T, K, N, E, k, r, seed=0, x_grouped=False, y_grouped=False, 
     X = x[ssi // k] if x_grouped else x
     if y_grouped:
         want = want[ssi]
-    with _no_reference(), _spy_on("scatter2scatter_lora_kernel") as spy:
+    with _no_reference(), harness.spy_on(globals(), scatter2scatter_lora_kernel) as spy:
         got = my_scatter2scatter_lora(X, W, A, B, SCALING, sei, ssi, k, x_grouped=x_grouped,
                                       y_grouped=y_grouped)
     where = (f"my_scatter2scatter_lora(x_grouped={x_grouped}, y_grouped={y_grouped}), "
-             f"{_where(x, W, idx, r)}")
+             f"{harness.describe(x, W, idx, r)}")
     assert spy.grids, f"{where}: scatter2scatter_lora_kernel was not launched"
-    _close(got, want, where)
+    harness.assert_close(got, want, where)
 
 
 _check_s2s_lora(7, 24, 40, 4, 2, 2)
@@ -662,14 +522,7 @@ _bad_calls = [
 if INTERPRET:
     _bad_calls.append(("float64 under the interpreter", lambda: my_scatter2scatter_lora(
         _x.double(), _W.double(), _A.double(), _B.double(), 1.0, *_s, 2)))
-for _what, _call in _bad_calls:
-    try:
-        with _no_reference():
-            _call()
-    except ValueError:
-        pass
-    else:
-        raise AssertionError(f"my_scatter2scatter_lora accepted {_what}; expected ValueError")
+harness.assert_rejects("my_scatter2scatter_lora", _bad_calls, _no_reference)
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -835,21 +688,15 @@ def _launch_bwd_lora(T, K, N, E, k, r, BLOCK_M=16, BLOCK_P=16, BLOCK_Q=16, seed=
             f"{where}: NaN left in {name} at {got.isnan().nonzero()[0].tolist()}: an element " \
             "was never written (store even when the expert has no rows) or a row past `end` " \
             "was read"
-        _close(got, want, where)
+        harness.assert_close(got, want, where)
         outside = buf.clone()
         outside[inner] = float("nan")
         assert outside.isnan().all(), f"{where} wrote outside {name}: mask p < P and rr < R"
     _zero_lora(dAbuf[:r * E, :K], dBbuf[:N, :r * E], idx, E, where0)
 
 
-def _no_atomics(kernel):
-    fn = getattr(kernel, "fn", kernel)
-    names = [n for n in getattr(getattr(fn, "__code__", None), "co_names", ()) if "atomic" in n]
-    assert not names, f"group_bwd_lora_kernel uses {names}: each program owns its tile of " \
-                      "one expert's columns, so no atomics are needed"
-
-
-_no_atomics(group_bwd_lora_kernel)
+harness.assert_no_atomics(group_bwd_lora_kernel, "each program owns its tile of one expert's "
+                          "columns, so no atomics are needed")
 _launch_bwd_lora(7, 24, 40, 4, 2, 2)                     # partial tiles
 _launch_bwd_lora(9, 40, 24, 4, 3, 3, seed=1, skip=2)     # r = 3, expert 2 without rows
 print("group_bwd_lora_kernel matches a per-row outer-product loop for dA and dB, zeros for "
@@ -865,7 +712,7 @@ _launch_bwd_lora(7, 40, 40, 1, 1, 17, seed=5)                         # E = 1, B
 # %% nbgrader={"grade": true, "grade_id": "test_my_group_bwd_lora", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 def _check_my_bwd_lora(T, K, N, E, k, r, seed=0, **routing):
     Xg, DYg, A, B, offs, idx, wantA, wantB = _bwd_lora_problem(T, K, N, E, k, r, seed, **routing)
-    with _no_reference(), _spy_on("group_bwd_lora_kernel") as spy:
+    with _no_reference(), harness.spy_on(globals(), group_bwd_lora_kernel) as spy:
         got = my_group_bwd_lora(DYg, Xg, A, B, offs, SCALING)
     where = (f"my_group_bwd_lora, M={Xg.shape[0]}, K={K}, N={N}, E={E}, r={r}, rows per "
              f"expert {torch.bincount(idx.reshape(-1).cpu(), minlength=E).tolist()}")
@@ -873,8 +720,8 @@ def _check_my_bwd_lora(T, K, N, E, k, r, seed=0, **routing):
         f"{where}: expected (dA, dB), got {type(got).__name__}"
     assert len(spy.grids) >= 2, \
         f"{where}: expected your kernel launched twice (dB and dA), got {len(spy.grids)}"
-    _close(got[0], wantA, f"{where}: dA")
-    _close(got[1], wantB, f"{where}: dB")
+    harness.assert_close(got[0], wantA, f"{where}: dA")
+    harness.assert_close(got[1], wantB, f"{where}: dB")
     _zero_lora(got[0], got[1], idx, E, where)
 
 
@@ -889,8 +736,8 @@ _Xg, _DYg, _A, _B, _offs, _, _wA, _wB = _bwd_lora_problem(7, 24, 40, 4, 2, 2, se
 with _no_reference():
     _gA, _gB = my_group_bwd_lora(_DYg, _Xg.T.contiguous().T, _A.T.contiguous().T, _B, _offs,
                                  SCALING)
-_close(_gA, _wA, "my_group_bwd_lora with non-contiguous X and lora_A: dA")
-_close(_gB, _wB, "my_group_bwd_lora with non-contiguous X and lora_A: dB")
+harness.assert_close(_gA, _wA, "my_group_bwd_lora with non-contiguous X and lora_A: dA")
+harness.assert_close(_gB, _wB, "my_group_bwd_lora with non-contiguous X and lora_A: dB")
 _bad_calls = [
     ("DY with other rows", lambda: my_group_bwd_lora(_DYg[:-1], _Xg, _A, _B, _offs, 1.0)),
     ("lora_A of the wrong K", lambda: my_group_bwd_lora(_DYg, _Xg, _A[:, :-1], _B, _offs, 1.0)),
@@ -899,14 +746,7 @@ _bad_calls = [
     ("decreasing offsets", lambda: my_group_bwd_lora(_DYg, _Xg, _A, _B, _offs.flip(0), 1.0)),
     ("float offsets", lambda: my_group_bwd_lora(_DYg, _Xg, _A, _B, _offs.float(), 1.0)),
 ]
-for _what, _call in _bad_calls:
-    try:
-        with _no_reference():
-            _call()
-    except ValueError:
-        pass
-    else:
-        raise AssertionError(f"my_group_bwd_lora accepted {_what}; expected ValueError")
+harness.assert_rejects("my_group_bwd_lora", _bad_calls, _no_reference)
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -1014,7 +854,7 @@ def _check_fn(T, K, N, E, k, r, seed=0, gated=True, grouped_in=False, grouped_ou
     if grouped_in or grouped_out:
         # no loop for sorted layouts: minimoe's torch path (split LoRA), checked by its tests
         xin = x[ssi // k] if grouped_in else x
-        refs = [_leaf(t) for t in (xin, W, A, B)] + [None if gates is None else _leaf(gates)]
+        refs = [harness.leaf(t) for t in (xin, W, A, B)] + [None if gates is None else harness.leaf(gates)]
         out = _pl_reference(refs[0], refs[1], k, sei, ssi, offs, gates=refs[4],
                             grouped_in=grouped_in, grouped_out=grouped_out, lora_A=refs[2],
                             lora_B=refs[3], scaling=SCALING, backend="torch")
@@ -1023,20 +863,20 @@ def _check_fn(T, K, N, E, k, r, seed=0, gated=True, grouped_in=False, grouped_ou
                 None if gates is None else refs[4].grad, refs[2].grad, refs[3].grad)
         x = xin
     else:
-        want = _loop(x, W, idx, gates, A, B, SCALING, dout)
-    xr, Ar, Br = _leaf(x), _leaf(A), _leaf(B)
-    Wr = _leaf(W) if W_grad else W.clone()
-    gr = None if gates is None else _leaf(gates)
-    with _no_reference(), _spy_on("my_scatter2scatter_lora", "my_group_bwd_lora") as (s2s, bwd):
+        want = harness.loop_grads(x, W, idx, gates, dout, A, B, SCALING)
+    xr, Ar, Br = harness.leaf(x), harness.leaf(A), harness.leaf(B)
+    Wr = harness.leaf(W) if W_grad else W.clone()
+    gr = None if gates is None else harness.leaf(gates)
+    with _no_reference(), harness.spy_on(globals(), my_scatter2scatter_lora, my_group_bwd_lora) as (s2s, bwd):
         out = my_lora_parallel_linear(xr, Wr, k, sei, ssi, offs, Ar, Br, SCALING, gates=gr,
                                       grouped_in=grouped_in, grouped_out=grouped_out)
         out.backward(dout)
     where = (f"my_lora_parallel_linear(gates={'[T, k]' if gated else None}, grouped_in="
-             f"{grouped_in}, grouped_out={grouped_out}), {_where(x, W, idx, r)}")
+             f"{grouped_in}, grouped_out={grouped_out}), {harness.describe(x, W, idx, r)}")
     assert s2s.calls >= 2, f"{where}: expected my_scatter2scatter_lora in the forward and for " \
                            f"dx in the backward (2 calls), got {s2s.calls}"
     assert bwd.calls >= 1, f"{where}: the backward did not call my_group_bwd_lora"
-    _close(out, want[0], f"{where}: output")
+    harness.assert_close(out, want[0], f"{where}: output")
     for name, got, w in zip(("dx", "dW", "dgates", "dA", "dB"),
                             (xr.grad, Wr.grad if W_grad else None,
                              None if gr is None else gr.grad, Ar.grad, Br.grad),
@@ -1048,7 +888,7 @@ def _check_fn(T, K, N, E, k, r, seed=0, gated=True, grouped_in=False, grouped_ou
             assert got is None, f"{where}: {name} should be None (no gates), got a tensor"
         else:
             assert got is not None, f"{where}: {name} is None"
-            _close(got, w, f"{where}: {name}")
+            harness.assert_close(got, w, f"{where}: {name}")
     _zero_lora(Ar.grad, Br.grad, idx, E, where)
 
 
@@ -1092,7 +932,7 @@ _ss = flatten_sort_count(_idx, 8)
 try:
     _res = {}
     for _name, _fn in (("split (Ex. 1)", split_lora_linear), ("fused (Ex. 4)", my_lora_parallel_linear)):
-        _xr, _Ar, _Br = _leaf(_x), _leaf(_A), _leaf(_B)
+        _xr, _Ar, _Br = harness.leaf(_x), harness.leaf(_A), harness.leaf(_B)
         _t0 = time.perf_counter()
         _o = _fn(_xr, _W, 2, *_ss, _Ar, _Br, SCALING, gates=_g)
         _t1 = time.perf_counter()
@@ -1187,19 +1027,19 @@ def _check_nf4(T, K, N, E, k, r, seed=0, gated=True, double_quant=True, **routin
     ss = flatten_sort_count(idx, E)
     used = sorted(set(idx.reshape(-1).tolist()))
     # the reference: parallel_linear (fused LoRA) on the fully dequantized weight
-    refs = [_leaf(t) for t in (x, A, B)] + [None if gates is None else _leaf(gates)]
+    refs = [harness.leaf(t) for t in (x, A, B)] + [None if gates is None else harness.leaf(gates)]
     want = _pl_reference(refs[0], q.dequantize(), k, *ss, gates=refs[3], lora_A=refs[1],
                          lora_B=refs[2], scaling=SCALING)
     want.backward(dout)
-    xr, Ar, Br = _leaf(x), _leaf(A), _leaf(B)
-    gr = None if gates is None else _leaf(gates)
+    xr, Ar, Br = harness.leaf(x), harness.leaf(A), harness.leaf(B)
+    gr = None if gates is None else harness.leaf(gates)
     stats = {}
-    with _no_reference(), _spy_on("selective_dequantize_nf4_torch",
-                                  "selective_dequantize_nf4") as (sp_t, sp_k):
+    with _no_reference(), harness.spy_on(globals(), selective_dequantize_nf4_torch,
+                                 selective_dequantize_nf4) as (sp_t, sp_k):
         out = nf4_lora_linear(xr, q, k, *ss, Ar, Br, SCALING, gates=gr, stats=stats)
         out.backward(dout)
     where = (f"nf4_lora_linear(gates={'[T, k]' if gated else None}, double_quant="
-             f"{double_quant}), {_where(x, W, idx, r)}")
+             f"{double_quant}), {harness.describe(x, W, idx, r)}")
     calls = sp_t.results + sp_k.results
     assert len(calls) == 1, f"{where}: expected one selective dequantize call, got {len(calls)}"
     args, kwargs, Wc = calls[0]
@@ -1212,16 +1052,16 @@ def _check_nf4(T, K, N, E, k, r, seed=0, gated=True, double_quant=True, **routin
     assert stats.get("dequant_bytes") == len(used) * K * N * 4 == Wc.numel() * Wc.element_size(), \
         f"{where}: dequant_bytes: expected {len(used)} · {K} · {N} · 4 = {len(used) * K * N * 4}," \
         f" got {stats.get('dequant_bytes')}"
-    _close(out, want.detach(), f"{where}: output")
+    harness.assert_close(out, want.detach(), f"{where}: output")
     for name, got, w in (("dx", xr.grad, refs[0].grad), ("dA", Ar.grad, refs[1].grad),
                          ("dB", Br.grad, refs[2].grad)) + \
             ((("dgates", gr.grad, refs[3].grad),) if gated else ()):
         assert got is not None, f"{where}: {name} is None"
-        _close(got, w, f"{where}: {name}")
+        harness.assert_close(got, w, f"{where}: {name}")
     _zero_lora(Ar.grad, Br.grad, idx, E, where)
     # poison the unused experts: the output must not move, gradients must stay finite
     _poison(q, keep=used)
-    xp = _leaf(x)
+    xp = harness.leaf(x)
     with _no_reference():
         again = nf4_lora_linear(xp, q, k, *ss, A, B, SCALING, gates=gates)
         again.sum().backward()
@@ -1307,8 +1147,8 @@ _xt = torch.randn(_T, _K, generator=_gt).to(DEVICE)
 _it = torch.tensor([0, 2])[torch.randint(0, 2, (_T, 1), generator=_gt)].to(DEVICE)   # 0 or 2
 _target = torch.stack([_xt[t] @ (_Wt[e] + _delta[e]) for t, e in enumerate(_it[:, 0].tolist())])
 _sc = 2.0 / _r
-_At = _leaf((torch.randn(_r * _E, _K, generator=_gt) / _K ** 0.5).to(DEVICE))
-_Bt = _leaf(torch.zeros(_N, _r * _E, device=DEVICE))
+_At = harness.leaf((torch.randn(_r * _E, _K, generator=_gt) / _K ** 0.5).to(DEVICE))
+_Bt = harness.leaf(torch.zeros(_N, _r * _E, device=DEVICE))
 _sst = flatten_sort_count(_it, _E)
 _norms, _losses = [], []
 try:

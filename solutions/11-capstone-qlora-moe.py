@@ -35,7 +35,7 @@
 # | 1 | `qlora_moe(model, r, alpha, blocksize)`: NF4 + LoRA on attention and on every expert | `minituner.qlora.wrap_minigpt_qlora`: structure, buffers, trainable set, logits |
 # | 2 | `expert_lora_norms(model)`: ‖s·B_e·A_e‖_F per expert | a naive loop; exactly 0 for an expert whose B is zero |
 # | 3 | `reward_weighted_batch_loss(logits, targets, mask, rewards)` | `minituner.reward_weights` + `sequence_loss`, value and gradient |
-# | 4 | `memory_bill(model, optimizer, x)`: weights, grads, optimizer state, activations | `labkit.memory.held_bytes` + `saved_activation_bytes` |
+# | 4 | `memory_bill(model, optimizer, x)`: weights, grads, optimizer state, activations | `labkit.measure.held_bytes` + `saved_activation_bytes` |
 #
 # Experiment 11 (`experiments/11-qlora-moe`) is the long version of this lab: 150 steps of
 # QLoRA on the MoE against LoRA on the float MoE and dense QLoRA, a reward-weighted run on the
@@ -51,7 +51,6 @@
 # the notebook runs in about a minute.
 
 # %%
-import importlib
 import logging
 import math
 import time
@@ -67,8 +66,9 @@ import minigpt  # noqa: E402
 import minituner  # noqa: E402
 import minituner.data  # noqa: E402
 import minituner.qlora  # noqa: E402
-from labkit import memory  # noqa: E402
-from labkit.course.forbid import forbid  # noqa: E402
+import minituner.trainer  # noqa: E402
+from labkit import measure  # noqa: E402
+from labkit.course.harness import forbid, pairs_of, randomize_lora  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks  # noqa: E402
 from minigpt.generate import greedy_generate  # noqa: E402
 from minimoe import MoEMLP, NF4Experts, attach_expert_lora  # noqa: E402
@@ -78,6 +78,7 @@ from minituner import (  # noqa: E402
     LoRALinear,
     SequenceData,
     TrainConfig,
+    memory,
     reward_weights,
     sequence_loss,
     train,
@@ -122,23 +123,9 @@ def small_moe(seed=0, config=SMALL_MOE) -> MiniGPT:
     return use_torch_backend(MiniGPT(config)).eval()
 
 
-def randomize_lora(model: nn.Module, seed=1, std=0.1) -> None:
-    """Random lora_A / lora_B values, so that an adapter does something (B starts at zero)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * std)
-
-
-def pairs_of(examples):
-    """Examples -> (prompt ids, answer ids + eos) pairs, as the training data holds them."""
-    return [(tok.encode(e.prompt), tok.encode(e.answer) + [tok.eos_id]) for e in examples]
-
-
 def task_batch(task=HELD_OUT, n=8, seed=0, split="train"):
     """(x, y, mask) [n, L] of one task: inputs, next-token targets, answer mask."""
-    data = SequenceData.from_pairs(pairs_of(tasks.make_examples(task, n, seed, split)),
+    data = SequenceData.from_pairs(pairs_of(tasks.make_examples(task, n, seed, split), tok),
                                    pad_id=tok.pad_id)
     return data.batch(torch.arange(n))
 
@@ -194,13 +181,7 @@ def qlora_moe(model: nn.Module, r: int = 8, alpha: float = 16.0, blocksize: int 
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_qlora_moe", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
-def _forbid(*targets):
-    """While the block runs, the given (object, attribute) pairs raise if called (also through
-    names the notebook imported from them)."""
-    return forbid(targets, globals())
-
-
-_NO_REFERENCE_WRAP = [(minituner.qlora, "wrap_minigpt_qlora")]
+_NO_REFERENCE_WRAP = [minituner.qlora.wrap_minigpt_qlora]
 
 
 def _structure(model):
@@ -227,7 +208,7 @@ def _check_qlora_moe(make, r=8, alpha=16.0, blocksize=64, what=""):
     where = f"{what}qlora_moe(r={r}, alpha={alpha}, blocksize={blocksize})"
     mine, ref = make(), make()
     torch.manual_seed(5)
-    with _forbid(*_NO_REFERENCE_WRAP):
+    with forbid(_NO_REFERENCE_WRAP, globals()):
         names = qlora_moe(mine, r=r, alpha=alpha, blocksize=blocksize)
     torch.manual_seed(5)
     want_names = wrap_minigpt_qlora(ref, r=r, alpha=alpha,
@@ -297,7 +278,7 @@ for _bad in (_q, small_moe()):
         attach_expert_lora(_bad.blocks[1].mlp, r=2, nf4=False)   # experts wrapped, attn not
     _before = _structure(_bad)
     try:
-        with _forbid(*_NO_REFERENCE_WRAP):
+        with forbid(_NO_REFERENCE_WRAP, globals()):
             qlora_moe(_bad)
     except ValueError:
         pass
@@ -318,7 +299,7 @@ float_lora = load_moe()
 wrap_minigpt_qlora(float_lora, r=8, alpha=16.0, quantize=False)
 for label, model in (("plain float MoE", base), ("LoRA, float base", float_lora),
                      ("QLoRA, NF4 base", qlora)):
-    w = memory.held_bytes(model).weights
+    w = measure.held_bytes(model).weights
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"{label:<17} weights held {w / MiB:5.2f} MiB | trainable {n_train:>9,}")
 share = sum(p.numel() for n, p in qlora.named_parameters() if p.requires_grad and ".mlp." in n)
@@ -461,11 +442,8 @@ def reward_weighted_batch_loss(logits: torch.Tensor, targets: torch.Tensor, mask
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_reward_weighted_batch_loss", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
-# `minituner.train` is the training function; its module is reached through sys.modules.
-_TRAIN_MODULE = importlib.import_module("minituner.trainer")
-_NO_REWARD_REFS = [(minituner, "reward_weights"), (minituner.data, "reward_weights"),
-                   (minituner, "sequence_loss"), (_TRAIN_MODULE, "sequence_loss"),
-                   (SequenceData, "with_rewards")]
+_NO_REWARD_REFS = [minituner.reward_weights, minituner.trainer.sequence_loss,
+                   SequenceData.with_rewards]
 
 
 def _reference_loss(logits, targets, mask, rewards):
@@ -477,7 +455,7 @@ def _reference_loss(logits, targets, mask, rewards):
 def _check_loss(logits, targets, mask, rewards, what):
     mine_logits = logits.detach().clone().requires_grad_(True)
     ref_logits = logits.detach().clone().requires_grad_(True)
-    with _forbid(*_NO_REWARD_REFS):
+    with forbid(_NO_REWARD_REFS, globals()):
         got = reward_weighted_batch_loss(mine_logits, targets, mask, rewards)
     want = _reference_loss(ref_logits, targets, mask, rewards)
     assert isinstance(got, torch.Tensor) and got.dim() == 0, \
@@ -526,7 +504,7 @@ for _bad, _why in (([1.0, 2.0], "two rewards for three examples"),
                    ([1.0, float("nan"), 0.0], "a NaN reward"),
                    ([1.0, float("inf"), 0.0], "an infinite reward")):
     try:
-        with _forbid(*_NO_REWARD_REFS):
+        with forbid(_NO_REWARD_REFS, globals()):
             reward_weighted_batch_loss(*_random_batch(3, 4, seed=7), _bad)
     except ValueError:
         pass
@@ -553,7 +531,7 @@ for _bad, _why in (([1.0, 2.0], "two rewards for three examples"),
 # * `activations` is `minituner.saved_activation_bytes(model, x)` (allowed: it is the
 #   measurement tool, not the exercise).
 #
-# Off-limits: `labkit.memory.held_bytes`.
+# Off-limits: `labkit.measure.held_bytes`.
 
 # %% nbgrader={"grade": false, "grade_id": "memory_bill", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def memory_bill(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor
@@ -584,12 +562,12 @@ def memory_bill(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Ten
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_memory_bill", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
-_NO_HELD = [(memory, "held_bytes")]
+_NO_HELD = [(measure, "held_bytes")]   # labkit lies outside the course packages
 KEYS = ("weights", "grads", "optimizer", "activations", "total")
 
 
 def _bill(model, optimizer, x):
-    with _forbid(*_NO_HELD):
+    with forbid(_NO_HELD, globals()):
         got = memory_bill(model, optimizer, x)
     assert isinstance(got, dict) and all(k in got for k in KEYS), \
         f"memory_bill should return a dict with the keys {KEYS}, got " \
@@ -601,7 +579,7 @@ def _bill(model, optimizer, x):
 
 def _check_bill(model, optimizer, x, what):
     got = _bill(model, optimizer, x)
-    held = memory.held_bytes(model, optimizer)
+    held = measure.held_bytes(model, optimizer)
     want = {"weights": held.weights, "grads": held.grads, "optimizer": held.optimizer,
             "activations": saved_activation_bytes(model, x)}
     want["total"] = sum(want.values())
@@ -662,7 +640,7 @@ _ = _check_bill(_fl, _o, _xs, "hidden: float LoRA on a small MoE after two steps
 #
 # Three regimes on the same batch of 8 `rev` examples, one AdamW step each: full fine-tuning
 # of the float MoE, LoRA on the float MoE, and your QLoRA. Beside each, what
-# `labkit.memory.predict_training` says from the shape and the token count alone. Its
+# `minituner.memory.predict_training` says from the shape and the token count alone. Its
 # activations include the loss (the logits' softmax and the target ids), which
 # `memory_bill`'s plain forward does not run, so they read a little above the measurement.
 
@@ -758,7 +736,7 @@ def routing_share(model, n=16):
     out = {}
     with torch.no_grad():
         for t in tasks.TASKS:
-            x = SequenceData.from_pairs(pairs_of(tasks.make_examples(t, n, 0, "eval")),
+            x = SequenceData.from_pairs(pairs_of(tasks.make_examples(t, n, 0, "eval"), tok),
                                         pad_id=tok.pad_id).tokens
             model.eval()(x)
             counts = sum(torch.bincount(m.last_experts.reshape(-1), minlength=m.n_experts)
@@ -769,7 +747,7 @@ def routing_share(model, n=16):
 
 student = build("qlora")
 before = routing_share(student)
-train_pairs = pairs_of(tasks.make_examples(HELD_OUT, 24, 0, "train"))
+train_pairs = pairs_of(tasks.make_examples(HELD_OUT, 24, 0, "train"), tok)
 gen = torch.Generator().manual_seed(7)
 sampled = greedy_generate(student, [p for p, _ in train_pairs], 10, tok.eos_id,
                           temperature=1.0, generator=gen)

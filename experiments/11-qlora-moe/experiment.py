@@ -27,11 +27,18 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from labkit import RunContext, memory, sha256_json  # noqa: E402
+from labkit import RunContext, measure, sha256_json  # noqa: E402
 from minigpt import CharTokenizer, base_path, evaluate, load_checkpoint, tasks  # noqa: E402
 from minigpt.generate import greedy_generate  # noqa: E402
 from minimoe import MoEMLP  # noqa: E402
-from minituner import SequenceData, TrainConfig, peak_step_bytes, saved_activation_bytes, train  # noqa: E402
+from minituner import (  # noqa: E402
+    SequenceData,
+    TrainConfig,
+    memory,
+    peak_step_bytes,
+    saved_activation_bytes,
+    train,
+)
 from minituner.qlora import wrap_minigpt_qlora  # noqa: E402
 
 MB = 2**20
@@ -51,9 +58,7 @@ def build(base: Path, regime: str, cfg: dict, backend: str = "torch"):
     """A model of `regime`: "full" (float, all trainable), "lora" (float base + LoRA, experts
     too), "qlora" (NF4 base + LoRA)."""
     model = load_checkpoint(base)
-    for m in model.modules():
-        if isinstance(m, MoEMLP):
-            m.backend = backend
+    model.set_moe_backend(backend)          # the config's moe_backend, and every MoE MLP's
     if regime != "full":
         wrap_minigpt_qlora(model, quant_scheme=cfg["quant_scheme"], quantize=regime == "qlora",
                            **cfg["lora"])
@@ -143,7 +148,7 @@ def memory_row(model, cfg: dict, regime: str, x, y) -> dict:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    held = memory.held_bytes(model, opt).as_dict()
+    held = measure.held_bytes(model, opt).as_dict()
     # The ledger leaves out what the caller passed in; autograd keeps the targets, and the
     # input ids too when the embedding trains.
     ids = y.nbytes + (x.nbytes if regime == "full" else 0)

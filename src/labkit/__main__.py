@@ -10,8 +10,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from .course.build import CELL_TIMEOUT_S
 from .errors import InputError
+
+# The course subcommands import labkit.course (jupytext, nbgrader) inside their functions, so
+# that `run` and `reproduce` need only the runtime dependencies.
 
 
 def _run(args) -> int:
@@ -38,6 +40,13 @@ def _course(args) -> int:
     return 0
 
 
+def _cell_timeout(args) -> int:
+    """--timeout, or the course's per-cell limit when it was not given."""
+    from .course.build import CELL_TIMEOUT_S
+
+    return CELL_TIMEOUT_S if args.timeout is None else args.timeout
+
+
 def _grade(args) -> int:
     from .course.grading import grade, merge_into, read_csv
 
@@ -47,7 +56,7 @@ def _grade(args) -> int:
         print(f"merged {len(args.merge)} grades.csv file(s) into {out / 'grades.csv'}: "
               f"{len(rows)} row(s)")
     if args.submissions:
-        grade(Path(args.submissions), Path(args.root), out, timeout=args.timeout,
+        grade(Path(args.submissions), Path(args.root), out, timeout=_cell_timeout(args),
               force=args.force, course=Path(args.course) if args.course else None,
               jobs=args.jobs, unsafe_no_sandbox=args.unsafe_no_sandbox)
     elif not args.merge:
@@ -61,11 +70,23 @@ def _check_exercises(args) -> int:
     return 0 if check_exercises(Path(args.root), labs=args.labs) else 1
 
 
+def _which_lab(root: Path) -> InputError:
+    """The error for `check` without a lab: how to call it, and the labs there are."""
+    from .course.learner import released_labs
+
+    labs = ", ".join(released_labs(root)) or f"none found under {root / 'labs'}"
+    return InputError("say which lab to check: `make check LAB=NN-name` or "
+                      f"`python -m labkit check NN-name` (labs: {labs})")
+
+
 def _check(args) -> int:
+    if args.lab is None:
+        raise _which_lab(Path(args.root))
     from .course.exercises import self_check
 
     notebook = Path(args.notebook) if args.notebook else None
-    return 0 if self_check(Path(args.root), args.lab, notebook, timeout=args.timeout) else 1
+    return 0 if self_check(Path(args.root), args.lab, notebook,
+                           timeout=_cell_timeout(args)) else 1
 
 
 def _work(args) -> int:
@@ -104,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true",
                    help="do not write labs/; fail if it differs from a fresh build")
     p.set_defaults(func=_course)
-    timeout_help = "seconds a cell may run before it is stopped (default %(default)s)"
+    timeout_help = "seconds a cell may run before it is stopped (default: the course's limit, " \
+                   "CELL_TIMEOUT_S in labkit/course/build.py)"
     p = sub.add_parser("grade", help="autograde SUBMISSIONS/<student>/<NN-name>.ipynb "
                        "(or SUBMISSIONS/submitted/<student>/<NN-name>/<NN-name>.ipynb)")
     p.add_argument("submissions", nargs="?")
@@ -121,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                    "OUT/grades.csv first; a later file wins for the same student and lab")
     p.add_argument("--course", help="nbgrader course directory to grade in "
                    "(default build/course)")
-    p.add_argument("--timeout", type=_positive_int, default=CELL_TIMEOUT_S, help=timeout_help)
+    p.add_argument("--timeout", type=_positive_int, default=None, help=timeout_help)
     p.add_argument("--force", action="store_true",
                    help="grade again even submissions the journal says are unchanged")
     p.set_defaults(func=_grade)
@@ -130,12 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("labs", nargs="*", help="lab names (default: all)")
     p.set_defaults(func=_check_exercises)
     p = sub.add_parser("check", help="run a learner's notebook; pass/fail of each visible test")
-    p.add_argument("lab", help="lab name, e.g. 00-setup-minigpt")
+    p.add_argument("lab", nargs="?", help="lab name, e.g. 00-setup-minigpt")
     p.add_argument("--notebook", help="the notebook to check "
                    "(default work/LAB.ipynb, your copy; else the blank release "
                    "labs/LAB/LAB.ipynb)")
     p.add_argument("--root", default=".")
-    p.add_argument("--timeout", type=_positive_int, default=CELL_TIMEOUT_S, help=timeout_help)
+    p.add_argument("--timeout", type=_positive_int, default=None, help=timeout_help)
     p.set_defaults(func=_check)
     p = sub.add_parser("work", help="copy each lab's release to work/NN-name.ipynb where "
                        "there is no copy yet (never overwrites)")

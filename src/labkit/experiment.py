@@ -21,8 +21,16 @@ from pathlib import Path
 from .atomic import atomic_write_text
 from .compare import Moved, compare_metrics
 from .hashing import sha256_file
-from .manifest import ManifestError, environment, git_state, read_manifest, write_manifest
-from .memory import measure
+from .manifest import (
+    ManifestError,
+    check_artifact_name,
+    check_config,
+    environment,
+    git_state,
+    read_manifest,
+    write_manifest,
+)
+from .measure import measure
 from .seed import seed_everything
 
 # Environment fields that must agree for reproduce to demand bit-identical numbers.
@@ -43,12 +51,12 @@ class RunContext:
 
     def artifact(self, name: str) -> Path:
         """Path for an output file whose bytes are part of the result (checkpoints, adapters)."""
-        self.artifacts.append(name)
+        self.artifacts.append(check_artifact_name(name, "ctx.artifact"))
         return self.out_dir / name
 
     def output(self, name: str) -> Path:
         """Path for an output file that is kept but not hashed (figures, reports)."""
-        return self.out_dir / name
+        return self.out_dir / check_artifact_name(name, "ctx.output")
 
     def record_input(self, path: str | Path) -> Path:
         """Hash a file the run reads (e.g. a base checkpoint); reproduce checks it is unchanged."""
@@ -75,14 +83,12 @@ def load_experiment(exp_dir: Path):
 def read_config(exp_dir: Path) -> dict:
     path = exp_dir / "config.json"
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ManifestError(f"{exp_dir} has no config.json") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(cfg.get("seed"), int):
-        raise ManifestError(f"{path} must give an integer 'seed'")
-    return cfg
+    return check_config(cfg, str(path))
 
 
 def _execute(exp_dir: Path, cfg: dict, out_dir: Path) -> tuple[dict, RunContext, dict]:
@@ -103,7 +109,10 @@ def _execute(exp_dir: Path, cfg: dict, out_dir: Path) -> tuple[dict, RunContext,
 def run_experiment(exp_dir: str | Path, cfg: dict | None = None) -> dict:
     """Run `exp_dir` with its config.json (or `cfg`) and write its outputs and manifest."""
     exp_dir = Path(exp_dir).resolve()
-    cfg = read_config(exp_dir) if cfg is None else cfg
+    if not exp_dir.is_dir():
+        raise ManifestError(f"{exp_dir} is not an experiment folder (expected a folder holding "
+                            "experiment.py and config.json, e.g. experiments/00-pretrain-base)")
+    cfg = read_config(exp_dir) if cfg is None else check_config(cfg, "cfg")
     git = git_state(exp_dir)    # the code that runs, before this run's outputs appear
     with tempfile.TemporaryDirectory(prefix=".run-", dir=exp_dir) as tmp:
         metrics, ctx, measured = _execute(exp_dir, cfg, Path(tmp))
@@ -147,6 +156,11 @@ class ReproduceReport:
 
 def verify_files(manifest: dict, exp_dir: Path) -> None:
     """Refuse a manifest whose recorded inputs or artifacts no longer match the files."""
+    inside = exp_dir.resolve()
+    for name in manifest["artifacts"]:     # through a symbolic link counts as outside
+        if not (exp_dir / check_artifact_name(name)).resolve().is_relative_to(inside):
+            raise ManifestError(f"artifact {name!r} resolves outside {exp_dir} (a symbolic "
+                                "link?); refusing to read it")
     recorded = {**manifest["inputs"], **manifest["artifacts"]}
     for rel, digest in recorded.items():
         path = exp_dir / rel

@@ -11,7 +11,7 @@ import json
 import platform
 import subprocess
 from importlib import metadata
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
@@ -22,12 +22,80 @@ from .hashing import sha256_json
 SCHEMA = 1
 REQUIRED = ("schema", "experiment", "config", "seed", "git", "env", "data", "inputs",
             "artifacts", "metrics", "wall_time_s", "peak_memory_mb", "manifest_sha256")
+# Fields that hold JSON objects; the three digest maps go from a name to a sha256 string.
+OBJECTS = ("config", "git", "env", "data", "inputs", "artifacts", "metrics")
+DIGEST_MAPS = ("data", "inputs", "artifacts")
 # Library versions a manifest records; any difference switches reproduce to tolerances.
 TRACKED_PACKAGES = ("torch", "triton", "bitsandbytes", "numpy", "safetensors")
 
 
 class ManifestError(InputError):
     """A manifest that is missing, malformed, edited, or whose files no longer match it."""
+
+
+def _kind(value) -> str:
+    """How a message names a JSON value of the wrong kind: "a list", "str 'abc'"."""
+    return "a list" if isinstance(value, list) else f"{type(value).__name__} {value!r:.40}"
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tolerance(tol) -> bool:
+    """{"rtol": r, "atol": a}, each optional, each a number >= 0."""
+    return isinstance(tol, dict) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
+        for v in (tol.get("rtol", 0), tol.get("atol", 0)))
+
+
+def check_config(cfg, where: str) -> dict:
+    """Refuse a config that is not an object with an integer `seed` (and sane `threads`,
+    `tolerances`); `where` names it in the message (a config.json, or a manifest's config)."""
+    if not isinstance(cfg, dict):
+        raise ManifestError(f"{where} must be a JSON object, got {_kind(cfg)}")
+    if "seed" not in cfg:
+        raise ManifestError(f"{where} has no 'seed' (an integer)")
+    if not _whole(cfg["seed"]):
+        raise ManifestError(f"{where} must give an integer 'seed', got {_kind(cfg['seed'])}")
+    threads = cfg.get("threads")
+    if threads is not None and not (_whole(threads) and threads >= 1):
+        raise ManifestError(f"{where}: 'threads' must be a positive integer, got {_kind(threads)}")
+    tolerances = cfg.get("tolerances", {})
+    if not (isinstance(tolerances, dict) and all(map(_tolerance, tolerances.values()))):
+        raise ManifestError(f"{where}: 'tolerances' must map metric prefixes (or \"default\") "
+                            'to {"rtol": r, "atol": a} with r, a >= 0')
+    return cfg
+
+
+def check_artifact_name(name, where: str = "") -> str:
+    """Refuse an artifact path that is not relative or that climbs out of the experiment."""
+    parts = PurePosixPath(name).parts if isinstance(name, str) else ()
+    if not parts or PurePosixPath(name).is_absolute() or ".." in parts:
+        raise ManifestError(f"{where}{': ' if where else ''}artifact path {name!r} must be a "
+                            "relative path inside the experiment folder (no leading '/', no '..')")
+    return name
+
+
+def check_fields(manifest: dict, where: str) -> None:
+    """Refuse a manifest whose fields have the wrong shape (a list for `artifacts`, a config
+    without `seed`, an artifact outside the experiment folder, an absolute input path)."""
+    for key in OBJECTS:
+        if not isinstance(manifest[key], dict):
+            raise ManifestError(f"{where}: '{key}' must be a JSON object, got "
+                                f"{_kind(manifest[key])}")
+    check_config(manifest["config"], f"{where}: 'config'")
+    for key in DIGEST_MAPS:
+        bad = [k for k, v in manifest[key].items() if not isinstance(v, str)]
+        if bad:
+            raise ManifestError(f"{where}: '{key}' must map names to sha256 strings; "
+                                f"{bad[0]!r} does not")
+    for name in manifest["artifacts"]:
+        check_artifact_name(name, where)
+    absolute = [k for k in manifest["inputs"] if PurePosixPath(k).is_absolute()]
+    if absolute:
+        raise ManifestError(f"{where}: input path {absolute[0]!r} must be relative to the "
+                            "experiment folder")
 
 
 def _version(package: str) -> str:
@@ -85,6 +153,7 @@ def write_manifest(path: str | Path, manifest: dict) -> dict:
     missing = [k for k in REQUIRED if k not in sealed]
     if missing:
         raise ManifestError(f"manifest is missing fields {missing}")
+    check_fields(sealed, f"manifest {path}")
     atomic_write_text(path, json.dumps(sealed, indent=2, sort_keys=True) + "\n")
     return sealed
 
@@ -109,5 +178,6 @@ def read_manifest(path: str | Path) -> dict:
         raise ManifestError(
             f"manifest {path} was edited after it was written (its manifest_sha256 no longer "
             "matches its contents); re-run the experiment instead of editing the manifest")
+    check_fields(manifest, f"manifest {path}")
     return manifest
 

@@ -1,11 +1,11 @@
 """minigpt: the tiny GPT (dense or MoE) every lab trains, its tokenizer and synthetic tasks."""
 
 from . import tasks
-from .checkpoint import base_path, load_base, load_checkpoint, save_checkpoint
+from .checkpoint import base_dir, base_path, load_base, load_checkpoint, save_checkpoint
 from .generate import answers, evaluate, greedy_generate
 from .model import Block, CausalSelfAttention, MiniGPT, MiniGPTConfig, SwiGLU
 from .tokenizer import CharTokenizer
 
 __all__ = ["Block", "CausalSelfAttention", "CharTokenizer", "MiniGPT", "MiniGPTConfig",
-           "SwiGLU", "answers", "base_path", "evaluate", "greedy_generate", "load_base",
+           "SwiGLU", "answers", "base_dir", "base_path", "evaluate", "greedy_generate", "load_base",
            "load_checkpoint", "save_checkpoint", "tasks"]

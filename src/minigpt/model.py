@@ -8,7 +8,7 @@ the LoRA and quantization target patterns a learner writes here work on real mod
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from minimoe import MoEMLP
+from minimoe.moe import BACKENDS as MOE_BACKENDS
 
 
 @dataclass
@@ -29,6 +30,10 @@ class MiniGPTConfig:
     n_experts: int = 0         # 0 = dense MLP in every block; > 0 = MoE MLP with this many experts
     top_k: int = 2             # experts per token (MoE only)
     norm_eps: float = 1e-5     # RMSNorm epsilon
+    # MoE options (defaults = the behaviour before they existed, so old configs load as is):
+    moe_backend: str = "torch"           # "torch" (PyTorch dispatch) or "triton" (ScatterMoE)
+    moe_renormalize: bool | None = None  # top-k weights sum to 1? None: for top_k > 1 only
+    moe_shared_d_ff: int = 0             # Qwen2-MoE shared expert width; 0 = none
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "d_ff"):
@@ -40,9 +45,27 @@ class MiniGPTConfig:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, "
+                             f"got {self.moe_backend!r}")
+        if self.moe_renormalize is not None and not isinstance(self.moe_renormalize, bool):
+            raise ValueError(f"moe_renormalize must be None, True or False, "
+                             f"got {self.moe_renormalize!r}")
+        if isinstance(self.moe_shared_d_ff, bool) or not isinstance(self.moe_shared_d_ff, int) \
+                or self.moe_shared_d_ff < 0:
+            raise ValueError(f"moe_shared_d_ff must be an int >= 0 (0 = none), "
+                             f"got {self.moe_shared_d_ff!r}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as a dict, the MoE options only where they differ from their defaults:
+        a config that leaves them alone serialises (and its checkpoint hashes) as before they
+        existed, so experiment 00's bases still reproduce byte for byte."""
+        return {name: value for name, value in asdict(self).items()
+                if not (name in MOE_OPTIONS and value == MOE_OPTIONS[name])}
+
+
+# The MoE options and their defaults (left out of `to_dict` when unchanged).
+MOE_OPTIONS = {f.name: f.default for f in fields(MiniGPTConfig) if f.name.startswith("moe_")}
 
 
 class CausalSelfAttention(nn.Module):
@@ -82,7 +105,9 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.attn = CausalSelfAttention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.mlp = (MoEMLP(cfg.n_embd, cfg.d_ff, cfg.n_experts, cfg.top_k) if cfg.n_experts
+        self.mlp = (MoEMLP(cfg.n_embd, cfg.d_ff, cfg.n_experts, cfg.top_k,
+                           backend=cfg.moe_backend, renormalize=cfg.moe_renormalize,
+                           shared_d_ff=cfg.moe_shared_d_ff) if cfg.n_experts
                     else SwiGLU(cfg.n_embd, cfg.d_ff))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,9 +146,18 @@ class MiniGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx [B, T] token ids -> logits [B, T, vocab_size]."""
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.is_floating_point() \
+                or idx.is_complex() or idx.dtype == torch.bool:
+            raise ValueError(f"idx must be an integer tensor [batch, seq], got "
+                             f"{getattr(idx, 'dtype', type(idx).__name__)} "
+                             f"{tuple(getattr(idx, 'shape', ()))}")
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
+        V = self.config.vocab_size
+        if idx.numel() and not ((idx >= 0) & (idx < V)).all():     # one host sync
+            raise ValueError(f"idx must hold token ids in 0..{V - 1} (vocab_size={V}), got "
+                             f"{int(idx.min())}..{int(idx.max())}")
         pos = torch.arange(T, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)                          # [B, T, C]
         n = self.checkpoint_every if torch.is_grad_enabled() else 0
@@ -146,6 +180,16 @@ class MiniGPT(nn.Module):
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"every must be an int >= 0 (0 = off), got {every!r}")
         self.checkpoint_every = every
+
+    def set_moe_backend(self, backend: str) -> None:
+        """Run every MoE MLP on `backend` ("torch" | "triton") from now on, and record it in
+        the config (a checkpoint saved after this keeps it). A dense model only records it."""
+        if backend not in MOE_BACKENDS:
+            raise ValueError(f"backend must be one of {MOE_BACKENDS}, got {backend!r}")
+        self.config.moe_backend = backend
+        for m in self.modules():
+            if isinstance(m, MoEMLP):
+                m.backend = backend
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the MoE load-balancing losses of the last forward (0 for a dense model)."""

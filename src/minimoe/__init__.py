@@ -2,8 +2,9 @@
 
 Now: softmax, sigmoid (selection-only bias) and group-limited top-k routers, the Switch
 load-balancing and z losses, and a plain PyTorch
-dispatch MoE MLP that MiniGPT-MoE is pretrained with; the ScatterMoE dispatch (sort once,
-Triton scatter2scatter / group / group_bwd_W, `parallel_linear` with autograd) behind
+dispatch MoE MLP that MiniGPT-MoE is pretrained with; the ScatterMoE dispatch (sort once into
+a validated `Routing`, Triton scatter2scatter / group / group_bwd_W, `parallel_linear` with
+autograd and expert LoRA as one `ExpertLoRA` value) behind
 `MoEMLP(backend="triton")`; frozen NF4 experts (`NF4Experts`, `nf4_parallel_linear`) that
 dequantize only the experts with tokens; expert LoRA fused into the kernels
 (`scatter2scatter_lora`, `group_bwd_lora`) or split, and `attach_expert_lora` to put it on a
@@ -22,7 +23,7 @@ from .moe import (
 )
 from .nf4_experts import NF4Experts, nf4_parallel_linear, quantize_experts
 from .ops import group, group_bwd_lora, group_bwd_W, scatter2scatter, scatter2scatter_lora
-from .parallel_experts import parallel_linear
+from .parallel_experts import ExpertLoRA, parallel_linear
 from .routing import (
     NonFiniteLogitsError,
     load_balancing_loss,
@@ -30,9 +31,10 @@ from .routing import (
     router_z_loss,
     update_selection_bias,
 )
-from .sort import flatten_sort_count
+from .sort import Routing, flatten_sort_count
 
-__all__ = ["ExpertLinear", "MoEMLP", "NF4Experts", "NonFiniteLogitsError", "attach_expert_lora",
+__all__ = ["ExpertLinear", "ExpertLoRA", "MoEMLP", "NF4Experts", "NonFiniteLogitsError",
+           "Routing", "attach_expert_lora",
            "dispatch_torch", "dispatch_triton", "expert_swiglu", "flatten_sort_count", "group",
            "group_bwd_W", "group_bwd_lora", "load_balancing_loss", "nf4_parallel_linear",
            "parallel_linear", "quantize_experts", "reference", "route", "router_z_loss",

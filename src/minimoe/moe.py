@@ -43,16 +43,15 @@ def dispatch_torch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     return out
 
 
-def _expert_linear(w, x, k, idx, backend, **kw) -> torch.Tensor:
+def _expert_linear(w, x, routing, backend, gates=None, grouped_in=False, grouped_out=False
+                   ) -> torch.Tensor:
     """A stacked weight [E, K, N] through `parallel_linear`, or an expert module (ExpertLinear,
-    NF4Experts: frozen base + expert LoRA) through its own forward, on `backend`."""
+    NF4Experts: frozen base + expert LoRA) through its own forward: one call convention."""
     if isinstance(w, torch.Tensor):
-        # Triton is parallel_linear's default: the plain call stays the ScatterMoE one (Lab 09
-        # swaps in the learner's parallel_linear, which takes no backend argument).
-        if backend != "triton":
-            kw["backend"] = backend
-        return parallel_linear(x, w, k, *idx, **kw)
-    return w(x, k, *idx, backend=backend, **kw)
+        return parallel_linear(x, w, routing, gates=gates, grouped_in=grouped_in,
+                               grouped_out=grouped_out, backend=backend)
+    return w(x, routing, gates=gates, grouped_in=grouped_in, grouped_out=grouped_out,
+             backend=backend)
 
 
 def dispatch_triton(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -62,16 +61,15 @@ def dispatch_triton(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     x [T, C]; weights, experts [T, k]; returns [T, C]. Same math as `dispatch_torch`. Each
     w_* is a stacked weight (w_gate/w_up [E, C, F], w_down [E, F, C]) or an expert module
     (`ExpertLinear`, `NF4Experts`) of that shape; `backend="torch"` runs the same sorted
-    order in PyTorch.
+    order in PyTorch. The Routing is made and checked once (one host sync) for all three.
     """
-    k = experts.shape[1]
     n_experts = w_gate.shape[0] if isinstance(w_gate, torch.Tensor) else w_gate.n_experts
-    idx = flatten_sort_count(experts, n_experts)                 # 3 × [T·k] / [E]
-    g = _expert_linear(w_gate, x, k, idx, backend, grouped_out=True)   # [T·k, F] sorted
-    u = _expert_linear(w_up, x, k, idx, backend, grouped_out=True)     # [T·k, F] sorted
-    h = F.silu(g) * u                                                  # [T·k, F] sorted
+    routing = flatten_sort_count(experts, n_experts)
+    g = _expert_linear(w_gate, x, routing, backend, grouped_out=True)    # [T·k, F] sorted
+    u = _expert_linear(w_up, x, routing, backend, grouped_out=True)      # [T·k, F] sorted
+    h = F.silu(g) * u                                                    # [T·k, F] sorted
     # Down projection from sorted rows back to tokens, the k outputs mixed by the gates.
-    return _expert_linear(w_down, h, k, idx, backend, gates=weights, grouped_in=True)  # [T, C]
+    return _expert_linear(w_down, h, routing, backend, gates=weights, grouped_in=True)  # [T, C]
 
 
 EXPERT_KINDS = ("float", "lora", "nf4_lora")
@@ -79,7 +77,7 @@ EXPERT_KINDS = ("float", "lora", "nf4_lora")
 
 def saved_per_token(d_model: int, d_ff: int, n_experts: int, top_k: int, experts: str,
                     r: int = 8) -> tuple[int, int]:
-    """(floats, int64s) per token that one MoEMLP keeps for backward: this module's own
+    """(floats, int64s) per token that one MoEMLP (no shared expert) keeps for backward: its own
     account of what its forward saves (tests hold it to a saved-tensor hook; minituner.memory
     builds its predictions on it).
 
@@ -111,27 +109,54 @@ def saved_per_token(d_model: int, d_ff: int, n_experts: int, top_k: int, experts
 class MoEMLP(nn.Module):
     """Top-k routed SwiGLU experts. After each forward, `aux_loss` holds the balancing loss.
 
+    renormalize: rescale each token's k softmax weights to sum to 1. None (the default)
+    does so for k > 1 and not for k = 1 (Switch); True is Mixtral (k = 1 too: the weight is
+    then exactly 1), False is OLMoE and Qwen-MoE (`norm_topk_prob=False`).
+    shared_d_ff > 0 adds Qwen2-MoE's shared expert: a dense SwiGLU of that width on every
+    token, its output scaled by sigmoid(x @ shared_gate) and added to the routed output.
+    backend: "torch" or "triton"; the one place it lives — passed at call time to
+    `dispatch_triton` and through it to any expert modules.
+
     `attach_expert_lora` turns w_gate / w_up / w_down into expert modules (a frozen float or
     NF4 base plus per-expert LoRA); the routing and the forward stay the same."""
 
     def __init__(self, n_embd: int, d_ff: int, n_experts: int, top_k: int,
-                 backend: str = "torch"):
+                 backend: str = "torch", renormalize: bool | None = None,
+                 shared_d_ff: int = 0):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k must be in 1..n_experts={n_experts}, got {top_k}")
+        if renormalize is not None and not isinstance(renormalize, bool):
+            raise ValueError(f"renormalize must be None, True or False, got {renormalize!r}")
+        if isinstance(shared_d_ff, bool) or not isinstance(shared_d_ff, int) or shared_d_ff < 0:
+            raise ValueError(f"shared_d_ff must be an int >= 0 (0 = no shared expert), "
+                             f"got {shared_d_ff!r}")
         self.n_experts, self.top_k, self.backend = n_experts, top_k, backend
+        self.renormalize = renormalize
         self.router = nn.Linear(n_embd, n_experts, bias=False)
         self.w_gate = nn.Parameter(torch.empty(n_experts, n_embd, d_ff))   # [E, C, F]
         self.w_up = nn.Parameter(torch.empty(n_experts, n_embd, d_ff))     # [E, C, F]
         self.w_down = nn.Parameter(torch.empty(n_experts, d_ff, n_embd))   # [E, F, C]
+        self.shared_d_ff = shared_d_ff
+        if shared_d_ff:
+            self.shared_w_gate = nn.Parameter(torch.empty(n_embd, shared_d_ff))   # [C, Fs]
+            self.shared_w_up = nn.Parameter(torch.empty(n_embd, shared_d_ff))     # [C, Fs]
+            self.shared_w_down = nn.Parameter(torch.empty(shared_d_ff, n_embd))   # [Fs, C]
+            self.shared_gate = nn.Parameter(torch.empty(n_embd, 1))               # [C, 1]
         self.aux_loss = torch.zeros(())
         self.last_experts: torch.Tensor | None = None  # [T, k] choices of the last forward
         self.reset_parameters()
 
+    def _shared(self) -> tuple[nn.Parameter, ...]:
+        """The shared expert's w_gate, w_up, w_down and gate ((), if there is none)."""
+        if not self.shared_d_ff:
+            return ()
+        return self.shared_w_gate, self.shared_w_up, self.shared_w_down, self.shared_gate
+
     def reset_parameters(self, std: float = 0.02) -> None:
-        for p in (self.router.weight, self.w_gate, self.w_up, self.w_down):
+        for p in (self.router.weight, self.w_gate, self.w_up, self.w_down, *self._shared()):
             nn.init.normal_(p, std=std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,9 +164,10 @@ class MoEMLP(nn.Module):
         x = x.reshape(-1, shape[-1])                                        # [T, C]
         # Router in float32 whatever the model dtype (see routing.py).
         logits = F.linear(x.float(), self.router.weight.float())           # [T, E]
-        # k=1 keeps the softmax probability (Switch): renormalised it would be exactly 1 and
-        # the router would learn from the balancing loss alone.
-        weights, experts = route(logits, self.top_k, renormalize=self.top_k > 1)  # [T, k]
+        # By default k=1 keeps the softmax probability (Switch): renormalised it would be
+        # exactly 1 and the router would learn from the balancing loss alone.
+        renormalize = self.top_k > 1 if self.renormalize is None else self.renormalize
+        weights, experts = route(logits, self.top_k, renormalize=renormalize)  # [T, k]
         self.aux_loss = load_balancing_loss(logits, experts)
         self.last_experts = experts.detach()
         ws = (self.w_gate, self.w_up, self.w_down)
@@ -149,6 +175,9 @@ class MoEMLP(nn.Module):
             out = dispatch_torch(x, weights, experts, *ws)
         else:       # the Triton kernels, or expert modules (LoRA, NF4) on either backend
             out = dispatch_triton(x, weights, experts, *ws, backend=self.backend)
+        if self.shared_d_ff:
+            w_gate, w_up, w_down, gate = self._shared()
+            out = out + torch.sigmoid(x @ gate) * expert_swiglu(x, w_gate, w_up, w_down)
         return out.reshape(shape)
 
 
@@ -158,17 +187,16 @@ def attach_expert_lora(mlp: nn.Module, r: int = 8, alpha: float = 16.0, nf4: boo
 
     nf4=False: `ExpertLinear` over the same float Parameter (frozen); nf4=True: `NF4Experts`
     (NF4 + double quant at `blocksize`; each expert's K·N must be whole blocks). The router
-    is left as it is. Returns the names replaced. Everything is built before anything is
-    swapped in, so a bad argument leaves `mlp` untouched.
+    is left as it is, and so is a shared expert. Returns the names replaced. Everything is
+    built before anything is swapped in, so a bad argument leaves `mlp` untouched. The
+    modules keep no backend of the MLP's: it passes its own at each call.
     """
     current = {name: getattr(mlp, name, None) for name in PROJECTIONS}
     if not all(isinstance(w, nn.Parameter) for w in current.values()):
         raise ValueError(f"mlp must be a MoEMLP with float {PROJECTIONS} parameters (not yet "
                          f"wrapped), got {[type(w).__name__ for w in current.values()]}")
-    backend = getattr(mlp, "backend", "triton")
-    new = {name: (NF4Experts.from_weight(w.detach(), blocksize, double_quant, r=r, alpha=alpha,
-                                         backend=backend) if nf4 else
-                  ExpertLinear(w, r=r, alpha=alpha, backend=backend))
+    new = {name: (NF4Experts.from_weight(w.detach(), blocksize, double_quant, r=r, alpha=alpha)
+                  if nf4 else ExpertLinear(w, r=r, alpha=alpha))
            for name, w in current.items()}
     for name, module in new.items():
         delattr(mlp, name)

@@ -5,16 +5,14 @@ quantization (miniquant, blocksize 64 by default): row-major, so expert e owns e
 e·K·N .. (e+1)·K·N, and with K·N a multiple of the blocksize no block is shared by two
 experts — what `selective_dequantize_nf4` needs to read one expert without its neighbours.
 
-Per call, from the routing that `flatten_sort_count` produced:
+Per call, from the Routing that `flatten_sort_count` produced:
 
-    counts   = diff(expert_offsets)                     # tokens (slots) per expert [E]
-    active   = nonzero(counts)                          # experts with tokens, ascending
+    active   = experts with rows, ascending             # from the Routing's host offsets
     Wc       = selective_dequantize_nf4(q, active)      # [n_active, K, N]: the only copy
-    remap    = full(E, -1); remap[active] = arange(n_active)
-    sei_c    = remap[sorted_expert_idxs]                # compact ids 0..n_active-1
-    offs_c   = expert_offsets[active]                   # end rows of the active experts
+    compact  = routing.compacted()                      # ids remapped to 0..n_active-1,
+                                                        # offsets = expert_offsets[active]
     A_c, B_c = the active experts' LoRA rows / columns  # [r·n_active, K], [N, r·n_active]
-    out      = parallel_linear(x, Wc, k, sei_c, ssi, offs_c, gates, lora_A=A_c, lora_B=B_c)
+    out      = parallel_linear(x, Wc, compact, gates, lora=ExpertLoRA(A_c, B_c, scaling))
 
 The sorted order does not change (active experts keep their relative order), so
 `sorted_scattered_idxs` is reused as is. The transient dequantized buffer is n_active·K·N
@@ -35,9 +33,10 @@ from miniquant.linear import NF4Buffers
 from miniquant.nf4 import NF4Weight, quantize_nf4
 from miniquant.triton_dequant import selective_dequantize_nf4, selective_dequantize_nf4_torch
 
-from .experts import init_expert_lora
+from .experts import init_expert_lora, routing_args
 from .ops import check_expert_lora
-from .parallel_experts import parallel_linear
+from .parallel_experts import ExpertLoRA, expert_lora, gated_routing, parallel_linear
+from .sort import Routing
 
 __all__ = ["NF4Experts", "active_experts", "nf4_parallel_linear", "quantize_experts"]
 
@@ -55,63 +54,52 @@ def quantize_experts(W: torch.Tensor, blocksize: int = 64, double_quant: bool = 
 
 
 def active_experts(expert_offsets: torch.Tensor) -> torch.Tensor:
-    """Inclusive end offsets [E] -> int64 ids of the experts with at least one row, ascending."""
+    """Inclusive end offsets [E] -> int64 ids of the experts with at least one row, ascending.
+    (A Routing knows them without a sync: `Routing.active_experts()`.)"""
     counts = torch.diff(expert_offsets, prepend=expert_offsets.new_zeros(1))
     return torch.nonzero(counts > 0).reshape(-1)
 
 
-def _compact_lora(lora_A, lora_B, active: torch.Tensor, shape):
+def _compact_lora(lora: ExpertLoRA | None, active: torch.Tensor, shape) -> ExpertLoRA | None:
     """A [r·E, K], B [N, r·E] -> the active experts' slices [r·n, K], [N, r·n] (autograd)."""
-    if lora_A is None and lora_B is None:
-        return None, None
+    if lora is None:
+        return None
     E, K, N = shape
-    r, n = check_expert_lora(lora_A, lora_B, E, K, N), active.numel()
-    A_c = lora_A.reshape(E, r, K).index_select(0, active).reshape(n * r, K)
-    B_c = lora_B.reshape(N, E, r).index_select(1, active).reshape(N, n * r)
-    return A_c, B_c
+    r, n = check_expert_lora(lora.A, lora.B, E, K, N), active.numel()
+    A_c = lora.A.reshape(E, r, K).index_select(0, active).reshape(n * r, K)
+    B_c = lora.B.reshape(N, E, r).index_select(1, active).reshape(N, n * r)
+    return ExpertLoRA(A_c, B_c, lora.scaling)
 
 
-def nf4_parallel_linear(x: torch.Tensor, q: NF4Weight, k: int, sorted_expert_idxs: torch.Tensor,
-                        sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor,
-                        gates: torch.Tensor | None = None, grouped_in: bool = False,
-                        grouped_out: bool = False, lora_A=None, lora_B=None,
-                        scaling: float = 1.0, backend: str = "triton",
-                        stats: dict | None = None, lora_path: str = "fused") -> torch.Tensor:
-    """`parallel_linear` with a frozen NF4 weight q [E, K, N]: same arguments and result,
-    computed in x's dtype, dequantizing only the experts that received rows.
-
-    If `stats` is a dict it receives `active` (the expert ids, list), `n_active`,
-    `n_experts` and `dequant_bytes` (nbytes of the transient compact weight buffer).
-    """
+def _nf4_parallel_linear(x, q, routing: Routing, gates=None, grouped_in=False, grouped_out=False,
+                         lora: ExpertLoRA | None = None, backend="triton", stats=None,
+                         lora_path="fused"):
     if not isinstance(q, NF4Weight) or len(q.shape) != 3:
         raise ValueError("q must be an [E, K, N] NF4Weight (see quantize_experts)")
-    E = q.shape[0]
-    if expert_offsets.shape != (E,):
-        raise ValueError(f"expert_offsets must have shape [{E}] (E), "
-                         f"got {tuple(expert_offsets.shape)}")
-    active = active_experts(expert_offsets)                                    # [n]
-    n = active.numel()
-    if n < k:
+    E, K, N = q.shape
+    if routing.n_experts != E:
+        raise ValueError(f"the routing is over {routing.n_experts} experts, q has {E}")
+    routing = gated_routing(routing, gates, grouped_in, grouped_out)
+    lora_A, lora_B, scaling = ExpertLoRA(*lora) if lora is not None else (None, None, 1.0)
+    active, compact = routing.compacted()          # ids renumbered 0..n-1, sorted order kept
+    n = len(active)
+    if n < routing.k:
         # A top-k router gives k distinct experts per token, so n >= k whenever T >= 1.
-        raise ValueError(f"only {n} experts received rows, fewer than k={k}")
+        raise ValueError(f"only {n} experts received rows, fewer than k={routing.k}")
     # The kernel on a GPU (or in the interpreter); the same bits from PyTorch on backend="torch".
     dequant = selective_dequantize_nf4 if backend == "triton" else selective_dequantize_nf4_torch
-    remap = torch.full((E,), -1, dtype=torch.int64, device=active.device)
-    remap[active] = torch.arange(n, device=active.device)
-    sei_c = remap[sorted_expert_idxs]                                          # [M] in 0..n-1
-    offs_c = expert_offsets[active]                                            # [n]
+    ids = torch.tensor(active, dtype=torch.int64)            # host ids: checked without a sync
+    ids_dev = ids.to(x.device)
     if stats is not None:
-        K, N = q.shape[1:]
-        stats.update(active=active.tolist(), n_active=n, n_experts=E,
+        stats.update(active=active, n_active=n, n_experts=E,
                      dequant_bytes=n * K * N * x.element_size())
 
     def expert_linear(x, gates, lora_A, lora_B):
-        Wc = dequant(q, active.to(q.device), dtype=x.dtype)                    # [n, K, N]
+        Wc = dequant(q, ids, dtype=x.dtype)                                    # [n, K, N]
         assert not Wc.requires_grad and Wc.grad_fn is None, "the NF4 weight must stay frozen"
-        A_c, B_c = _compact_lora(lora_A, lora_B, active, q.shape)
-        return parallel_linear(x, Wc, k, sei_c, sorted_scattered_idxs, offs_c, gates=gates,
-                               grouped_in=grouped_in, grouped_out=grouped_out, lora_A=A_c,
-                               lora_B=B_c, scaling=scaling, backend=backend,
+        lora_c = _compact_lora(expert_lora(lora_A, lora_B, scaling), ids_dev, q.shape)
+        return parallel_linear(x, Wc, compact, gates=gates, grouped_in=grouped_in,
+                               grouped_out=grouped_out, lora=lora_c, backend=backend,
                                lora_path=lora_path)
 
     if not torch.is_grad_enabled():
@@ -122,13 +110,45 @@ def nf4_parallel_linear(x: torch.Tensor, q: NF4Weight, k: int, sorted_expert_idx
     return checkpoint(expert_linear, x, gates, lora_A, lora_B, use_reentrant=False)
 
 
+def _positional(x, q, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, gates=None,
+                grouped_in=False, grouped_out=False, lora_A=None, lora_B=None, scaling=1.0,
+                backend="triton", stats=None, lora_path="fused"):
+    """DESIGN §3's positional form: the index tensors become a Routing (checked, one sync)."""
+    if not isinstance(q, NF4Weight) or len(q.shape) != 3:
+        raise ValueError("q must be an [E, K, N] NF4Weight (see quantize_experts)")
+    routing = Routing.from_indices(sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, k,
+                                   q.shape[0])
+    return _nf4_parallel_linear(x, q, routing, gates, grouped_in, grouped_out,
+                                expert_lora(lora_A, lora_B, scaling), backend, stats, lora_path)
+
+
+def nf4_parallel_linear(x: torch.Tensor, q: NF4Weight, routing: Routing | int, *args, **kwargs
+                        ) -> torch.Tensor:
+    """`parallel_linear` with a frozen NF4 weight q [E, K, N]: same arguments and result,
+    computed in x's dtype, dequantizing only the experts that received rows. Two forms:
+
+        nf4_parallel_linear(x, q, routing, gates=None, grouped_in=False, grouped_out=False,
+                            lora=None, backend="triton", stats=None, lora_path="fused")
+        nf4_parallel_linear(x, q, k, sorted_expert_idxs, sorted_scattered_idxs,
+                            expert_offsets, gates=None, grouped_in=False, grouped_out=False,
+                            lora_A=None, lora_B=None, scaling=1.0, backend="triton",
+                            stats=None, lora_path="fused")
+
+    If `stats` is a dict it receives `active` (the expert ids, list), `n_active`,
+    `n_experts` and `dequant_bytes` (nbytes of the transient compact weight buffer).
+    """
+    if isinstance(routing, Routing):
+        return _nf4_parallel_linear(x, q, routing, *args, **kwargs)
+    return _positional(x, q, routing, *args, **kwargs)
+
+
 class NF4Experts(NF4Buffers):
     """A frozen [E, K, N] expert linear held in NF4 (buffers), with optional trainable expert
     LoRA (`experts.init_expert_lora`): `lora_A` [r·E, K] (kaiming-uniform, a=√5), `lora_B`
     [N, r·E] (zeros), scaling α/r.
 
-    `forward(x, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, gates=None,
-    grouped_in=False, grouped_out=False, backend=None)` is `nf4_parallel_linear`;
+    `forward(x, routing, gates=None, grouped_in=False, grouped_out=False, backend=None)` (or
+    k and the three index tensors in place of `routing`) is `nf4_parallel_linear`;
     `last_stats` holds its stats (active experts, dequant-buffer bytes) after each call.
     """
 
@@ -149,15 +169,19 @@ class NF4Experts(NF4Buffers):
         return cls(quantize_experts(W, blocksize, double_quant), r=r, alpha=alpha,
                    backend=backend)
 
-    def forward(self, x, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets,
-                gates=None, grouped_in=False, grouped_out=False, backend=None):
+    def forward(self, x, routing, *args, **kwargs):
+        """`forward(x, routing, gates=None, grouped_in=False, grouped_out=False, backend=None)`
+        (or k and the three index tensors in place of `routing`)."""
+        return self._forward(x, *routing_args(routing, args, self.n_experts), **kwargs)
+
+    def _forward(self, x, routing, gates=None, grouped_in=False, grouped_out=False,
+                 backend=None):
         self.last_stats = {}
-        return nf4_parallel_linear(x, self.weight_nf4, k, sorted_expert_idxs,
-                                   sorted_scattered_idxs, expert_offsets, gates=gates,
-                                   grouped_in=grouped_in, grouped_out=grouped_out,
-                                   lora_A=self.lora_A, lora_B=self.lora_B,
-                                   scaling=self.scaling, backend=backend or self.backend,
-                                   stats=self.last_stats, lora_path=self.lora_path)
+        lora = None if self.lora_A is None else ExpertLoRA(self.lora_A, self.lora_B, self.scaling)
+        return nf4_parallel_linear(x, self.weight_nf4, routing, gates=gates,
+                                   grouped_in=grouped_in, grouped_out=grouped_out, lora=lora,
+                                   backend=backend or self.backend, stats=self.last_stats,
+                                   lora_path=self.lora_path)
 
     def extra_repr(self) -> str:
         return (f"n_experts={self.n_experts}, in={self.in_features}, out={self.out_features}, "

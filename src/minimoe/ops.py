@@ -2,15 +2,23 @@
 
 Shapes: M = T·k sorted rows, E experts, W [E, K, N]; see kernels.py for the pseudocode.
 Row inputs (X, DY) that are not contiguous are copied; weights are read through strides.
+
+Index values: called alone, a launcher checks the index values it reads (in range, sorted,
+a permutation, consistent offsets) with one host sync. `trusted=True` skips that look: the
+caller vouches that the indices come from a validated `sort.Routing` (`parallel_linear`
+does, so a forward and backward never sync per launch). Shapes, dtypes and devices are
+always checked (no sync).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from miniquant.triton_env import not_on_cuda
 
-from . import kernels
+from . import kernels, sort
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -43,25 +51,42 @@ def _check_same(a: torch.Tensor, b: torch.Tensor, na: str, nb: str) -> None:
         raise ValueError(f"{na} ({a.device}) and {nb} ({b.device}) must be on the same device")
 
 
-def _check_index(t: torch.Tensor, name: str, M: int, hi: int, device: torch.device
-                 ) -> torch.Tensor:
-    """A [M] integer index tensor with values in 0..hi-1, returned as contiguous int64."""
+def _check_index(t: torch.Tensor, name: str, M: int, device: torch.device) -> torch.Tensor:
+    """A [M] integer index tensor on `device` (no look at its values), as contiguous int64."""
     if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
         raise ValueError(f"{name} must be an integer tensor")
     if t.dim() != 1 or t.shape[0] != M:
         raise ValueError(f"{name} must have shape [{M}], got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, the data on {device}")
-    if M and (int(t.min()) < 0 or int(t.max()) >= hi):
-        raise ValueError(f"{name} must lie in 0..{hi - 1}, got {int(t.min())}..{int(t.max())}")
     return t.long().contiguous()
 
 
-def _check_offsets(expert_offsets: torch.Tensor, E: int, M: int, device) -> torch.Tensor:
-    """[E] non-decreasing end offsets ending at M, as contiguous int64."""
-    offs = _check_index(expert_offsets, "expert_offsets", E, M + 1, device)
-    if int(offs[-1]) != M or bool((offs[1:] < offs[:-1]).any()):
-        raise ValueError(f"expert_offsets must be non-decreasing end offsets ending at M={M}")
+def _require(checks: dict[str, tuple[torch.Tensor, Callable[[], str]]]) -> None:
+    """Raise ValueError(message()) for the first name whose 0-d bool flag is false: the
+    public launchers' check of index values, one host sync for all the flags."""
+    if not checks:
+        return
+    ok = torch.stack([flag for flag, _ in checks.values()]).tolist()        # the one sync
+    for good, (_, message) in zip(ok, checks.values(), strict=True):
+        if not good:
+            raise ValueError(message())
+
+
+def _range_check(t: torch.Tensor, name: str, hi: int):
+    """The `_require` entry for t in 0..hi-1."""
+    return (sort._all_in(t, 0, hi),
+            lambda: f"{name} must lie in 0..{hi - 1}, got {int(t.min())}..{int(t.max())}")
+
+
+def _checked_offsets(expert_offsets: torch.Tensor, E: int, M: int, device, trusted: bool
+                     ) -> torch.Tensor:
+    """[E] non-decreasing end offsets in 0..M ending at M, as contiguous int64."""
+    offs = _check_index(expert_offsets, "expert_offsets", E, device)
+    if not trusted:
+        good = sort._all_in(offs, 0, M + 1) & (offs[-1] == M) & (offs[1:] >= offs[:-1]).all()
+        _require({"offsets": (good, lambda: f"expert_offsets must be non-decreasing end offsets "
+                                             f"ending at M={M}, got {offs.tolist()}")})
     return offs
 
 
@@ -83,7 +108,7 @@ def _rank_block(r: int) -> int:
 
 def scatter2scatter(X: torch.Tensor, W: torch.Tensor, sorted_expert_idxs: torch.Tensor,
                     sorted_scattered_idxs: torch.Tensor, k: int, x_grouped: bool = False,
-                    y_grouped: bool = False) -> torch.Tensor:
+                    y_grouped: bool = False, *, trusted: bool = False) -> torch.Tensor:
     """Y[row(i)] = X[xrow(i)] @ W[sorted_expert_idxs[i]] for every sorted row i.
 
     X [T, K] (or [M, K] grouped), W [E, K, N] -> Y [M, N], M = len(sorted_expert_idxs);
@@ -91,22 +116,22 @@ def scatter2scatter(X: torch.Tensor, W: torch.Tensor, sorted_expert_idxs: torch.
     else sorted_scattered_idxs[i] (slot order t·k + j).
     """
     return _scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_grouped,
-                            y_grouped, None)
+                            y_grouped, None, trusted)
 
 
 def scatter2scatter_lora(X: torch.Tensor, W: torch.Tensor, lora_A: torch.Tensor,
                          lora_B: torch.Tensor, scaling: float, sorted_expert_idxs: torch.Tensor,
                          sorted_scattered_idxs: torch.Tensor, k: int, x_grouped: bool = False,
-                         y_grouped: bool = False) -> torch.Tensor:
+                         y_grouped: bool = False, *, trusted: bool = False) -> torch.Tensor:
     """`scatter2scatter` plus each row's expert LoRA, fused into the same tiles:
     Y[row(i)] = x @ W[e] + scaling · (x @ A_eᵀ) @ B_eᵀ with e = sorted_expert_idxs[i],
     A [r·E, K], B [N, r·E], A_e = A[e·r:(e+1)·r], B_e = B[:, e·r:(e+1)·r]."""
     return _scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_grouped,
-                            y_grouped, (lora_A, lora_B, float(scaling)))
+                            y_grouped, (lora_A, lora_B, float(scaling)), trusted)
 
 
 def _scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_grouped, y_grouped,
-                     lora) -> torch.Tensor:
+                     lora, trusted) -> torch.Tensor:
     """Check, allocate and launch the scatter2scatter kernel; lora = (A, B, scaling) or None."""
     _check_same(X, W, "X", "W")
     _check_float(X, "X")
@@ -122,8 +147,15 @@ def _scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_group
     if M < 0 or M % k or X.shape[0] != rows:
         raise ValueError(f"X has {X.shape[0]} rows; expected {'M' if x_grouped else 'M / k'} "
                          f"with M = {M} sorted rows and k = {k}")
-    sei = _check_index(sorted_expert_idxs, "sorted_expert_idxs", M, E, X.device)
-    ssi = _check_index(sorted_scattered_idxs, "sorted_scattered_idxs", M, M, X.device)
+    sei = _check_index(sorted_expert_idxs, "sorted_expert_idxs", M, X.device)
+    ssi = _check_index(sorted_scattered_idxs, "sorted_scattered_idxs", M, X.device)
+    if not trusted:
+        # Unsorted ids break the tile's expert range; a non-permutation leaves rows unwritten.
+        _require({"sei": _range_check(sei, "sorted_expert_idxs", E),
+                  "order": ((sei[1:] >= sei[:-1]).all(),
+                            lambda: "sorted_expert_idxs must be non-decreasing (sorted)"),
+                  "ssi": (sort._is_permutation(ssi),
+                          lambda: f"sorted_scattered_idxs must be a permutation of 0..{M - 1}")})
     # Weights are read through their strides: the backward's Wᵀ, Bᵀ, Aᵀ views are not copied.
     X = X.contiguous()
     A, B, r, scaling = X, X, 0, 1.0          # never read without LoRA (a constexpr branch)
@@ -147,7 +179,7 @@ def _scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_group
 
 
 def group(X: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_out: int = 1,
-          coeff: torch.Tensor | None = None) -> torch.Tensor:
+          coeff: torch.Tensor | None = None, *, trusted: bool = False) -> torch.Tensor:
     """Rows into sorted order: out[i] = X[s_i // fan_out] (· coeff[s_i]), s_i the slot of i.
 
     X [M / fan_out, N], coeff [M] (any shape of M elements) -> [M, N] in X's dtype.
@@ -158,7 +190,9 @@ def group(X: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_out: int = 1
     if fan_out < 1:
         raise ValueError(f"fan_out must be >= 1, got {fan_out}")
     M = X.shape[0] * fan_out
-    ssi = _check_index(sorted_scattered_idxs, "sorted_scattered_idxs", M, M, X.device)
+    ssi = _check_index(sorted_scattered_idxs, "sorted_scattered_idxs", M, X.device)
+    if not trusted:
+        _require({"ssi": _range_check(ssi, "sorted_scattered_idxs", M)})
     if coeff is not None:
         if coeff.numel() != M or not coeff.dtype.is_floating_point or coeff.device != X.device:
             raise ValueError(f"coeff must be a floating tensor of {M} elements on {X.device}")
@@ -176,8 +210,8 @@ def group(X: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_out: int = 1
     return out
 
 
-def group_bwd_W(DY: torch.Tensor, X: torch.Tensor, expert_offsets: torch.Tensor, E: int
-                ) -> torch.Tensor:
+def group_bwd_W(DY: torch.Tensor, X: torch.Tensor, expert_offsets: torch.Tensor, E: int,
+                *, trusted: bool = False) -> torch.Tensor:
     """dW[e] = X[rows of e]ᵀ @ DY[rows of e]: DY [M, N], X [M, K] grouped -> [E, K, N].
 
     Rows of expert e are expert_offsets[e-1]..expert_offsets[e] (end offsets); an expert with
@@ -192,7 +226,7 @@ def group_bwd_W(DY: torch.Tensor, X: torch.Tensor, expert_offsets: torch.Tensor,
     if E < 1:
         raise ValueError(f"E must be >= 1, got {E}")
     M, N, K = DY.shape[0], DY.shape[1], X.shape[1]
-    offs = _check_offsets(expert_offsets, E, M, X.device)
+    offs = _checked_offsets(expert_offsets, E, M, X.device, trusted)
     DY, X = DY.contiguous(), X.contiguous()
     DW = torch.empty(E, K, N, dtype=X.dtype, device=X.device)              # [E, K, N]
     BM, BN, BK = _tile(kernels.interpreting())
@@ -204,8 +238,8 @@ def group_bwd_W(DY: torch.Tensor, X: torch.Tensor, expert_offsets: torch.Tensor,
 
 
 def group_bwd_lora(DY: torch.Tensor, X: torch.Tensor, lora_A: torch.Tensor,
-                   lora_B: torch.Tensor, expert_offsets: torch.Tensor, scaling: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   lora_B: torch.Tensor, expert_offsets: torch.Tensor, scaling: float,
+                   *, trusted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert LoRA gradients from grouped rows: DY [M, N], X [M, K], A [r·E, K], B [N, r·E].
 
     dA_e = scaling · (DY_e @ B_e)ᵀ @ X_e  -> dA [r·E, K]
@@ -226,7 +260,7 @@ def group_bwd_lora(DY: torch.Tensor, X: torch.Tensor, lora_A: torch.Tensor,
         raise ValueError(f"expert_offsets must be a non-empty [E] tensor, got "
                          f"{tuple(expert_offsets.shape)}")
     r = check_expert_lora(lora_A, lora_B, E, K, N)
-    offs = _check_offsets(expert_offsets, E, M, X.device)
+    offs = _checked_offsets(expert_offsets, E, M, X.device, trusted)
     DY, X, A, B = (t.contiguous() for t in (DY, X, lora_A, lora_B))
     dA = torch.empty_like(A)                                               # [r·E, K]
     dB = torch.empty_like(B)                                               # [N, r·E]

@@ -23,16 +23,37 @@ B -> [E, r, N], so A and B get their gradients from the dW and dX rules above.
 
 Torch backend: the same sorted order in plain PyTorch (gather, one matmul per expert slice,
 scatter), differentiated by autograd.
+
+The routing travels as one `sort.Routing`, checked once where it was made: the launches
+trust it (`trusted=True`) and the torch path slices by its host copy of the offsets, so no
+call here syncs with the host. DESIGN §3's positional index form is checked into a Routing
+at the public entry point (one sync).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import ops
+from .sort import Routing
 
 BACKENDS = ("torch", "triton")
 LORA_PATHS = ("fused", "split")
+
+
+class ExpertLoRA(NamedTuple):
+    """Expert LoRA of an [E, K, N] expert linear, one value: A [r·E, K], B [N, r·E] (expert e
+    owns rows / columns e·r:(e+1)·r), and the factor on its product."""
+    A: torch.Tensor
+    B: torch.Tensor
+    scaling: float = 1.0
+
+
+def expert_lora(lora_A, lora_B, scaling: float = 1.0) -> ExpertLoRA | None:
+    """DESIGN §3's separate lora_A, lora_B, scaling as one value (None without LoRA)."""
+    return None if lora_A is None and lora_B is None else ExpertLoRA(lora_A, lora_B, scaling)
 
 
 def _combine(Y: torch.Tensor, gates: torch.Tensor, k: int) -> torch.Tensor:
@@ -42,15 +63,20 @@ def _combine(Y: torch.Tensor, gates: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class ParallelLinear(torch.autograd.Function):
+    """The Triton path. The routing was validated when it was made: every launch is trusted."""
+
     @staticmethod
-    def forward(ctx, x, W, gates, k, sei, ssi, offsets, grouped_in, grouped_out,
-                lora_A=None, lora_B=None, scaling=1.0):
+    def forward(ctx, x, W, gates, routing, grouped_in, grouped_out, lora_A=None, lora_B=None,
+                scaling=1.0):
+        sei, ssi, offsets = routing
+        k = routing.k
         if lora_A is None:
             Y = ops.scatter2scatter(x, W, sei, ssi, k, x_grouped=grouped_in,
-                                    y_grouped=grouped_out)                   # [M, N]
+                                    y_grouped=grouped_out, trusted=True)     # [M, N]
         else:
             Y = ops.scatter2scatter_lora(x, W, lora_A, lora_B, scaling, sei, ssi, k,
-                                         x_grouped=grouped_in, y_grouped=grouped_out)
+                                         x_grouped=grouped_in, y_grouped=grouped_out,
+                                         trusted=True)
         out = Y if gates is None else _combine(Y, gates, k)                 # [T, N] w/ gates
         ctx.save_for_backward(x, W, gates, sei, ssi, offsets, Y if gates is not None else None,
                               lora_A, lora_B)
@@ -69,36 +95,40 @@ class ParallelLinear(torch.autograd.Function):
             T, N = dout.shape
             dgates = (Y.view(T, k, N).float() * dout.float().unsqueeze(1)).sum(-1)   # [T, k]
             dgates = dgates.to(gates.dtype)
-            dYg = ops.group(dout, ssi, fan_out=k, coeff=gates)                        # [M, N]
+            dYg = ops.group(dout, ssi, fan_out=k, coeff=gates, trusted=True)          # [M, N]
         elif ctx.grouped_out:
             dYg = dout                                          # already sorted, [M, N]
         else:
-            dYg = ops.group(dout, ssi, fan_out=1)                                     # [M, N]
-        Xg = x if ctx.grouped_in else ops.group(x, ssi, fan_out=k)                    # [M, K]
-        dW = ops.group_bwd_W(dYg, Xg, offsets, E) if need[1] else None
+            dYg = ops.group(dout, ssi, fan_out=1, trusted=True)                       # [M, N]
+        Xg = x if ctx.grouped_in else ops.group(x, ssi, fan_out=k, trusted=True)      # [M, K]
+        dW = ops.group_bwd_W(dYg, Xg, offsets, E, trusted=True) if need[1] else None
         dA = dB = dx = None
-        if lora_A is not None and (need[9] or need[10]):
-            dA, dB = ops.group_bwd_lora(dYg, Xg, lora_A, lora_B, offsets, ctx.scaling)
+        if lora_A is not None and (need[6] or need[7]):
+            dA, dB = ops.group_bwd_lora(dYg, Xg, lora_A, lora_B, offsets, ctx.scaling,
+                                        trusted=True)
         if need[0]:
             # dX = dY @ W_eᵀ (+ s · (dY @ B_e) @ A_e): the forward kernel on transposed weights.
             Wt = W.transpose(1, 2)                                                    # [E, N, K]
             if lora_A is None:
                 dXs = ops.scatter2scatter(dYg, Wt, sei, ssi, 1, x_grouped=True,
-                                          y_grouped=ctx.grouped_in)                   # [M, K]
+                                          y_grouped=ctx.grouped_in, trusted=True)     # [M, K]
             else:
                 dXs = ops.scatter2scatter_lora(dYg, Wt, lora_B.t(), lora_A.t(), ctx.scaling,
                                                sei, ssi, 1, x_grouped=True,
-                                               y_grouped=ctx.grouped_in)
+                                               y_grouped=ctx.grouped_in, trusted=True)
             dx = dXs if ctx.grouped_in or k == 1 else dXs.view(-1, k, dXs.shape[1]).sum(1)
-        return dx, dW, dgates, None, None, None, None, None, None, dA, dB, None
+        return dx, dW, dgates, None, None, None, dA, dB, None
 
 
-def _torch_parallel_linear(x, W, k, sei, ssi, offsets, gates, grouped_in, grouped_out):
-    """The sort-based PyTorch path: same order, same math, autograd does the backward."""
+def _torch_parallel_linear(x, W, routing, gates, grouped_in, grouped_out):
+    """The sort-based PyTorch path: same order, same math, autograd does the backward. The
+    expert slices come from the routing's host copy of the offsets (no sync)."""
+    _, ssi, _ = routing
+    k = routing.k
     Xg = x if grouped_in else x[ssi // k]                                  # [M, K] sorted
-    ends = offsets.tolist()
-    starts = [0] + ends[:-1]
-    Yg = torch.cat([Xg[s:e] @ W[i] for i, (s, e) in enumerate(zip(starts, ends, strict=True))])
+    starts = (0, *routing.ends[:-1])
+    Yg = torch.cat([Xg[s:e] @ W[i] for i, (s, e) in enumerate(zip(starts, routing.ends,
+                                                                  strict=True))])
     if grouped_out:
         return Yg                                                           # [M, N] sorted
     # Back to slot order by gathering with the inverse permutation (row of each slot): unlike
@@ -108,59 +138,101 @@ def _torch_parallel_linear(x, W, k, sei, ssi, offsets, gates, grouped_in, groupe
     return Y if gates is None else _combine(Y, gates, k)
 
 
-def _split_lora(x, W, k, idx, gates, grouped_in, grouped_out, lora_A, lora_B, scaling, backend):
+def _split_lora(x, W, routing, gates, grouped_in, grouped_out, lora, backend):
     """The split path: base + scaling · (x A_eᵀ) B_eᵀ per slot from three parallel_linears
     over views A -> [E, K, r], B -> [E, r, N] (their gradients come from the same rules)."""
     E, K, N = W.shape
-    r = ops.check_expert_lora(lora_A, lora_B, E, K, N)
-    WA = lora_A.reshape(E, r, K).transpose(1, 2)                            # [E, K, r]
-    WB = lora_B.reshape(N, E, r).permute(1, 2, 0)                           # [E, r, N]
+    r = ops.check_expert_lora(lora.A, lora.B, E, K, N)
+    WA = lora.A.reshape(E, r, K).transpose(1, 2)                            # [E, K, r]
+    WB = lora.B.reshape(N, E, r).permute(1, 2, 0)                           # [E, r, N]
     go = grouped_out and gates is None
-    base = parallel_linear(x, W, k, *idx, grouped_in=grouped_in, grouped_out=go,
+    base = parallel_linear(x, W, routing, grouped_in=grouped_in, grouped_out=go,
                            backend=backend)                             # [M, N]
-    h = parallel_linear(x, WA, k, *idx, grouped_in=grouped_in, grouped_out=True,
+    h = parallel_linear(x, WA, routing, grouped_in=grouped_in, grouped_out=True,
                         backend=backend)                                # [M, r] sorted
-    d = parallel_linear(h, WB, k, *idx, grouped_in=True, grouped_out=go, backend=backend)
-    y = base + scaling * d                                              # [M, N]
-    return y if gates is None else _combine(y, gates, k)               # [T, N] with gates
+    d = parallel_linear(h, WB, routing, grouped_in=True, grouped_out=go, backend=backend)
+    y = base + lora.scaling * d                                         # [M, N]
+    return y if gates is None else _combine(y, gates, routing.k)       # [T, N] with gates
 
 
-def parallel_linear(x: torch.Tensor, W: torch.Tensor, k: int, sorted_expert_idxs: torch.Tensor,
-                    sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor,
-                    gates: torch.Tensor | None = None, grouped_in: bool = False,
-                    grouped_out: bool = False, lora_A=None, lora_B=None, scaling: float = 1.0,
-                    backend: str = "triton", lora_path: str = "fused") -> torch.Tensor:
-    """Expert linear over the routing slots: x [T, K] (or [M, K] sorted if grouped_in),
-    W [E, K, N] -> [M, N] (slot order, or sorted if grouped_out), or [T, N] with gates [T, k]
-    combining each token's k outputs. Indices from `flatten_sort_count`. With lora_A
-    [r·E, K] and lora_B [N, r·E], each slot adds scaling · (x @ A_eᵀ) @ B_eᵀ: on the triton
-    backend fused into the base kernels (`lora_path="fused"`, scatter2scatter_lora and
-    group_bwd_lora) or as separate expert linears (`"split"`, what the torch backend does)."""
+def gated_routing(routing: Routing, gates, grouped_in: bool, grouped_out: bool) -> Routing:
+    """Check gates against the routing -> the routing to use. ScatterMoE's convention: a
+    grouped input with k=1 and gates [T, top_k] reads the rows with top_k slots per token."""
+    if gates is None:
+        return routing
+    if grouped_out:
+        raise ValueError("gates combine slots into tokens: use grouped_out=False with gates")
+    if not isinstance(gates, torch.Tensor) or not gates.is_floating_point():
+        raise ValueError(f"gates must be a floating tensor [T, k], got "
+                         f"{getattr(gates, 'dtype', type(gates).__name__)}")
+    if gates.dim() == 2 and routing.k == 1 and grouped_in and gates.shape[1] > 1:
+        routing = routing.with_k(gates.shape[1])
+    if gates.shape != (routing.n_tokens, routing.k):
+        raise ValueError(f"gates must have shape [{routing.n_tokens}, {routing.k}] (T, k), got "
+                         f"{tuple(gates.shape)}")
+    return routing
+
+
+def _parallel_linear(x, W, routing: Routing, gates=None, grouped_in=False, grouped_out=False,
+                     lora: ExpertLoRA | None = None, backend="triton", lora_path="fused"):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if lora_path not in LORA_PATHS:
         raise ValueError(f"lora_path must be one of {LORA_PATHS}, got {lora_path!r}")
-    if W.dim() != 3 or not 1 <= k <= W.shape[0]:
-        raise ValueError(f"W must be [E, K, N] and k in 1..E, got W {tuple(W.shape)}, k={k}")
-    if expert_offsets.shape != (W.shape[0],):
-        raise ValueError(f"expert_offsets must have shape [{W.shape[0]}] (E), "
-                         f"got {tuple(expert_offsets.shape)}")
-    if gates is not None:
-        if grouped_out:
-            raise ValueError("gates combine slots into tokens: use grouped_out=False with gates")
-        M = sorted_scattered_idxs.shape[0]
-        if gates.shape != (M // k, k):
-            raise ValueError(f"gates must have shape [{M // k}, {k}], got {tuple(gates.shape)}")
-    has_lora = lora_A is not None or lora_B is not None
-    if has_lora and (backend == "torch" or lora_path == "split"):
-        idx = (sorted_expert_idxs, sorted_scattered_idxs, expert_offsets)
-        return _split_lora(x, W, k, idx, gates, grouped_in, grouped_out, lora_A, lora_B,
-                           scaling, backend)
+    if not isinstance(W, torch.Tensor) or W.dim() != 3 or W.shape[0] != routing.n_experts:
+        raise ValueError(f"W must be [E, K, N] with E = {routing.n_experts} (the routing's "
+                         f"experts), got {tuple(getattr(W, 'shape', ()))}")
+    rows = routing.n_rows if grouped_in else routing.n_tokens
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape != (rows, W.shape[1]):
+        what = "M sorted rows" if grouped_in else "T tokens"
+        raise ValueError(f"x must be [{rows}, {W.shape[1]}] ({what}, K), "
+                         f"got {tuple(getattr(x, 'shape', ()))}")
+    if routing.sorted_expert_idxs.device != x.device:
+        raise ValueError(f"routing is on {routing.sorted_expert_idxs.device}, x on {x.device}")
+    routing = gated_routing(routing, gates, grouped_in, grouped_out)
+    if lora is not None:
+        lora = ExpertLoRA(*lora)
+        ops.check_expert_lora(lora.A, lora.B, *W.shape)
+        if backend == "torch" or lora_path == "split":
+            return _split_lora(x, W, routing, gates, grouped_in, grouped_out, lora, backend)
     if backend == "torch":
-        return _torch_parallel_linear(x, W, k, sorted_expert_idxs, sorted_scattered_idxs,
-                                      expert_offsets, gates, grouped_in, grouped_out)
-    if has_lora:
-        ops.check_expert_lora(lora_A, lora_B, *W.shape)
-    return ParallelLinear.apply(x, W, gates, k, sorted_expert_idxs, sorted_scattered_idxs,
-                                expert_offsets, grouped_in, grouped_out, lora_A, lora_B,
+        return _torch_parallel_linear(x, W, routing, gates, grouped_in, grouped_out)
+    A, B, scaling = lora if lora is not None else (None, None, 1.0)
+    return ParallelLinear.apply(x, W, gates, routing, grouped_in, grouped_out, A, B,
                                 float(scaling))
+
+
+def _positional(x, W, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, gates=None,
+                grouped_in=False, grouped_out=False, lora_A=None, lora_B=None, scaling=1.0,
+                backend="triton", lora_path="fused"):
+    """DESIGN §3's positional form: the index tensors become a Routing (checked, one sync)."""
+    if not isinstance(W, torch.Tensor) or W.dim() != 3:
+        raise ValueError(f"W must be [E, K, N], got {tuple(getattr(W, 'shape', ()))}")
+    routing = Routing.from_indices(sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, k,
+                                   W.shape[0])
+    return _parallel_linear(x, W, routing, gates, grouped_in, grouped_out,
+                            expert_lora(lora_A, lora_B, scaling), backend, lora_path)
+
+
+def parallel_linear(x: torch.Tensor, W: torch.Tensor, routing: Routing | int, *args, **kwargs
+                    ) -> torch.Tensor:
+    """Expert linear over the routing slots, with autograd. Two calling forms:
+
+        parallel_linear(x, W, routing, gates=None, grouped_in=False, grouped_out=False,
+                        lora=None, backend="triton", lora_path="fused")
+        parallel_linear(x, W, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets,
+                        gates=None, grouped_in=False, grouped_out=False, lora_A=None,
+                        lora_B=None, scaling=1.0, backend="triton", lora_path="fused")
+
+    `routing` from `flatten_sort_count` (trusted: no host sync); the positional indices are
+    checked into a Routing first (`Routing.from_indices`, one sync, ValueError naming the bad
+    argument). x [T, K] (or [M, K] sorted if grouped_in), W [E, K, N] -> [M, N] (slot
+    order, or sorted if grouped_out), or [T, N] with gates [T, k] combining each token's k
+    outputs (ScatterMoE's k=1 with grouped_in and gates [T, top_k] reads top_k from the
+    gates). `lora=ExpertLoRA(A [r·E, K], B [N, r·E], scaling)` adds scaling · (x @ A_eᵀ) @ B_eᵀ
+    to each slot: on the triton backend fused into the base kernels (`lora_path="fused"`,
+    scatter2scatter_lora and group_bwd_lora) or as separate expert linears (`"split"`, what
+    the torch backend does)."""
+    if isinstance(routing, Routing):
+        return _parallel_linear(x, W, routing, *args, **kwargs)
+    return _positional(x, W, routing, *args, **kwargs)

@@ -78,9 +78,9 @@ def _topk_stable(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class NonFiniteLogitsError(ValueError, FloatingPointError):
-    """NaN router logits. Called directly, `route` got bad input (a ValueError); inside a
-    model in training it is divergence (a FloatingPointError, which minituner's NaN guard
-    turns into a recorded stop instead of a crash)."""
+    """NaN or ±Inf router logits. Called directly, `route` got bad input (a ValueError);
+    inside a model in training it is divergence (a FloatingPointError, which minituner's NaN
+    guard turns into a recorded stop instead of a crash)."""
 
 
 def _check(logits, k, method, bias, n_group, topk_group, routed_scaling_factor) -> None:
@@ -91,8 +91,11 @@ def _check(logits, k, method, bias, n_group, topk_group, routed_scaling_factor) 
         raise ValueError(f"k must be in 1..{n_experts} (the number of experts), got {k}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if torch.isnan(logits).any():
-        raise NonFiniteLogitsError("logits contain NaN (a non-finite router input or weight)")
+    # One check (one host sync): +Inf gives NaN weights (inf/inf), -Inf a zero-mass choice.
+    if not torch.isfinite(logits).all():
+        bad = "NaN" if torch.isnan(logits).any() else "±Inf"
+        raise NonFiniteLogitsError(f"logits contain {bad}: router logits must be finite "
+                                   "(a non-finite router input or weight)")
     if bias is not None:
         if method == "softmax_topk":
             raise ValueError("bias is a selection bias of sigmoid_topk / group_topk only")

@@ -4,8 +4,14 @@ Absmax int8 and symmetric per-group quantization (intquant), NF4 with double qua
 (nf4, on the 8-bit dynamic map of dynamic), and conversion to and from bitsandbytes (bnb;
 bitsandbytes itself is imported only when those two functions are called), QuantizedLinear
 and quantize_model (linear), and the Triton dequantization kernels, whole or per expert
-(triton_dequant; on a machine without CUDA it turns on Triton's interpreter). See BLUEPRINT.md.
+(triton_dequant). See BLUEPRINT.md.
+
+`import miniquant` leaves the environment alone: the Triton names are loaded on first use
+(module `__getattr__`), and only then does `miniquant.triton_env` choose Triton's interpreter
+on a machine without CUDA (the one place that sets `TRITON_INTERPRET`).
 """
+
+import importlib
 
 from .bnb import from_bnb, to_bnb
 from .dynamic import DYNAMIC_CODE, dequantize_blockwise_8bit, dynamic_map, quantize_blockwise_8bit
@@ -16,12 +22,24 @@ from .intquant import (
     quantize_symmetric_per_group,
 )
 from .linear import QuantizedLinear, quantize_model
-from .nf4 import NF4_CODE, NF4Weight, dequantize_nf4, nf4_codebook, quantize_nf4
-from .triton_dequant import selective_dequantize_nf4, triton_dequantize_nf4
+from .nf4 import NF4_CODE, NF4Weight, dequantize_nf4, nf4_bytes, nf4_codebook, quantize_nf4
+
+# Loaded on first access, so that importing the package does not import triton.
+_TRITON_NAMES = {"selective_dequantize_nf4": "triton_dequant",
+                 "triton_dequantize_nf4": "triton_dequant"}
+
+
+def __getattr__(name: str):
+    if name in _TRITON_NAMES:
+        value = getattr(importlib.import_module(f".{_TRITON_NAMES[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["DYNAMIC_CODE", "NF4_CODE", "NF4Weight", "dequantize_absmax_int8",
            "dequantize_blockwise_8bit", "dequantize_nf4", "dequantize_symmetric_per_group",
-           "dynamic_map", "from_bnb", "nf4_codebook", "quantize_absmax_int8",
+           "dynamic_map", "from_bnb", "nf4_bytes", "nf4_codebook", "quantize_absmax_int8",
            "quantize_blockwise_8bit", "quantize_nf4", "quantize_symmetric_per_group", "to_bnb"]
 __all__ += ["QuantizedLinear", "quantize_model", "selective_dequantize_nf4",
             "triton_dequantize_nf4"]

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .nf4 import NF4Weight, quantize_nf4
+from .nf4 import NF4Weight, check_float_dtype, quantize_nf4
 
 
 class NF4Buffers(nn.Module):
@@ -54,12 +54,14 @@ class NF4Buffers(nn.Module):
 class QuantizedLinear(NF4Buffers):
     """y = x · dequant(W)ᵀ + b with W held as NF4 (optionally double-quantized) buffers.
 
-    `compute_dtype=None` computes in the dtype of the input.
+    `compute_dtype=None` computes in the dtype of the input, which must then be floating
+    point (float16, bfloat16 or float32).
     """
 
     def __init__(self, weight: NF4Weight, bias: torch.Tensor | None = None,
                  compute_dtype: torch.dtype | None = None):
         super().__init__()
+        check_float_dtype("compute_dtype", compute_dtype)
         if len(weight.shape) != 2:
             raise ValueError(f"weight must be a 2-D [out, in] NF4Weight, got shape "
                              f"{tuple(weight.shape)}")
@@ -74,6 +76,7 @@ class QuantizedLinear(NF4Buffers):
         """Quantize `linear.weight` to NF4; the bias (if any) is kept, frozen, as is."""
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        check_float_dtype("compute_dtype", compute_dtype)
         q = quantize_nf4(linear.weight.detach(), blocksize=blocksize, double_quant=double_quant)
         return cls(q, linear.bias, compute_dtype=compute_dtype)
 
@@ -87,6 +90,10 @@ class QuantizedLinear(NF4Buffers):
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"x must be a floating-point tensor [..., {self.in_features}], got "
+                            f"{got} (token ids go through an embedding first)")
         w = self.dequantized_weight(self.compute_dtype or x.dtype)
         bias = None if self.bias is None else self.bias.to(w.dtype)
         return F.linear(x.to(w.dtype), w, bias)
@@ -102,9 +109,10 @@ def quantize_model(model: nn.Module, target: str, blocksize: int = 64,
                    ) -> list[str]:
     """Replace, in place, every nn.Linear whose full name matches the regex `target`.
 
-    Returns the names replaced; raises ValueError when `target` matches no nn.Linear.
+    Returns the names replaced; raises ValueError when `target` is not a valid regex or
+    matches no nn.Linear.
     """
-    pattern = re.compile(target)
+    pattern = compile_target("target", target)
     names = [name for name, m in model.named_modules()
              if isinstance(m, nn.Linear) and pattern.fullmatch(name)]
     if not names:
@@ -117,3 +125,13 @@ def quantize_model(model: nn.Module, target: str, blocksize: int = 64,
     for name, layer in quantized.items():
         model.set_submodule(name, layer)
     return names
+
+
+def compile_target(name: str, pattern) -> re.Pattern:
+    """`pattern` compiled, or ValueError naming the argument (not a bare re.error)."""
+    if not isinstance(pattern, str):
+        raise ValueError(f"{name} must be a regex string, got {type(pattern).__name__}")
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"{name} is not a valid regular expression: {pattern!r} ({e})") from None

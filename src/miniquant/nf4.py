@@ -9,7 +9,7 @@ absmax a block (0.5 bits a weight at blocksize 64), or, with double quantization
 code a block plus a float32 per 256 blocks (≈ 0.127 bits a weight).
 
 Every rule matches bitsandbytes 0.50's `quantize_4bit(..., quant_type="nf4")` on CPU bit for
-bit (DESIGN.md §4); tests/test_miniquant_bnb_parity.py holds that.
+bit (DESIGN.md §4); tests/miniquant/test_bnb_parity.py holds that.
 """
 
 from __future__ import annotations
@@ -125,9 +125,7 @@ class NF4Weight:
     @property
     def nbytes(self) -> int:
         """Bytes of storage held: packed codes plus the absmax or its nested form."""
-        held = (self.packed, self.block_absmax, self.absmax_codes, self.absmax_scales,
-                self.absmax_offset)
-        return sum(t.numel() * t.element_size() for t in held if t is not None)
+        return nf4_bytes(self.numel, self.blocksize, self.double_quant)
 
     @property
     def bits_per_param(self) -> float:
@@ -149,6 +147,22 @@ class NF4Weight:
         return NF4Weight(move(self.packed), self.shape, self.dtype, self.blocksize,
                          move(self.block_absmax), move(self.absmax_codes),
                          move(self.absmax_scales), move(self.absmax_offset))
+
+
+def nf4_bytes(numel: int, blocksize: int = 64, double_quant: bool = True) -> int:
+    """Bytes of an NF4 tensor of `numel` elements, without building one: the packed nibbles
+    (ceil(numel/2)), plus a float32 absmax per block, or with double quantization a uint8 code
+    per block, a float32 scale per 256 blocks and one float32 offset. `NF4Weight.nbytes` is
+    this function of its own fields (the tests hold it equal to the tensors' storage)."""
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
+        raise ValueError(f"numel must be a positive int, got {numel!r}")
+    check_blocksize(blocksize)
+    blocks = -(-numel // blocksize)
+    if double_quant:
+        scales = blocks + 4 * -(-blocks // NESTED_BLOCKSIZE) + 4
+    else:
+        scales = 4 * blocks
+    return -(-numel // 2) + scales
 
 
 def quantize_nf4(w: torch.Tensor, blocksize: int = 64, double_quant: bool = False,
@@ -184,8 +198,10 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = 64, double_quant: bool = Fals
 def dequantize_nf4(q: NF4Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The PyTorch reference: code[idx] · absmax of its block, in float32, then cast.
 
-    Returns a tensor of q.shape and `dtype` (default: the dtype that was quantized).
+    Returns a tensor of q.shape and `dtype` (default: the dtype that was quantized; any
+    floating-point dtype).
     """
+    check_float_dtype("dtype", dtype)
     values = NF4_CODE.to(q.device)[q.codes().long()]
     scales = q.absmax.repeat_interleave(q.blocksize)[: q.numel]
     return (values * scales).reshape(q.shape).to(dtype or q.dtype)
@@ -204,6 +220,15 @@ def pack_nibbles(idx: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of pack_nibbles: uint8 [ceil(n/2)] -> uint8 codes [n]."""
     return torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:n]
+
+
+def check_float_dtype(name: str, dtype) -> None:
+    """Raise ValueError unless `dtype` is None or a floating-point torch.dtype: dequantizing
+    to an integer dtype would truncate every weight to 0 or ±1."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return
+    raise ValueError(f"{name} must be a floating-point torch.dtype (e.g. torch.float32) or "
+                     f"None, got {dtype!r}")
 
 
 def check_blocksize(blocksize) -> None:

@@ -2,8 +2,10 @@
 
 Without a CUDA device, Triton kernels only run through its interpreter, which must be chosen
 before `triton` is imported (`TRITON_INTERPRET=1`; see miniquant/triton_dequant.py for what
-that decision can and cannot affect). Kernel modules import `triton` and `tl` from here, so
-the decision is made in one place; an explicit `TRITON_INTERPRET` is always respected.
+that decision can and cannot affect). This module is the one place that makes the choice:
+every kernel module (miniquant.triton_dequant, minimoe.kernels) imports `triton` and `tl` from
+here, and nothing imports it before Triton code is needed (`import miniquant` does not; its
+Triton names load on first access). An explicit `TRITON_INTERPRET` is always respected.
 """
 
 from __future__ import annotations

@@ -19,10 +19,11 @@ import safetensors.torch
 import torch
 import torch.nn as nn
 
-from labkit.atomic import atomic_path
+from minigpt.atomic import atomic_path
 from miniquant import QuantizedLinear
+from miniquant.linear import compile_target
 
-from .lora import LoRALinear
+from .lora import LoRALinear, check_lora_args
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -61,7 +62,7 @@ def _matches(name: str, target_modules: str | Sequence[str]) -> bool:
 
 def _select(model: nn.Module, target_modules: str | Sequence[str]) -> list[str]:
     if isinstance(target_modules, str):
-        re.compile(target_modules)
+        compile_target("target_modules", target_modules)
     elif not target_modules or not all(isinstance(t, str) for t in target_modules):
         raise ValueError(f"target_modules must be a regex string or a non-empty list of name "
                          f"suffixes, got {target_modules!r}")
@@ -90,6 +91,7 @@ def wrap_lora(model: nn.Module, target_modules: str | Sequence[str], r: int = 8,
     trainable / total counts. Raises ValueError when nothing matches (listing the linear
     layers) or when a selected layer is already a LoRALinear.
     """
+    check_lora_args(r, alpha, dropout)     # before anything changes
     names = _select(model, target_modules)
     already = [n for n in names if isinstance(model.get_submodule(n), LoRALinear)]
     if already:
@@ -189,10 +191,14 @@ class AdapterLoadReport:
 
 
 def _read_config(dir: Path) -> dict:
+    """The adapter's LoraConfig, checked: r a positive int, lora_alpha finite and > 0,
+    lora_dropout in [0, 1), no option this module cannot honour."""
     path = dir / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"no {CONFIG_NAME} in {dir}: not a PEFT adapter directory")
     config = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{path}: peft_type is {config.get('peft_type')!r}, expected 'LORA'")
     for key in ("r", "lora_alpha", "target_modules"):
@@ -202,7 +208,40 @@ def _read_config(dir: Path) -> dict:
                    if config.get(k, neutral) not in (neutral, None, [], {})}
     if unsupported:
         raise ValueError(f"{path}: unsupported LoRA options {unsupported}")
+    # JSON may hold 4.9, 1e999 (inf) or NaN: refuse them rather than truncate or propagate.
+    try:
+        check_lora_args(config["r"], config["lora_alpha"], config.get("lora_dropout", 0.0),
+                        names=("r", "lora_alpha", "lora_dropout"))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     return config
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The adapter's tensors (safetensors, never pickle); every value must be finite."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no {WEIGHTS_NAME} in {path.parent} (found {CONFIG_NAME}; "
+                                f"only safetensors adapters are read)")
+    tensors = safetensors.torch.load_file(str(path))
+    bad = sorted(k for k, t in tensors.items()
+                 if t.is_floating_point() and not torch.isfinite(t).all())
+    if bad:
+        raise ValueError(f"{path}: NaN or Inf in {bad}; the adapter weights must be finite")
+    return tensors
+
+
+def _expected_shapes(model: nn.Module, to_wrap: list[str], r: int) -> dict[str, torch.Size]:
+    """Key -> shape of every LoRA factor the model will hold: the LoRALinear layers it has,
+    and those `wrap_lora` would add on the layers `to_wrap` (A [r, in], B [out, r])."""
+    shapes = {}
+    for name, m in _lora_modules(model).items():
+        shapes[f"{KEY_PREFIX}{name}.lora_A.weight"] = m.lora_A.shape
+        shapes[f"{KEY_PREFIX}{name}.lora_B.weight"] = m.lora_B.shape
+    for name in to_wrap:
+        base = model.get_submodule(name)
+        shapes[f"{KEY_PREFIX}{name}.lora_A.weight"] = torch.Size([r, base.in_features])
+        shapes[f"{KEY_PREFIX}{name}.lora_B.weight"] = torch.Size([base.out_features, r])
+    return shapes
 
 
 def load_adapter(model: nn.Module, dir: str | Path, strict: bool = True) -> AdapterLoadReport:
@@ -210,55 +249,54 @@ def load_adapter(model: nn.Module, dir: str | Path, strict: bool = True) -> Adap
 
     Wraps the layers the config targets if none is wrapped yet, else checks that the
     existing wrapping has the config's r, alpha and use_rslora. Weights are read with
-    safetensors (never pickle). Missing, unexpected and shape-mismatched keys are reported by
-    name; with `strict` (the default) any of them raises ValueError and no weight is loaded
-    (a model wrapped here stays wrapped, its LoRA factors at their initial values).
+    safetensors (never pickle) and must be finite. Missing, unexpected and shape-mismatched
+    keys are reported by name; with `strict` (the default) any of them raises ValueError.
+    Everything is read and checked before the model is touched, so whenever this raises the
+    model is left exactly as it was (not wrapped, no weight loaded).
     """
     dir = Path(dir)
     config = _read_config(dir)
     weights_path = dir / WEIGHTS_NAME
-    if not weights_path.is_file():
-        raise FileNotFoundError(f"no {WEIGHTS_NAME} in {dir} (found {CONFIG_NAME}; "
-                                f"only safetensors adapters are read)")
-    r, alpha = int(config["r"]), float(config["lora_alpha"])
+    tensors = _read_weights(weights_path)
+    r, alpha = config["r"], float(config["lora_alpha"])
     use_rslora = bool(config.get("use_rslora", False))
     targets = config["target_modules"]
-    report = AdapterLoadReport()
     selected = _select(model, targets)
     wrapped = [n for n in selected if isinstance(model.get_submodule(n), LoRALinear)]
-    if not wrapped:
-        report.wrapped = wrap_lora(model, targets, r=r, alpha=alpha,
-                                   dropout=float(config.get("lora_dropout", 0.0)),
-                                   use_rslora=use_rslora)
-    elif wrapped != selected:
+    if wrapped and wrapped != selected:
         raise ValueError(f"the adapter targets {selected}, but only {wrapped} are wrapped")
-    else:
-        expected_scaling = alpha / (math.sqrt(r) if use_rslora else r)
-        for name in wrapped:
-            m = model.get_submodule(name)
-            if m.r != r or not math.isclose(m.scaling, expected_scaling):
-                raise ValueError(f"{name} is wrapped with r={m.r}, scaling={m.scaling}; the "
-                                 f"adapter has r={r}, scaling={expected_scaling}")
-
-    modules = _lora_modules(model)
-    merged = [n for n, m in modules.items() if m.merged]
+    expected_scaling = alpha / (math.sqrt(r) if use_rslora else r)
+    for name in wrapped:
+        m = model.get_submodule(name)
+        if m.r != r or not math.isclose(m.scaling, expected_scaling):
+            raise ValueError(f"{name} is wrapped with r={m.r}, scaling={m.scaling}; the "
+                             f"adapter has r={r}, scaling={expected_scaling}")
+    merged = [n for n, m in _lora_modules(model).items() if m.merged]
     if merged:
         raise ValueError(f"unmerge these LoRA layers before loading new factors: {merged}")
-    params = {}
-    for name, m in modules.items():
-        params[f"{KEY_PREFIX}{name}.lora_A.weight"] = m.lora_A
-        params[f"{KEY_PREFIX}{name}.lora_B.weight"] = m.lora_B
-    tensors = safetensors.torch.load_file(str(weights_path))
-    report.missing = sorted(params.keys() - tensors.keys())
-    report.unexpected = sorted(tensors.keys() - params.keys())
-    common = params.keys() & tensors.keys()
-    bad = {k for k in common if tensors[k].shape != params[k].shape}
+
+    to_wrap = [] if wrapped else selected
+    shapes = _expected_shapes(model, to_wrap, r)
+    report = AdapterLoadReport()
+    report.missing = sorted(shapes.keys() - tensors.keys())
+    report.unexpected = sorted(tensors.keys() - shapes.keys())
+    common = shapes.keys() & tensors.keys()
+    bad = {k for k in common if tensors[k].shape != shapes[k]}
     report.mismatched = sorted(f"{k}: file {list(tensors[k].shape)} vs model "
-                               f"{list(params[k].shape)}" for k in bad)
+                               f"{list(shapes[k])}" for k in bad)
     if strict and not report.ok:
         raise ValueError(f"adapter {weights_path} does not fit the model: missing "
                          f"{report.missing}, unexpected {report.unexpected}, shape mismatch "
                          f"{report.mismatched}")
+
+    if to_wrap:
+        report.wrapped = wrap_lora(model, targets, r=r, alpha=alpha,
+                                   dropout=float(config.get("lora_dropout", 0.0)),
+                                   use_rslora=use_rslora)
+    params = {}
+    for name, m in _lora_modules(model).items():
+        params[f"{KEY_PREFIX}{name}.lora_A.weight"] = m.lora_A
+        params[f"{KEY_PREFIX}{name}.lora_B.weight"] = m.lora_B
     with torch.no_grad():
         for key in common - bad:
             params[key].copy_(tensors[key])

@@ -9,25 +9,24 @@ A checkpoint is a directory of four files, none of them a pickle:
     state.json              format tag, steps done, position in the epoch, the run's results so
                             far and its open loss window, the config fingerprint, a data hash
 
-Saving writes a fresh temporary directory beside the target and swaps it in with two renames
-(`checkpoint` -> `checkpoint.old`, temporary -> `checkpoint`), then deletes the old one, so a
-crash never leaves a half-written `checkpoint`; a crash between the two renames leaves only
-`checkpoint.old`, which `load_state` then reads.
+Saving fills a fresh temporary directory beside the target and swaps it in with two renames
+(`checkpoint` -> `checkpoint.old`, temporary -> `checkpoint`; `minigpt.checkpoint.atomic_path`),
+then deletes the old one, so a crash never leaves a half-written `checkpoint`; a crash between
+the two renames leaves only `checkpoint.old`, which `load_state` then reads.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import safetensors.torch
 import torch
 from safetensors import SafetensorError
+
+from minigpt.atomic import atomic_path
 
 from .data import BatchOrder, SequenceData
 
@@ -116,19 +115,8 @@ def _write(state: TrainingState, dir: Path) -> None:
 
 def save_state(state: TrainingState, path: str | Path) -> None:
     """Write `state` to the directory `path`, replacing any checkpoint there atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    old = path.with_name(path.name + ".old")
-    try:
+    with atomic_path(path, directory=True) as tmp:
         _write(state, tmp)
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_state(path: str | Path) -> TrainingState:

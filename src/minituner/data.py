@@ -47,6 +47,12 @@ class SequenceData:
     weights: torch.Tensor | None = None  # [N] float32 example weights (reward-weighted SFT)
 
     def __post_init__(self):
+        if not isinstance(self.tokens, torch.Tensor) or self.tokens.dim() != 2:
+            raise ValueError(f"tokens must be a 2-D [N, L] tensor, got "
+                             f"{getattr(self.tokens, 'shape', type(self.tokens).__name__)}")
+        if len(self) == 0:
+            raise ValueError("tokens holds no examples (N = 0): a dataset needs at least one "
+                             "sequence to train or evaluate on")
         if self.weights is None:
             return
         w = self.weights

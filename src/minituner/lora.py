@@ -18,6 +18,7 @@ a fresh adapter leaves the model unchanged), and the weights load into PEFT one-
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -81,14 +82,18 @@ def lora_linear(x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
     return _LoRALinearFunction.apply(x, lora_A, lora_B, weight, scaling, mask)
 
 
-def check_lora_args(r, alpha, dropout) -> None:
-    """Raise ValueError unless r is a positive int, alpha > 0 and dropout in [0, 1)."""
+def check_lora_args(r, alpha, dropout, names: tuple[str, str, str] = ("r", "alpha", "dropout")
+                    ) -> None:
+    """Raise ValueError unless r is a positive int, alpha a finite real > 0 and dropout in
+    [0, 1); `names` are the arguments' names in the message (an adapter config's keys)."""
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-        raise ValueError(f"r must be a positive int, got {r!r}")
-    if not alpha > 0:
-        raise ValueError(f"alpha must be > 0, got {alpha!r}")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        raise ValueError(f"{names[0]} must be a positive int, got {r!r}")
+    if (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real)
+            or not (math.isfinite(alpha) and alpha > 0)):
+        raise ValueError(f"{names[1]} must be > 0 and finite, got {alpha!r}")
+    if (isinstance(dropout, bool) or not isinstance(dropout, numbers.Real)
+            or not 0.0 <= dropout < 1.0):
+        raise ValueError(f"{names[2]} must be in [0, 1), got {dropout!r}")
 
 
 class LoRALinear(nn.Module):

@@ -6,7 +6,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from labkit.atomic import atomic_write_text
+from minigpt.atomic import atomic_path
 
 from .checkpoint import json_default
 
@@ -27,7 +27,8 @@ class MetricsLog:
                 with contextlib.suppress(ValueError, KeyError, TypeError):  # cut by a crash
                     if json.loads(line)["step"] <= resume_step:
                         kept.append(line + "\n")
-            atomic_write_text(self.path, "".join(kept))
+            with atomic_path(self.path) as tmp:
+                tmp.write_text("".join(kept), encoding="utf-8")
         self.file = open(self.path, "a" if resume_step is not None else "w",  # noqa: SIM115
                          encoding="utf-8")
 

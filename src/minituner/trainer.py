@@ -68,6 +68,9 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 turns it off), got "
                                  f"{getattr(self, name)}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1] (the cosine decay ends at "
+                             f"lr · min_lr_ratio), got {self.min_lr_ratio}")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.val_fraction and not self.eval_every:

@@ -15,6 +15,7 @@ METHODS = {"triton", "torch_reference", "bitsandbytes", "copy"}
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_tiny_cpu_benchmark(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(

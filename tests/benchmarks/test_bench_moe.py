@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_tiny_cpu_benchmark(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(

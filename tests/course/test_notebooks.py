@@ -1,7 +1,7 @@
 """The notebook pipeline: solutions/ -> nbgrader course -> labs/, validation.
 
 These execute every lab notebook (the solution, and the release with its stubs), so they
-take a minute or two per lab on a 2-core CPU. Autograding: tests/test_grading_robustness.py.
+take a minute or two per lab on a 2-core CPU. Autograding: tests/course/test_grading_robustness.py.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -66,11 +67,12 @@ def run_copy(tiny_run, tmp_path) -> Path:
     return Path(shutil.copytree(tiny_run, tmp_path / tiny_run.name))
 
 
+@pytest.mark.slow
 def test_run_writes_manifest_and_artifacts(tiny_run):
     manifest = read_manifest(tiny_run / "manifest.json")
     assert set(manifest["artifacts"]) == {"base_dense.safetensors", "base_moe.safetensors"}
     assert manifest["config"] == TINY and manifest["seed"] == 3
-    assert manifest["env"]["torch"].startswith("2.13")
+    assert manifest["env"]["torch"] == metadata.version("torch")
     assert set(manifest["data"]) == {"train"}
     assert json.loads((tiny_run / "metrics.json").read_text()) == manifest["metrics"]
     for name in ("REPORT.md", "loss_curve.png"):
@@ -81,6 +83,7 @@ def test_run_writes_manifest_and_artifacts(tiny_run):
     assert manifest["wall_time_s"] > 0 and manifest["peak_memory_mb"] > 0
 
 
+@pytest.mark.slow
 def test_reproduce_is_identical(run_copy):
     before = {p.name: p.read_bytes() for p in run_copy.iterdir() if p.is_file()}
     proc = labkit("reproduce", str(run_copy / "manifest.json"))
@@ -90,6 +93,7 @@ def test_reproduce_is_identical(run_copy):
     assert before == after, "reproduce must not overwrite anything"
 
 
+@pytest.mark.slow
 def test_reproduce_names_every_moved_number(run_copy):
     path = run_copy / "manifest.json"
     manifest = json.loads(path.read_text())
@@ -102,6 +106,7 @@ def test_reproduce_names_every_moved_number(run_copy):
     assert "NOT REPRODUCED: 2 number(s) moved" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, message", [
     ("delete", "manifest not found"),
     ("garble", "not valid JSON"),
@@ -157,7 +162,7 @@ def test_run_rejects_config_without_seed(tmp_path):
     (exp / "experiment.py").write_text("def run(cfg, ctx):\n    return {}\n")
     (exp / "config.json").write_text("{}")
     proc = labkit("run", str(exp))
-    assert proc.returncode == 2 and "integer 'seed'" in proc.stderr
+    assert proc.returncode == 2 and "config.json has no 'seed'" in proc.stderr
 
 
 @pytest.mark.skipif(not (EXP00 / "manifest.json").is_file(), reason="full run not committed")

@@ -14,6 +14,9 @@ import pytest
 
 from labkit import read_manifest
 
+# Each test re-runs an experiment (05, 06, 11) end to end: 2 to 40 s apiece on a 2-core CPU.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = {"batch_size": 8, "lr": 0.003, "warmup_steps": 2, "log_every": 2}
 

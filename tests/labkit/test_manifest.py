@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 
 import numpy as np
 import pytest
@@ -21,7 +22,8 @@ def body(**overrides) -> dict:
     """Every field a manifest needs, except the two write_manifest adds."""
     m = {
         "experiment": "06-qlora-preview",
-        "config": {"lr": 3e-3, "steps": 10, "tasks": ["rev"], "nested": {"b": 1, "a": None}},
+        "config": {"seed": 0, "lr": 3e-3, "steps": 10, "tasks": ["rev"],
+                   "nested": {"b": 1, "a": None}},
         "seed": 0,
         "git": {"commit": "abc123", "dirty": False},
         "env": {"python": "3.11.7", "torch": "2.13.0"},
@@ -142,6 +144,31 @@ def test_wrong_schema(tmp_path, schema):
     dump(path, seal({**body(), "schema": schema}))   # correctly sealed: only the schema is off
     with pytest.raises(ManifestError, match="schema"):
         read_manifest(path)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"config": {"lr": 1}}, "'config' has no 'seed'"),
+    ({"config": [0]}, "'config' must be a JSON object, got a list"),
+    ({"artifacts": ["adapter"]}, "'artifacts' must be a JSON object, got a list"),
+    ({"artifacts": {"../../etc/hostname": "2" * 64}}, "artifact path '../../etc/hostname'"),
+    ({"artifacts": {"/etc/hostname": "2" * 64}}, "artifact path '/etc/hostname'"),
+    ({"inputs": {"/etc/hostname": "1" * 64}}, "input path '/etc/hostname' must be relative"),
+    ({"data": {"train": None}}, "'data' must map names to sha256 strings; 'train' does not"),
+])
+def test_malformed_fields_are_refused_on_write_and_read(tmp_path, overrides, message):
+    path = tmp_path / "manifest.json"
+    with pytest.raises(ManifestError, match=re.escape(message)):
+        write_manifest(path, body(**overrides))
+    assert not any(tmp_path.iterdir())
+    dump(path, seal({**body(**overrides), "schema": SCHEMA}))     # sealed, so only the shape
+    with pytest.raises(ManifestError, match=re.escape(message)):
+        read_manifest(path)
+
+
+def test_inputs_may_name_a_sibling_experiment(tmp_path):
+    path = tmp_path / "manifest.json"
+    m = write_manifest(path, body(inputs={"../00-pretrain-base/base_dense.safetensors": "1" * 64}))
+    assert read_manifest(path) == m
 
 
 def test_manifest_error_is_a_value_error():

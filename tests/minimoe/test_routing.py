@@ -446,6 +446,20 @@ def test_route_nan_logits_raise(method):
         route(logits, 2, method)
 
 
+@pytest.mark.parametrize("value, shown", [(float("inf"), "±Inf"), (float("-inf"), "±Inf"),
+                                          (float("nan"), "NaN")])
+@pytest.mark.parametrize("method", ["softmax_topk", "sigmoid_topk"])
+def test_route_non_finite_logits_raise_one_error(method, value, shown):
+    """+Inf gave NaN weights (inf / inf) before; NaN and ±Inf are now the same error, a
+    ValueError for a caller and a FloatingPointError for minituner's NaN guard."""
+    from minimoe import NonFiniteLogitsError
+    logits = torch.randn(3, 4)
+    logits[0, 1] = value
+    with pytest.raises(NonFiniteLogitsError, match=f"logits contain {shown}") as err:
+        route(logits, 2, method)
+    assert isinstance(err.value, ValueError) and isinstance(err.value, FloatingPointError)
+
+
 # ---------------------------------------------------------------------------------------------
 # load_balancing_loss
 

@@ -3,10 +3,23 @@ nibble packing, quantization against a per-block loop, double quantization, stor
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
-from miniquant import DYNAMIC_CODE, NF4_CODE, NF4Weight, dequantize_nf4, nf4_codebook, quantize_nf4
+from miniquant import (
+    DYNAMIC_CODE,
+    NF4_CODE,
+    NF4Weight,
+    dequantize_nf4,
+    nf4_bytes,
+    nf4_codebook,
+    quantize_nf4,
+)
 from miniquant.nf4 import BLOCKSIZES, pack_nibbles, unpack_nibbles
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -225,3 +238,70 @@ def test_inconsistent_nf4weight_is_refused():
     with pytest.raises(ValueError, match="dtype must be one of"):
         NF4Weight(q.packed, q.shape, torch.float64, 64, block_absmax=q.absmax)
     assert set(BLOCKSIZES) == {32, 64, 128, 256, 512, 1024, 2048, 4096}
+
+
+def storage_bytes(q: NF4Weight) -> int:
+    """What the tensors of an NF4Weight really occupy, read off their storages."""
+    held = (q.packed, q.block_absmax, q.absmax_codes, q.absmax_scales, q.absmax_offset)
+    return sum(t.untyped_storage().nbytes() for t in held if t is not None)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("numel, blocksize", [(1, 64), (2, 32), (63, 64), (101, 64),
+                                              (64 * 300 + 5, 64), (64 * 256, 64),
+                                              (64 * 256 + 1, 64), (4097, 4096), (7 * 33, 128)])
+def test_nf4_bytes_equals_the_storage_of_a_real_tensor(numel, blocksize, double_quant):
+    """The static size (what the memory predictor uses) against a quantized tensor's storage
+    and a by-hand count: odd counts, partial blocks, 256 and 257 nested blocks."""
+    q = quantize_nf4(randn(numel, seed=numel), blocksize=blocksize, double_quant=double_quant)
+    blocks = (numel + blocksize - 1) // blocksize
+    by_hand = (numel + 1) // 2 + (blocks + 4 * ((blocks + 255) // 256) + 4 if double_quant
+                                  else 4 * blocks)
+    assert nf4_bytes(numel, blocksize, double_quant) == storage_bytes(q) == by_hand == q.nbytes
+
+
+@pytest.mark.parametrize("args, match", [((0,), "numel must be a positive int, got 0"),
+                                         ((10.0,), "numel must be a positive int, got 10.0"),
+                                         ((10, 48), "blocksize must be one of")])
+def test_nf4_bytes_rejects(args, match):
+    with pytest.raises(ValueError, match=match):
+        nf4_bytes(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8, torch.bool, int, "float32"])
+def test_dequantize_to_a_non_float_dtype_is_refused(dtype):
+    """Today an integer dtype truncates every weight to 0 or ±1 without a word."""
+    q = quantize_nf4(randn(4, 64, seed=3))
+    match = "dtype must be a floating-point torch.dtype"
+    with pytest.raises(ValueError, match=match):
+        q.dequantize(dtype=dtype)
+    with pytest.raises(ValueError, match=match):
+        dequantize_nf4(q, dtype=dtype)
+    assert q.dequantize(torch.float64).dtype == torch.float64     # any float dtype is fine
+
+
+def test_import_leaves_the_environment_alone():
+    """`import miniquant` sets no TRITON_INTERPRET and imports no triton; the first access to
+    a Triton name makes the interpreter choice (here: no CUDA, so "1")."""
+    code = textwrap.dedent("""
+        import os, sys
+        import miniquant, miniquant.linear, miniquant.nf4
+        assert "TRITON_INTERPRET" not in os.environ, "set at import"
+        assert "triton" not in sys.modules, "triton imported at import"
+        miniquant.triton_dequantize_nf4
+        import torch
+        want = None if torch.cuda.is_available() else "1"
+        assert os.environ.get("TRITON_INTERPRET") == want, os.environ.get("TRITON_INTERPRET")
+        assert "triton" in sys.modules
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    import miniquant
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        miniquant.nope  # noqa: B018

@@ -111,3 +111,37 @@ def test_quantize_model_regex_is_a_full_match_and_must_match_something():
         quantize_model(model, r"q_proj")            # a suffix alone does not fully match
     with pytest.raises(ValueError, match="matches no nn.Linear"):
         quantize_model(model, r"blocks\.0\.attn\.nope")
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.int32, torch.uint8, torch.bool])
+def test_integer_input_is_refused(dtype):
+    """Today an integer matmul: the weight truncated to ints, an output of (mostly) zeros."""
+    q = QuantizedLinear.from_linear(make_linear())
+    x = torch.ones(3, 96, dtype=dtype)
+    with pytest.raises(TypeError, match=f"x must be a floating-point tensor .*got {dtype}"):
+        q(x)
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        QuantizedLinear.from_linear(make_linear(), compute_dtype=torch.float32)(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.bool, "float16"])
+def test_integer_compute_dtype_is_refused(dtype):
+    match = "compute_dtype must be a floating-point torch.dtype"
+    with pytest.raises(ValueError, match=match):
+        QuantizedLinear.from_linear(make_linear(), compute_dtype=dtype)
+    q = quantize_nf4(make_linear().weight.detach())
+    with pytest.raises(ValueError, match=match):
+        QuantizedLinear(q, compute_dtype=dtype)
+    model = nn.Sequential(make_linear())
+    with pytest.raises(ValueError, match=match):
+        quantize_model(model, "0", compute_dtype=dtype)
+    assert isinstance(model[0], nn.Linear)
+
+
+@pytest.mark.parametrize("target", ["(", r"blocks\.(\d+", "*proj", "[a-"])
+def test_quantize_model_invalid_regex_named(target):
+    model = MiniGPT(MiniGPTConfig(n_layer=1, n_head=2, n_embd=64, d_ff=64, block_size=16))
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match="target is not a valid regular expression"):
+        quantize_model(model, target)
+    assert {n: type(m) for n, m in model.named_modules()} == before

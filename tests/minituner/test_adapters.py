@@ -215,7 +215,109 @@ def test_wrong_shape_named(base, saved):
     rewrite(dir, tensors)
     with pytest.raises(ValueError, match=re.escape(f"{key}: file [5, 32] vs model [4, 32]")):
         load_adapter(base, dir)
-    assert torch.equal(base.blocks[0].attn.v_proj.lora_B, torch.zeros(32, 4))   # none loaded
+
+
+def snapshot(model: torch.nn.Module) -> tuple[dict, dict, dict]:
+    """Everything a failed load must leave alone: module types by name, the state_dict
+    (copied), and which parameters train."""
+    return ({n: type(m) for n, m in model.named_modules()},
+            {k: v.clone() for k, v in model.state_dict().items()},
+            {n: p.requires_grad for n, p in model.named_parameters()})
+
+
+def assert_same(model: torch.nn.Module, before: tuple[dict, dict, dict]) -> None:
+    types, state, grads = snapshot(model)
+    assert types == before[0]
+    assert state.keys() == before[1].keys()
+    assert all(torch.equal(state[k], before[1][k]) for k in state)
+    assert grads == before[2]
+
+
+def _shape(tensors):
+    tensors[f"{PREFIX}blocks.1.attn.q_proj.lora_B.weight"] = torch.zeros(32, 5)
+
+
+def _extra(tensors):
+    tensors[f"{PREFIX}blocks.0.attn.k_proj.lora_A.weight"] = torch.zeros(4, 32)
+
+
+def _missing(tensors):
+    del tensors[f"{PREFIX}blocks.1.attn.v_proj.lora_A.weight"]
+
+
+def _nan(tensors):
+    tensors[f"{PREFIX}blocks.1.attn.v_proj.lora_B.weight"][3, 1] = float("nan")
+
+
+@pytest.mark.parametrize("spoil", [_shape, _extra, _missing, _nan])
+@pytest.mark.parametrize("prewrapped", [False, True], ids=["unwrapped", "wrapped"])
+def test_failed_load_leaves_the_model_as_it_was(base, saved, spoil, prewrapped):
+    """Checked before the model is touched: a load that raises neither wraps a layer nor
+    freezes a parameter nor writes a factor (today's code wrapped first, then raised)."""
+    dir, tensors = saved
+    spoil(tensors)
+    rewrite(dir, tensors)
+    if prewrapped:
+        wrap_lora(base, ["q_proj", "v_proj"], r=4, alpha=8.0)
+        randomize_lora(base, seed=7)
+    before = snapshot(base)
+    with pytest.raises(ValueError):
+        load_adapter(base, dir)
+    assert_same(base, before)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_adapter_weights_named(base, saved, value):
+    dir, tensors = saved
+    key = f"{PREFIX}blocks.0.attn.v_proj.lora_A.weight"
+    tensors[key][0, 0] = value
+    rewrite(dir, tensors)
+    with pytest.raises(ValueError, match=re.escape(f"NaN or Inf in ['{key}']")):
+        load_adapter(base, dir)
+    assert not any(isinstance(m, LoRALinear) for m in base.modules())
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("lora_alpha", float("inf"), "lora_alpha must be > 0 and finite, got inf"),
+    ("lora_alpha", float("nan"), "lora_alpha must be > 0 and finite, got nan"),
+    ("lora_alpha", "16", "lora_alpha must be > 0 and finite, got '16'"),
+    ("r", 4.9, "r must be a positive int, got 4.9"),
+    ("r", 0, "r must be a positive int, got 0"),
+    ("lora_dropout", 1.5, r"lora_dropout must be in \[0, 1\), got 1.5"),
+])
+def test_bad_config_values_named(base, saved, key, value, match):
+    """JSON holds what Python's json writes: Infinity, NaN, 4.9; int(4.9) loaded r = 4."""
+    dir, _ = saved
+    cfg = json.loads((dir / "adapter_config.json").read_text())
+    cfg[key] = value
+    (dir / "adapter_config.json").write_text(json.dumps(cfg))
+    before = snapshot(base)
+    with pytest.raises(ValueError, match=match):
+        load_adapter(base, dir)
+    assert_same(base, before)
+
+
+def test_config_not_an_object(base, saved):
+    dir, _ = saved
+    (dir / "adapter_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object, got list"):
+        load_adapter(base, dir)
+
+
+@pytest.mark.parametrize("target", ["(", r"blocks\.[0-9", "*proj"])
+def test_wrap_invalid_regex_named(base, target):
+    before = snapshot(base)
+    with pytest.raises(ValueError, match="target_modules is not a valid regular expression"):
+        wrap_lora(base, target)
+    assert_same(base, before)
+
+
+@pytest.mark.parametrize("alpha", [float("inf"), float("nan"), -float("inf")])
+def test_wrap_non_finite_alpha(base, alpha):
+    before = snapshot(base)
+    with pytest.raises(ValueError, match="alpha must be > 0 and finite"):
+        wrap_lora(base, ["q_proj"], alpha=alpha)
+    assert_same(base, before)
 
 
 def test_missing_files_are_clear(base, saved, tmp_path):

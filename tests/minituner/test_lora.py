@@ -298,6 +298,9 @@ def test_quantized_base_bf16_compute_keeps_float32_lora_grads():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(r=0), "r must"), (dict(r=-2), "r must"), (dict(r=2.5), "r must"),
     (dict(alpha=0.0), "alpha must"), (dict(alpha=-1.0), "alpha must"),
+    (dict(alpha=float("inf")), "alpha must be > 0 and finite, got inf"),
+    (dict(alpha=float("nan")), "alpha must be > 0 and finite, got nan"),
+    (dict(alpha="16"), "alpha must be > 0 and finite, got '16'"),
     (dict(dropout=1.0), "dropout must"), (dict(dropout=-0.1), "dropout must"),
 ])
 def test_bad_hyperparameters(kwargs, match):

@@ -101,6 +101,8 @@ def test_wrong_order_raises_and_explains():
     ({"quant_scheme": "nf4_per_group_48"}, "blocksize must be one of"),
     ({"r": 0}, "r must be a positive int"),
     ({"alpha": -1.0}, "alpha must be > 0"),
+    ({"alpha": float("inf")}, "alpha must be > 0 and finite, got inf"),
+    ({"target": r"blocks\.(\d+"}, "target is not a valid regular expression"),
     ({"target": r"blocks\.\d+\.nothing"}, "matches no nn.Linear"),
 ])
 def test_bad_arguments_leave_the_model_untouched(kw, match):

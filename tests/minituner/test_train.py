@@ -84,6 +84,18 @@ def test_from_pairs_rejects_empty():
         SequenceData.from_pairs([])
 
 
+def test_empty_dataset_is_refused_before_training():
+    """Built directly with no rows (today: a bare max() error from the first batch)."""
+    empty = torch.zeros(0, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"tokens holds no examples \(N = 0\)"):
+        SequenceData(empty, empty.bool(), torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match="tokens holds no examples"):
+        SequenceData.from_pairs(PAIRS).subset(torch.tensor([], dtype=torch.long))
+    with pytest.raises(ValueError, match=r"tokens must be a 2-D \[N, L\] tensor"):
+        SequenceData(torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.bool),
+                     torch.ones(5, dtype=torch.long))
+
+
 # ---------------------------------------------------------------------------------------------
 # learning-rate schedule
 
@@ -129,6 +141,8 @@ def test_lr_last_step_is_min():
     dict(eval_every=-1), dict(save_every=-1), dict(val_fraction=1.0), dict(val_fraction=-0.1),
     dict(val_fraction=0.2),                    # without eval_every: never evaluated
     dict(save_every=5),                        # without out_dir: nowhere to save
+    dict(min_lr_ratio=-0.5),                   # today: a negative learning rate at the end
+    dict(min_lr_ratio=1.5), dict(min_lr_ratio=math.nan),
 ])
 def test_train_config_rejects(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):

@@ -1,67 +1,18 @@
-"""labkit.memory: measure() sees real allocations; predict() counts bytes as by hand."""
+"""minituner.memory: predict() counts bytes as by hand; predict_training from a shape equals
+what a real MiniGPT step holds (labkit.measure.held_bytes) and saves, and stays under the RSS
+peak labkit.measure.measure sees."""
 
 from __future__ import annotations
-
-import threading
-import time
 
 import pytest
 import torch
 import torch.nn as nn
 
-from labkit import memory
-from labkit.memory import MemoryPrediction, ParamSpec
+from labkit import measure
+from minituner import memory
+from minituner.memory import MemoryPrediction, ParamSpec
 
 MB = 1_000_000
-
-# ---------------------------------------------------------------------------------------------
-# measure
-
-
-def test_measure_sees_a_held_allocation():
-    with memory.measure(cuda=False) as m:
-        t = torch.ones(25_000_000)               # 100 MB, written so the pages are resident
-        time.sleep(0.02)
-    assert t.sum().item() == 25_000_000
-    assert m.rss_peak_delta >= 80 * MB
-    assert m.rss_delta >= 80 * MB
-    assert m.rss_peak >= m.rss_end >= m.rss_start > 0
-    assert m.cuda_peak is None and m.peak_bytes == m.rss_peak
-    del t
-
-
-def test_measure_catches_a_transient_peak():
-    """Memory freed before the block ends still shows in the peak (the sampler saw it)."""
-    with memory.measure(interval_s=0.002, cuda=False) as m:
-        t = torch.ones(25_000_000)
-        time.sleep(0.1)
-        del t
-    assert m.rss_peak_delta >= 80 * MB
-    assert m.rss_peak_delta > m.rss_delta
-
-
-def test_measure_small_block_small_delta():
-    with memory.measure(cuda=False) as m:
-        x = sum(range(1000))
-    assert x == 499500
-    assert abs(m.rss_peak_delta) < 20 * MB
-
-
-def test_measure_stops_its_sampler_on_exception():
-    before = threading.active_count()
-    with pytest.raises(RuntimeError, match="inside"), memory.measure(cuda=False) as m:
-        raise RuntimeError("inside")
-    assert m.rss_end > 0 and m.rss_peak >= m.rss_end
-    assert threading.active_count() == before
-
-
-@pytest.mark.gpu
-def test_measure_cuda_peak():
-    with memory.measure(cuda=True) as m:
-        t = torch.ones(25_000_000, device="cuda")
-        del t
-    assert m.cuda_peak >= 100 * MB
-    assert m.peak_bytes == m.cuda_peak
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +158,7 @@ def test_regime_prediction_equals_held_bytes_after_two_steps(regime, cfg):
     model = _minigpt(regime, r=r, **cfg)
     x = torch.randint(0, 45, (3, 12), generator=torch.Generator().manual_seed(0))
     opt = _two_steps(model, x)
-    held = memory.held_bytes(model, opt)
+    held = measure.held_bytes(model, opt)
     pred = memory.predict_training(memory.TransformerShape.of(model.config), regime, 0, r=r)
     n_trainable = sum(p.requires_grad for p in model.parameters())
     assert held.weights == pred.weights
@@ -261,8 +212,9 @@ def test_regime_rejected(bad, match):
 RSS_SCRIPT = """
 import gc, json, sys, torch
 sys.path.insert(0, {tests!r})
-from test_memory import _minigpt, _two_steps
-from labkit import memory
+from test_memory import _minigpt, _two_steps       # this module, in a fresh process
+from labkit import measure
+from minituner import memory
 torch.set_num_threads(1)
 cfg = dict(n_layer=6, n_head=6, n_embd=384, d_ff=1152, block_size=48)
 x = torch.randint(0, 45, (32, 41), generator=torch.Generator().manual_seed(0))
@@ -270,8 +222,8 @@ out = {{}}
 for regime in memory.REGIMES:
     model = _minigpt(regime, **cfg)
     gc.collect()
-    weights = memory.held_bytes(model).weights
-    with memory.measure(cuda=False) as m:
+    weights = measure.held_bytes(model).weights
+    with measure.measure(cuda=False) as m:
         _two_steps(model, x)
     pred = memory.predict_training(memory.TransformerShape.of(model.config), regime, 32 * 40)
     out[regime] = [weights + m.rss_peak_delta, pred.total]
@@ -281,8 +233,9 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_predicted_total_against_measured_rss_peak(tmp_path):
-    """memory.measure's RSS peak over two training steps (plus the weights already resident)
+    """measure.measure's RSS peak over two training steps (plus the weights already resident)
     against the prediction. glibc keeps freed blocks below its mmap threshold and shows them as
     resident; a 64 KiB threshold makes RSS follow what is live. The prediction counts what is
     held and saved, not the transient buffers of the backward pass, so it is a lower bound;
@@ -407,3 +360,11 @@ def test_moe_checkpointing_prediction_brackets_the_saved_tensors(regime):
     kept = saved_activation_bytes(model, x)
     pred = memory.activation_bytes(shape, regime, x.numel(), checkpointing=True)
     assert kept < pred < memory.activation_bytes(shape, regime, x.numel())
+
+
+def test_sizes_come_from_the_packages():
+    """No re-derived sizes: the NF4 bytes are miniquant's, the MoE saved tensors minimoe's."""
+    import minimoe
+    import miniquant
+    assert memory.nf4_bytes is miniquant.nf4_bytes
+    assert memory.saved_per_token is minimoe.saved_per_token

@@ -1,78 +1,27 @@
-"""Memory: measure what a block of code used, and predict what a training setup needs.
+"""Memory prediction: the bytes a training setup needs, counted from shapes and dtypes.
 
-`measure` reads the process's resident set size (psutil) before, during (a sampling thread
-keeps the peak) and after; on a GPU it also reads torch's peak allocated bytes. `held_bytes`
-counts what a model and optimizer hold, tensor by tensor. `predict` counts bytes from
-parameter counts and dtypes: weights, gradients, optimizer state. `predict_training` does it
-for a transformer given only its shape (`TransformerShape`, e.g. `LLAMA_7B`) in three
-regimes, full fine-tuning, LoRA and QLoRA, activations included; tests hold it equal to
-`held_bytes` and to the saved-tensor count on MiniGPT, and compare it with `measure`.
+`predict` counts weights, gradients and optimizer state from parameter counts and storage
+bits (`param_specs` reads them off a module). `predict_training` does it for a decoder-only
+transformer given only its shape (`TransformerShape`, e.g. `LLAMA_7B`) in three regimes,
+full fine-tuning, LoRA and QLoRA, activations included. Sizes come from the packages that
+own them: an NF4 tensor's bytes from `miniquant.nf4_bytes` (what `NF4Weight.nbytes` reports),
+a MoE MLP's saved tensors from `minimoe.saved_per_token`. The tests hold the prediction equal
+to `labkit.measure.held_bytes` and to the saved-tensor count on MiniGPT, and compare it with
+`labkit.measure.measure`'s RSS peak.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-import psutil
 import torch
+
+from minimoe.moe import saved_per_token
+from miniquant import nf4_bytes
 
 # Optimizer state tensors kept per trainable parameter.
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
-
-
-@dataclass
-class MemoryReading:
-    rss_start: int = 0          # bytes resident when the block began
-    rss_end: int = 0
-    rss_peak: int = 0           # highest resident bytes seen while the block ran
-    cuda_peak: int | None = None  # torch.cuda.max_memory_allocated above the start, if on GPU
-
-    @property
-    def rss_delta(self) -> int:
-        return self.rss_end - self.rss_start
-
-    @property
-    def rss_peak_delta(self) -> int:
-        return self.rss_peak - self.rss_start
-
-    @property
-    def peak_bytes(self) -> int:
-        """The number to report: GPU peak when there is a GPU, else the RSS peak."""
-        return self.cuda_peak if self.cuda_peak is not None else self.rss_peak
-
-
-@contextlib.contextmanager
-def measure(interval_s: float = 0.005, cuda: bool | None = None) -> Iterator[MemoryReading]:
-    """`with measure() as m: ...` then read `m.rss_peak_delta`, `m.cuda_peak` (bytes)."""
-    proc = psutil.Process()
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    reading = MemoryReading(rss_start=proc.memory_info().rss)
-    reading.rss_peak = reading.rss_start
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.wait(interval_s):
-            reading.rss_peak = max(reading.rss_peak, proc.memory_info().rss)
-
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        cuda_start = torch.cuda.memory_allocated()
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        yield reading
-    finally:
-        stop.set()
-        sampler.join()
-        reading.rss_end = proc.memory_info().rss
-        reading.rss_peak = max(reading.rss_peak, reading.rss_end)
-        if cuda:
-            torch.cuda.synchronize()
-            reading.cuda_peak = torch.cuda.max_memory_allocated() - cuda_start
 
 
 @dataclass(frozen=True)
@@ -129,33 +78,6 @@ def predict(params: Iterable[ParamSpec] | torch.nn.Module, *, grad_bits: int = 3
         optimizer=trainable * OPTIMIZER_STATES[optimizer] * state_bits // 8,
         activations=int(activations),
     )
-
-
-def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-               ) -> MemoryPrediction:
-    """What a training setup holds right now, counted tensor by tensor (no activations).
-
-    weights: parameters and buffers; grads: every `.grad` present; optimizer: every tensor in
-    the optimizer's state (AdamW's moments, and its 0-d step counters). Shared storage counts
-    once. Read it after a few steps, when gradients and optimizer state exist.
-    """
-    seen: set[int] = set()
-
-    def nbytes(tensors: Iterable[torch.Tensor]) -> int:
-        total = 0
-        for t in tensors:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
-                total += t.untyped_storage().nbytes()
-        return total
-
-    weights = nbytes(list(model.parameters()) + list(model.buffers()))
-    grads = nbytes(p.grad for p in model.parameters() if p.grad is not None)
-    states = [] if optimizer is None else [
-        t for state in optimizer.state.values() for t in state.values()
-        if isinstance(t, torch.Tensor)]
-    return MemoryPrediction(weights=weights, grads=grads, optimizer=nbytes(states), activations=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,14 +154,6 @@ QWEN3_30B_A3B = TransformerShape(n_layer=48, d_model=2048, d_ff=768, n_head=32,
 LLAMA_65B = TransformerShape(n_layer=80, d_model=8192, d_ff=22016, n_head=64, vocab_size=32000)
 
 
-def nf4_bytes(numel: int, blocksize: int = 64, double_quant: bool = True) -> int:
-    """Bytes of an NF4 tensor: packed nibbles, plus a float32 absmax per block, or with double
-    quantization an 8-bit code per block, a float32 scale per 256 blocks and one offset."""
-    blocks = -(-numel // blocksize)
-    scales = blocks + 4 * -(-blocks // 256) + 4 if double_quant else 4 * blocks
-    return -(-numel // 2) + scales
-
-
 def regime_specs(shape: TransformerShape, regime: str, r: int = 8, weight_bits: int = 32,
                  lora_bits: int = 32, blocksize: int = 64, double_quant: bool = True
                  ) -> list[ParamSpec]:
@@ -266,7 +180,6 @@ def regime_specs(shape: TransformerShape, regime: str, r: int = 8, weight_bits: 
 
 def _moe_mlp_saved(shape: TransformerShape, regime: str, r: int) -> tuple[int, int]:
     """(floats, int64s) per token one MiniGPT-MoE MLP keeps: minimoe's own account."""
-    from minimoe.moe import saved_per_token
     kind = {"full": "float", "lora": "lora", "qlora": "nf4_lora"}[regime]
     return saved_per_token(shape.d_model, shape.d_ff, shape.n_experts, shape.top_k, kind, r)
 
@@ -275,8 +188,8 @@ def activation_bytes(shape: TransformerShape, regime: str, tokens: int, r: int =
                      act_bits: int = 32, checkpointing: bool = False) -> int:
     """Bytes autograd saves for backward over `tokens` = batch × sequence positions.
 
-    Counted from what MiniGPT's graph saves per token (tests/test_labkit_memory.py checks the
-    count against a saved-tensor hook). Per block, with q = n_head·head_dim and kv =
+    Counted from what MiniGPT's graph saves per token (tests/minituner/test_memory.py checks
+    the count against a saved-tensor hook). Per block, with q = n_head·head_dim and kv =
     n_kv_head·head_dim: full fine-tuning keeps 5 vectors of d_model (norm inputs, normalised
     values and outputs, the residual), q, k and v, the attention output and its transposed
     copy, 4 of d_ff (gate, up, their SiLU product and the down projection's input), the
@@ -327,3 +240,8 @@ def predict_training(shape: TransformerShape, regime: str, tokens: int, r: int =
     return predict(specs, optimizer=optimizer,
                    activations=activation_bytes(shape, regime, tokens, r, act_bits,
                                                 checkpointing))
+
+
+__all__ = ["LLAMA_65B", "LLAMA_7B", "MIXTRAL_8X7B", "OPTIMIZER_STATES", "QWEN3_30B_A3B",
+           "REGIMES", "MemoryPrediction", "ParamSpec", "TransformerShape", "activation_bytes",
+           "nf4_bytes", "param_specs", "predict", "predict_training", "regime_specs"]
