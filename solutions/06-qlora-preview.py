@@ -30,7 +30,7 @@
 # |---|---|---|
 # | 1 | `qlora_wrap(model, r, alpha, blocksize, double_quant)`: quantize, then wrap | `minituner.qlora.wrap_minigpt_qlora`, same structure and logits; refuses the wrong order |
 # | 2 | `logit_parity(model_a, model_b, tokens)` | hand-computed values; experiment 06's tolerance on the real adapter |
-# | 3 | `held(model, optimizer)`: bytes of weights, gradients, optimizer state | `labkit.measure.held_bytes`, tensor by tensor |
+# | 3 | `held(model, optimizer)`: bytes of weights, gradients, optimizer state | `minituner.memory.held_bytes`, tensor by tensor |
 # | 4 | `nf4_storage_bytes(...)`, `predict_bytes(shape, regime, ...)` | `NF4Weight.nbytes`; `minituner.memory.predict_training`, up to LLaMA-7B |
 # | 5 | `swap_adapter(model, directory)`: a second adapter into the same NF4 model | fresh loads, bit for bit; the NF4 buffers untouched |
 #
@@ -162,7 +162,7 @@ right = minigpt.load_base("dense")
 quantize_model(right, BLOCK_PROJECTIONS)
 wrap_lora(right, BLOCK_PROJECTIONS, r=8, alpha=16.0)
 for label, model in (("wrapped, never quantized", wrong), ("quantized, then wrapped", right)):
-    w = measure.held_bytes(model).weights
+    w = memory.held_bytes(model).weights
     print(f"{label:<26} weights held: {w / MiB:6.2f} MiB")
 print(right.blocks[0].attn.q_proj)
 
@@ -583,7 +583,7 @@ print("after .to(bfloat16): lora_A", cast.blocks[0].attn.q_proj.lora_A.dtype, "|
 # over the same memory adds nothing, and a tensor that is a slice of a larger storage holds
 # that whole storage. `t.untyped_storage()` gives the storage; its `.nbytes()` the bytes and
 # its `.data_ptr()` an address that identifies it. A storage counted once is never counted
-# again, in any of the three groups. Off-limits: `labkit.measure.held_bytes`.
+# again, in any of the three groups. Off-limits: `minituner.memory.held_bytes`.
 
 # %% nbgrader={"grade": false, "grade_id": "held", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def held(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
@@ -609,7 +609,7 @@ def held(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> di
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_held", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-_NO_HELD_BYTES = [(measure, "held_bytes")]   # labkit lies outside the course packages
+_NO_HELD_BYTES = [memory.held_bytes]
 
 
 def _held(model, opt=None):
@@ -661,7 +661,7 @@ def _check_against_reference(model, label, opt=None):
     assert before["optimizer"] == 0 and before["grads"] == 0, \
         f"{label}, before the first step: AdamW has no state yet and no grad exists; expected " \
         f"grads = optimizer = 0, got {before}"
-    got, want = _held(model, opt), measure.held_bytes(model, opt)
+    got, want = _held(model, opt), memory.held_bytes(model, opt)
     want = {"weights": want.weights, "grads": want.grads, "optimizer": want.optimizer}
     assert got == want, f"{label}, after two steps: expected {want}, got {got}"
     return got
@@ -675,7 +675,7 @@ wrap_minigpt_qlora(_ql, r=4, alpha=8.0)
 _ql_held = _check_against_reference(_ql, "QLoRA")
 assert _ql_held["grads"] == _lo_held["grads"] and _ql_held["weights"] < _lo_held["weights"]
 print(f"held: shared storage counted once; after two AdamW steps equal to "
-      f"labkit.measure.held_bytes for LoRA {_lo_held} and QLoRA {_ql_held}")
+      f"minituner.memory.held_bytes for LoRA {_lo_held} and QLoRA {_ql_held}")
 
 ### BEGIN HIDDEN TESTS
 # a Parameter that is a slice of a larger storage holds the whole storage
@@ -896,7 +896,7 @@ for _regime, _wrap in (("lora", lambda m: wrap_lora(m, BLOCK_PROJECTIONS, r=8, a
         _opt.zero_grad()
         F.cross_entropy(_model(_x).flatten(0, 1), _x.roll(-1, 1).flatten()).backward()
         _opt.step()
-    _row = measure.held_bytes(_model, _opt)
+    _row = memory.held_bytes(_model, _opt)
     with forbid(_NO_PREDICTOR, globals()):
         _p = predict_bytes(_shape, _regime, r=8, weight_bits=32)
     assert _p["weights"] == _row.weights and _p["grads"] == _row.grads, \

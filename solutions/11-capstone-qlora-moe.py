@@ -35,7 +35,7 @@
 # | 1 | `qlora_moe(model, r, alpha, blocksize)`: NF4 + LoRA on attention and on every expert | `minituner.qlora.wrap_minigpt_qlora`: structure, buffers, trainable set, logits |
 # | 2 | `expert_lora_norms(model)`: ‖s·B_e·A_e‖_F per expert | a naive loop; exactly 0 for an expert whose B is zero |
 # | 3 | `reward_weighted_batch_loss(logits, targets, mask, rewards)` | `minituner.reward_weights` + `sequence_loss`, value and gradient |
-# | 4 | `memory_bill(model, optimizer, x)`: weights, grads, optimizer state, activations | `labkit.measure.held_bytes` + `saved_activation_bytes` |
+# | 4 | `memory_bill(model, optimizer, x)`: weights, grads, optimizer state, activations | `minituner.memory.held_bytes` + `saved_activation_bytes` |
 #
 # Experiment 11 (`experiments/11-qlora-moe`) is the long version of this lab: 150 steps of
 # QLoRA on the MoE against LoRA on the float MoE and dense QLoRA, a reward-weighted run on the
@@ -67,7 +67,6 @@ import minituner  # noqa: E402
 import minituner.data  # noqa: E402
 import minituner.qlora  # noqa: E402
 import minituner.trainer  # noqa: E402
-from labkit import measure  # noqa: E402
 from labkit.course.harness import forbid, pairs_of, randomize_lora  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks  # noqa: E402
 from minigpt.generate import greedy_generate  # noqa: E402
@@ -299,7 +298,7 @@ float_lora = load_moe()
 wrap_minigpt_qlora(float_lora, r=8, alpha=16.0, quantize=False)
 for label, model in (("plain float MoE", base), ("LoRA, float base", float_lora),
                      ("QLoRA, NF4 base", qlora)):
-    w = measure.held_bytes(model).weights
+    w = memory.held_bytes(model).weights
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"{label:<17} weights held {w / MiB:5.2f} MiB | trainable {n_train:>9,}")
 share = sum(p.numel() for n, p in qlora.named_parameters() if p.requires_grad and ".mlp." in n)
@@ -531,7 +530,7 @@ for _bad, _why in (([1.0, 2.0], "two rewards for three examples"),
 # * `activations` is `minituner.saved_activation_bytes(model, x)` (allowed: it is the
 #   measurement tool, not the exercise).
 #
-# Off-limits: `labkit.measure.held_bytes`.
+# Off-limits: `minituner.memory.held_bytes`.
 
 # %% nbgrader={"grade": false, "grade_id": "memory_bill", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def memory_bill(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor
@@ -562,7 +561,7 @@ def memory_bill(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Ten
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_memory_bill", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
-_NO_HELD = [(measure, "held_bytes")]   # labkit lies outside the course packages
+_NO_HELD = [memory.held_bytes]
 KEYS = ("weights", "grads", "optimizer", "activations", "total")
 
 
@@ -579,7 +578,7 @@ def _bill(model, optimizer, x):
 
 def _check_bill(model, optimizer, x, what):
     got = _bill(model, optimizer, x)
-    held = measure.held_bytes(model, optimizer)
+    held = memory.held_bytes(model, optimizer)
     want = {"weights": held.weights, "grads": held.grads, "optimizer": held.optimizer,
             "activations": saved_activation_bytes(model, x)}
     want["total"] = sum(want.values())

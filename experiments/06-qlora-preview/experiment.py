@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from labkit import RunContext, measure, sha256_json  # noqa: E402
+from labkit import RunContext, sha256_json  # noqa: E402
 from minigpt import CharTokenizer, base_path, evaluate, load_checkpoint, tasks  # noqa: E402
 from minituner import (  # noqa: E402
     SequenceData,
@@ -136,7 +136,7 @@ def memory_row(model: torch.nn.Module, cfg: dict, regime: str) -> dict:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    held = measure.held_bytes(model, opt).as_dict()
+    held = memory.held_bytes(model, opt).as_dict()
     held["activations"] = saved_activation_bytes(model, x)
     held["total"] = held["weights"] + held["grads"] + held["optimizer"] + held["activations"]
     pred = memory.predict_training(memory.TransformerShape.of(model.config), regime, x.numel(),
@@ -260,7 +260,7 @@ did not fire: {ep['stopped_early'] is None}. Exact match afterwards:
 ## Memory at MiniGPT scale (MiB)
 
 Measured tensor by tensor after {cfg['memory']['steps']} AdamW steps
-(`labkit.measure.held_bytes`) plus the activations one forward keeps for its backward
+(`minituner.memory.held_bytes`) plus the activations one forward keeps for its backward
 (batch {cfg['memory']['batch_size']}, {lo['tokens']} tokens;
 `minituner.activations.saved_activation_bytes`); "predicted" is
 `minituner.memory.predict_training` from the model's shape alone.

@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from labkit import RunContext, measure, sha256_json  # noqa: E402
+from labkit import RunContext, sha256_json  # noqa: E402
 from minigpt import CharTokenizer, base_path, evaluate, load_checkpoint, tasks  # noqa: E402
 from minigpt.generate import greedy_generate  # noqa: E402
 from minimoe import MoEMLP  # noqa: E402
@@ -148,7 +148,7 @@ def memory_row(model, cfg: dict, regime: str, x, y) -> dict:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    held = measure.held_bytes(model, opt).as_dict()
+    held = memory.held_bytes(model, opt).as_dict()
     # The ledger leaves out what the caller passed in; autograd keeps the targets, and the
     # input ids too when the embedding trains.
     ids = y.nbytes + (x.nbytes if regime == "full" else 0)

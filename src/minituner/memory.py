@@ -1,13 +1,14 @@
-"""Memory prediction: the bytes a training setup needs, counted from shapes and dtypes.
+"""The memory bill of a training setup: predicted from shapes and dtypes, or counted off
+the tensors a model and optimizer hold.
 
 `predict` counts weights, gradients and optimizer state from parameter counts and storage
 bits (`param_specs` reads them off a module). `predict_training` does it for a decoder-only
 transformer given only its shape (`TransformerShape`, e.g. `LLAMA_7B`) in three regimes,
 full fine-tuning, LoRA and QLoRA, activations included. Sizes come from the packages that
 own them: an NF4 tensor's bytes from `miniquant.nf4_bytes` (what `NF4Weight.nbytes` reports),
-a MoE MLP's saved tensors from `minimoe.saved_per_token`. The tests hold the prediction equal
-to `labkit.measure.held_bytes` and to the saved-tensor count on MiniGPT, and compare it with
-`labkit.measure.measure`'s RSS peak.
+a MoE MLP's saved tensors from `minimoe.saved_per_token`. `held_bytes` counts the same
+bill off real tensors; the tests hold the prediction equal to it and to the saved-tensor
+count on MiniGPT, and compare it with the RSS peak `labkit.measure.measure` sees.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class MemoryPrediction:
+    """A memory bill by kind, predicted (`predict*`) or counted (`held_bytes`)."""
+
     weights: int         # bytes
     grads: int
     optimizer: int
@@ -47,6 +50,34 @@ class MemoryPrediction:
     def as_dict(self) -> dict:
         return {"weights": self.weights, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "total": self.total}
+
+
+def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+               ) -> MemoryPrediction:
+    """What a training setup holds right now, counted tensor by tensor (no activations).
+
+    weights: parameters and buffers; grads: every `.grad` present; optimizer: every tensor in
+    the optimizer's state (AdamW's moments, and its 0-d step counters). Shared storage counts
+    once. Read it after a few steps, when gradients and optimizer state exist.
+    """
+    seen: set[int] = set()
+
+    def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+        total = 0
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                total += t.untyped_storage().nbytes()
+        return total
+
+    weights = nbytes(list(model.parameters()) + list(model.buffers()))
+    grads = nbytes(p.grad for p in model.parameters() if p.grad is not None)
+    states = [] if optimizer is None else [
+        t for state in optimizer.state.values() for t in state.values()
+        if isinstance(t, torch.Tensor)]
+    return MemoryPrediction(weights=weights, grads=grads, optimizer=nbytes(states),
+                            activations=0)
 
 
 def param_specs(module: torch.nn.Module) -> list[ParamSpec]:

@@ -1,5 +1,5 @@
 """minituner.memory: predict() counts bytes as by hand; predict_training from a shape equals
-what a real MiniGPT step holds (labkit.measure.held_bytes) and saves, and stays under the RSS
+what a real MiniGPT step holds (minituner.memory.held_bytes) and saves, and stays under the RSS
 peak labkit.measure.measure sees."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-from labkit import measure
 from minituner import memory
 from minituner.memory import MemoryPrediction, ParamSpec
 
@@ -158,7 +157,7 @@ def test_regime_prediction_equals_held_bytes_after_two_steps(regime, cfg):
     model = _minigpt(regime, r=r, **cfg)
     x = torch.randint(0, 45, (3, 12), generator=torch.Generator().manual_seed(0))
     opt = _two_steps(model, x)
-    held = measure.held_bytes(model, opt)
+    held = memory.held_bytes(model, opt)
     pred = memory.predict_training(memory.TransformerShape.of(model.config), regime, 0, r=r)
     n_trainable = sum(p.requires_grad for p in model.parameters())
     assert held.weights == pred.weights
@@ -222,7 +221,7 @@ out = {{}}
 for regime in memory.REGIMES:
     model = _minigpt(regime, **cfg)
     gc.collect()
-    weights = measure.held_bytes(model).weights
+    weights = memory.held_bytes(model).weights
     with measure.measure(cuda=False) as m:
         _two_steps(model, x)
     pred = memory.predict_training(memory.TransformerShape.of(model.config), regime, 32 * 40)
@@ -368,3 +367,40 @@ def test_sizes_come_from_the_packages():
     import miniquant
     assert memory.nf4_bytes is miniquant.nf4_bytes
     assert memory.saved_per_token is minimoe.saved_per_token
+
+
+# ---------------------------------------------------------------------------------------------
+# held_bytes
+
+
+def test_held_bytes_by_hand():
+    """A tied module counts once; grads and AdamW state appear after a step, with AdamW's 0-d
+    float32 step counter per parameter tensor; buffers are weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5), nn.Linear(5, 2, bias=False))
+    model[2].requires_grad_(False)
+    model = nn.ModuleDict({"net": model, "tied": model[0]})
+    # weights: 20 + 10 (linear, norm) + 10 frozen, float32; buffers 5 + 5 float32 + 1 int64
+    weights = (20 + 10 + 10) * 4 + 10 * 4 + 8
+    assert memory.held_bytes(model) == MemoryPrediction(weights=weights, grads=0, optimizer=0,
+                                                        activations=0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    model["net"](torch.randn(4, 3)).sum().backward()
+    opt.step()
+    held = memory.held_bytes(model, opt)
+    trainable_tensors = 4                       # two of the linear, two of the norm
+    assert held == MemoryPrediction(weights=weights, grads=30 * 4, activations=0,
+                                    optimizer=2 * 30 * 4 + 4 * trainable_tensors)
+    assert held.total == weights + 120 + 256
+    assert held.as_dict() == {"weights": weights, "grads": 120, "optimizer": 256,
+                              "activations": 0, "total": held.total}
+
+
+def test_held_bytes_counts_shared_storage_once():
+    a = nn.Linear(4, 4, bias=False)
+    b = nn.Linear(4, 4, bias=False)
+    b.weight = a.weight                                  # one storage, two modules
+    view = nn.Module()
+    view.register_buffer("rows", a.weight.detach()[:2])  # a view of the same storage
+    model = nn.ModuleList([a, b, view])
+    assert memory.held_bytes(model).weights == 16 * 4
