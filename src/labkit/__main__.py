@@ -1,34 +1,98 @@
-"""python -m labkit run|reproduce|course|grade|check-exercises|check|work|lab — see README.md.
+"""python -m labkit run|reproduce|fingerprint|course|grade|check-exercises|check|work|lab —
+see README.md.
 
-Exit codes: 0 success; 1 a reproduce that did not reproduce, or failing checks;
-2 bad input (missing, malformed or edited manifest, changed files, unknown lab).
+Exit codes: 0 success; 1 a reproduce that did not reproduce, a stale fingerprint, or failing
+checks; 2 bad input (missing, malformed or edited manifest, changed files, unknown lab, a CPU
+the pinned numerical mode cannot run on).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 from .errors import InputError
+from .numerics import DEFAULT_THREADS, check_can_pin, check_pinned, overridden, relaunch_pinned
 
 # The course subcommands import labkit.course (jupytext, nbgrader) inside their functions, so
 # that `run` and `reproduce` need only the runtime dependencies.
 
 
+def _threads(path: Path, *keys: str) -> int:
+    """The `threads` a config asks for (default 2), read before torch loads; a file that cannot
+    be read gives the default here and its real error in the pinned child."""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+        for key in keys:
+            cfg = cfg[key]
+        threads = cfg.get("threads", DEFAULT_THREADS)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return DEFAULT_THREADS
+    return threads if isinstance(threads, int) and threads >= 1 else DEFAULT_THREADS
+
+
+def _pin(args, threads: int) -> int | None:
+    """None: go on in this process (pinned, or --numerics native). Otherwise the exit code of
+    the same command re-run in a child process under the pin (libraries read it at load)."""
+    if args.numerics == "native":
+        return None
+    check_can_pin()
+    if overridden(threads) and not os.environ.get("LABKIT_PINNED_CHILD"):
+        return relaunch_pinned(args.argv, threads)
+    check_pinned(threads)
+    return None
+
+
 def _run(args) -> int:
     from .experiment import run_experiment
 
-    manifest = run_experiment(args.experiment)
-    print(f"wrote {Path(args.experiment) / 'manifest.json'} "
+    exp = Path(args.experiment)
+    code = _pin(args, _threads(exp / "config.json"))
+    if code is not None:
+        return code
+    manifest = run_experiment(exp)
+    print(f"wrote {exp / 'manifest.json'} "
           f"({manifest['wall_time_s']:.1f} s, peak {manifest['peak_memory_mb']:.0f} MB)")
+    if (exp / "tiny.json").is_file():       # its fingerprint, in a fresh process of its own
+        return subprocess.call([sys.executable, "-m", "labkit", "fingerprint", str(exp),
+                                "--write", "--numerics", args.numerics])
     return 0
 
 
 def _reproduce(args) -> int:
-    from .experiment import reproduce
+    from .experiment import code_preview, reproduce
+    from .manifest import read_manifest
 
-    report = reproduce(args.manifest)
+    code = _pin(args, _threads(Path(args.manifest), "config"))
+    if code is not None:
+        return code
+    manifest_path = Path(args.manifest)
+    print("\n".join(code_preview(read_manifest(manifest_path), manifest_path.parent.resolve())),
+          flush=True)
+    report = reproduce(manifest_path)
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
+def _fingerprint(args) -> int:
+    from .fingerprint import check_fingerprint, write_fingerprint
+
+    if args.note is not None and not args.write:
+        raise InputError("--note goes with --write (it records why a refreshed fingerprint "
+                         "needs no new full run)")
+    exp = Path(args.experiment)
+    code = _pin(args, _threads(exp / "tiny.json"))
+    if code is not None:
+        return code
+    if args.write:
+        write_fingerprint(exp, note=args.note)
+        print(f"wrote {exp / 'fingerprint.json'}")
+        return 0
+    report = check_fingerprint(exp)
     print(report.summary())
     return 0 if report.ok else 1
 
@@ -114,12 +178,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="run experiments/NN-name and write its manifest")
+    numerics_help = ("pinned (default): the same bits on any x86-64 CPU with AVX2, whatever "
+                     "its cores (see labkit/numerics.py); native: this machine's own kernels "
+                     "and threads, compared within tolerances elsewhere")
+    p = sub.add_parser("run", help="run experiments/NN-name and write its manifest "
+                       "(and its fingerprint, when it has a tiny.json)")
     p.add_argument("experiment")
+    p.add_argument("--numerics", choices=["pinned", "native"], default="pinned",
+                   help=numerics_help)
     p.set_defaults(func=_run)
     p = sub.add_parser("reproduce", help="re-run a manifest's experiment and compare")
     p.add_argument("manifest")
+    p.add_argument("--numerics", choices=["pinned", "native"], default="pinned",
+                   help=numerics_help)
     p.set_defaults(func=_reproduce)
+    p = sub.add_parser("fingerprint", help="re-run an experiment's tiny.json and compare it bit "
+                       "for bit with its fingerprint.json (stale experiments fail)")
+    p.add_argument("experiment")
+    p.add_argument("--write", action="store_true",
+                   help="record the fingerprint instead of checking it")
+    p.add_argument("--note", help="with --write, without re-recording the full run: the "
+                   "reviewed reason the full run's numbers cannot have moved")
+    p.add_argument("--numerics", choices=["pinned", "native"], default="pinned",
+                   help=numerics_help)
+    p.set_defaults(func=_fingerprint)
     p = sub.add_parser("course", help="build the nbgrader course and refresh labs/")
     p.add_argument("--root", default=".", help="the course checkout")
     p.add_argument("--check", action="store_true",
@@ -169,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=["learner", "instructor"], default="learner",
                    help="learner hides nbgrader's instructor tools (default %(default)s)")
     p.set_defaults(func=_lab)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, extra = parser.parse_known_args(argv)     # `lab` passes the rest to jupyter lab
+    args.argv = argv
     if extra and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.jupyter_args = extra

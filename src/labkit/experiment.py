@@ -31,11 +31,9 @@ from .manifest import (
     write_manifest,
 )
 from .measure import measure
+from .numerics import DEFAULT_THREADS
+from .provenance import bit_differences, code_changes, code_digests, cpu_note, files_now, lacking
 from .seed import seed_everything
-
-# Environment fields that must agree for reproduce to demand bit-identical numbers.
-SAME_MACHINE_KEYS = ("python", "torch", "triton", "bitsandbytes", "numpy", "cpu", "threads",
-                     "device")
 
 
 @dataclass
@@ -91,10 +89,24 @@ def read_config(exp_dir: Path) -> dict:
     return check_config(cfg, str(path))
 
 
-def _execute(exp_dir: Path, cfg: dict, out_dir: Path) -> tuple[dict, RunContext, dict]:
-    """Seed, run, and time one experiment; return (metrics, context, measurements)."""
+@dataclass
+class Outcome:
+    """One execution of an experiment: its metrics and context, and what it ran on."""
+
+    metrics: dict
+    ctx: RunContext
+    measured: dict          # wall_time_s, peak_memory_mb
+    code: dict[str, str]    # source file -> sha256, of what the run imported
+    env: dict               # labkit.manifest.environment() after the run set its threads
+
+    def artifact_digests(self) -> dict[str, str]:
+        return {name: sha256_file(self.ctx.out_dir / name) for name in self.ctx.artifacts}
+
+
+def execute(exp_dir: Path, cfg: dict, out_dir: Path) -> Outcome:
+    """Seed, run and time one experiment, writing into `out_dir`."""
     module = load_experiment(exp_dir)
-    seed_everything(cfg["seed"], threads=cfg.get("threads"))
+    seed_everything(cfg["seed"], threads=cfg.get("threads", DEFAULT_THREADS))
     ctx = RunContext(exp_dir=exp_dir, out_dir=out_dir)
     t0 = time.perf_counter()
     with measure() as mem:
@@ -103,7 +115,7 @@ def _execute(exp_dir: Path, cfg: dict, out_dir: Path) -> tuple[dict, RunContext,
         raise TypeError(f"{exp_dir}/experiment.py run() must return a dict, got {type(metrics)}")
     measured = {"wall_time_s": round(time.perf_counter() - t0, 3),
                 "peak_memory_mb": round(mem.peak_bytes / 2**20, 1)}
-    return metrics, ctx, measured
+    return Outcome(metrics, ctx, measured, code_digests(exp_dir), environment())
 
 
 def run_experiment(exp_dir: str | Path, cfg: dict | None = None) -> dict:
@@ -115,9 +127,9 @@ def run_experiment(exp_dir: str | Path, cfg: dict | None = None) -> dict:
     cfg = read_config(exp_dir) if cfg is None else check_config(cfg, "cfg")
     git = git_state(exp_dir)    # the code that runs, before this run's outputs appear
     with tempfile.TemporaryDirectory(prefix=".run-", dir=exp_dir) as tmp:
-        metrics, ctx, measured = _execute(exp_dir, cfg, Path(tmp))
-        atomic_write_text(Path(tmp) / "metrics.json", json.dumps(metrics, indent=2) + "\n")
-        artifacts = {name: sha256_file(Path(tmp) / name) for name in ctx.artifacts}
+        out = execute(exp_dir, cfg, Path(tmp))
+        atomic_write_text(Path(tmp) / "metrics.json", json.dumps(out.metrics, indent=2) + "\n")
+        artifacts = out.artifact_digests()
         for item in Path(tmp).iterdir():
             target = exp_dir / item.name
             if target.is_dir():
@@ -125,33 +137,72 @@ def run_experiment(exp_dir: str | Path, cfg: dict | None = None) -> dict:
             os.replace(item, target)
     return write_manifest(exp_dir / "manifest.json", {
         "experiment": exp_dir.name, "config": cfg, "seed": cfg["seed"],
-        "git": git, "env": environment(), "data": ctx.data,
-        "inputs": ctx.inputs, "artifacts": artifacts, "metrics": metrics,
-        "timings": ctx.timings, **measured,
+        "git": git, "code": out.code, "env": out.env, "data": out.ctx.data,
+        "inputs": out.ctx.inputs, "artifacts": artifacts, "metrics": out.metrics,
+        "timings": out.ctx.timings, **out.measured,
     })
 
 
 @dataclass
 class ReproduceReport:
-    exact: bool                 # True: same machine and versions, so numbers must be identical
-    why_tolerant: list[str]     # environment fields that differ (empty when exact)
+    exact: bool                 # True: nothing deciding the bits differs; numbers must be identical
+    differences: list[str]      # fields deciding the bits that differ (empty when exact)
+    lacks: list[str]            # what an old recording does not say about its arithmetic
+    code_changed: list[str]     # source files that differ from the recording's
+    commits: tuple[str, str]    # (recorded, now), each "abc1234" or "abc1234 (dirty)"
     moved: list[Moved]          # metrics that moved beyond the allowed tolerance
+    data_moved: list[str]       # input datasets whose digest differs (always a failure)
     artifacts_moved: list[str]  # produced files whose bytes differ (a failure only when exact)
+    note: str | None            # e.g. another CPU model under the pin
     wall_time_s: float
 
     @property
     def ok(self) -> bool:
-        return not self.moved and not (self.exact and self.artifacts_moved)
+        return not self.moved and not self.data_moved and not (self.exact and self.artifacts_moved)
 
     def summary(self) -> str:
-        mode = "exact (same CPU and versions)" if self.exact else (
-            "within the config's tolerances (differs in: " + ", ".join(self.why_tolerant) + ")")
-        lines = [f"compared {mode}; re-run took {self.wall_time_s:.1f} s"]
+        lines = [f"recorded at commit {self.commits[0]}; now {self.commits[1]}"]
+        lines += code_lines(self.code_changed)
+        if self.lacks:
+            lines.append("the recording does not say " + " or ".join(self.lacks) +
+                         ": compared under today's rules")
+        if self.exact:
+            lines.append(f"compared exactly (same library versions, numerical mode and threads); "
+                         f"re-run took {self.wall_time_s:.1f} s")
+        else:
+            lines.append(f"compared within each metric's tolerance in the config, because "
+                         f"these differ: {'; '.join(self.differences)}; re-run took "
+                         f"{self.wall_time_s:.1f} s")
+        lines += [f"note: {self.note}"] if self.note else []
         lines += [f"  moved: {m}" for m in self.moved]
+        lines += [f"  input data differs: {d}" for d in self.data_moved]
         lines += [f"  artifact bytes differ: {a}" for a in self.artifacts_moved]
         lines.append("REPRODUCED" if self.ok else
-                     f"NOT REPRODUCED: {len(self.moved)} number(s) moved")
+                     f"NOT REPRODUCED: {len(self.moved)} number(s) and {len(self.data_moved)} "
+                     "dataset(s) moved")
         return "\n".join(lines)
+
+
+def code_lines(changed: list[str]) -> list[str]:
+    if not changed:
+        return ["code: every source file the run imports is as recorded"]
+    return [f"code changed since the recording ({len(changed)} file(s)); a moved number may "
+            "come from it:"] + [f"  {c}" for c in changed]
+
+
+def _commit(git: dict) -> str:
+    return f"{git.get('commit', 'unknown')[:10]}{' (dirty)' if git.get('dirty') else ''}"
+
+
+def code_preview(manifest: dict, exp_dir: Path) -> list[str]:
+    """Before a long re-run: the recorded commit and the recorded source files changed since."""
+    recorded = manifest.get("code")
+    if recorded is None:
+        return [f"recorded at commit {_commit(manifest['git'])}; the recording lists no source "
+                "digests (a manifest from before schema 2)"]
+    now = files_now(recorded, exp_dir)
+    return ([f"recorded at commit {_commit(manifest['git'])}; now {_commit(git_state(exp_dir))}"]
+            + code_lines(code_changes(recorded, now)))
 
 
 def verify_files(manifest: dict, exp_dir: Path) -> None:
@@ -179,14 +230,25 @@ def reproduce(manifest_path: str | Path) -> ReproduceReport:
     exp_dir = manifest_path.parent
     verify_files(manifest, exp_dir)
     cfg = manifest["config"]
+    git_now = git_state(exp_dir)
     with tempfile.TemporaryDirectory(prefix="reproduce-") as tmp:
-        metrics, ctx, measured = _execute(exp_dir, cfg, Path(tmp))
-        artifacts_now = {name: sha256_file(Path(tmp) / name) for name in ctx.artifacts}
-    env_now, env_then = environment(), manifest["env"]  # after _execute has set the threads
-    differs = [k for k in SAME_MACHINE_KEYS if env_then.get(k) != env_now.get(k)]
+        out = execute(exp_dir, cfg, Path(tmp))
+        artifacts_now = out.artifact_digests()
+    then = manifest["env"]
+    differs = bit_differences(then, out.env)
     exact = not differs
-    moved = compare_metrics(manifest["metrics"], metrics,
+    moved = compare_metrics(manifest["metrics"], out.metrics,
                             None if exact else cfg.get("tolerances", {}))
+    data_moved = [f"{k} (recorded {manifest['data'].get(k, '<absent>')[:12]}, now "
+                  f"{out.ctx.data.get(k, '<absent>')[:12]})"
+                  for k in sorted(manifest["data"].keys() | out.ctx.data.keys())
+                  if manifest["data"].get(k) != out.ctx.data.get(k)]
     artifacts_moved = sorted(k for k in manifest["artifacts"].keys() | artifacts_now.keys()
                              if manifest["artifacts"].get(k) != artifacts_now.get(k))
-    return ReproduceReport(exact, differs, moved, artifacts_moved, measured["wall_time_s"])
+    return ReproduceReport(
+        exact=exact, differences=differs, lacks=lacking(then),
+        code_changed=code_changes(manifest.get("code"), out.code),
+        commits=(_commit(manifest["git"]), _commit(git_now)), moved=moved,
+        data_moved=data_moved, artifacts_moved=artifacts_moved,
+        note=cpu_note(then, out.env) if exact else None,
+        wall_time_s=out.measured["wall_time_s"])

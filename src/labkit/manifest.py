@@ -18,10 +18,16 @@ import torch
 from .atomic import atomic_write_text
 from .errors import InputError
 from .hashing import sha256_json
+from .numerics import cpu_identity, in_force
 
-SCHEMA = 1
+# Schema 2 adds `code` (sha256 of each source file the run imported) and, in `env`, the
+# numerical mode and the CPU's identity. Schema 1 manifests are still read: reproduce re-runs
+# them under today's rules and says what they lack.
+SCHEMA = 2
+READABLE_SCHEMAS = (1, 2)
 REQUIRED = ("schema", "experiment", "config", "seed", "git", "env", "data", "inputs",
             "artifacts", "metrics", "wall_time_s", "peak_memory_mb", "manifest_sha256")
+REQUIRED_SINCE_2 = ("code",)
 # Fields that hold JSON objects; the three digest maps go from a name to a sha256 string.
 OBJECTS = ("config", "git", "env", "data", "inputs", "artifacts", "metrics")
 DIGEST_MAPS = ("data", "inputs", "artifacts")
@@ -80,12 +86,13 @@ def check_artifact_name(name, where: str = "") -> str:
 def check_fields(manifest: dict, where: str) -> None:
     """Refuse a manifest whose fields have the wrong shape (a list for `artifacts`, a config
     without `seed`, an artifact outside the experiment folder, an absolute input path)."""
-    for key in OBJECTS:
+    code = ("code",) if "code" in manifest else ()     # schema 1 has none
+    for key in OBJECTS + code:
         if not isinstance(manifest[key], dict):
             raise ManifestError(f"{where}: '{key}' must be a JSON object, got "
                                 f"{_kind(manifest[key])}")
     check_config(manifest["config"], f"{where}: 'config'")
-    for key in DIGEST_MAPS:
+    for key in DIGEST_MAPS + code:
         bad = [k for k, v in manifest[key].items() if not isinstance(v, str)]
         if bad:
             raise ManifestError(f"{where}: '{key}' must map names to sha256 strings; "
@@ -116,13 +123,16 @@ def _cpu_model() -> str:
 
 
 def environment() -> dict:
-    """Python and library versions, platform, CPU, thread count and device of this process."""
+    """Python and library versions, platform, CPU (name, identity and flags), thread count,
+    numerical mode and device of this process."""
     env = {"python": platform.python_version()}
     env.update({name: _version(name) for name in TRACKED_PACKAGES})
     env.update(
         platform=platform.platform(),
         cpu=_cpu_model(),
+        cpu_id=cpu_identity(),
         threads=torch.get_num_threads(),
+        numerics=in_force(),
         device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
     )
     return env
@@ -150,7 +160,7 @@ def seal(manifest: dict) -> dict:
 def write_manifest(path: str | Path, manifest: dict) -> dict:
     """Seal and write `manifest` atomically; return what was written."""
     sealed = seal({"schema": SCHEMA, **manifest})
-    missing = [k for k in REQUIRED if k not in sealed]
+    missing = [k for k in REQUIRED + REQUIRED_SINCE_2 if k not in sealed]
     if missing:
         raise ManifestError(f"manifest is missing fields {missing}")
     check_fields(sealed, f"manifest {path}")
@@ -169,11 +179,13 @@ def read_manifest(path: str | Path) -> dict:
         raise ManifestError(f"manifest {path} is not valid JSON: {e}") from None
     if not isinstance(manifest, dict):
         raise ManifestError(f"manifest {path} must hold a JSON object")
-    missing = [k for k in REQUIRED if k not in manifest]
+    if manifest.get("schema") not in READABLE_SCHEMAS:
+        raise ManifestError(f"manifest {path} has schema {manifest.get('schema')!r}, expected "
+                            f"one of {list(READABLE_SCHEMAS)}")
+    required = REQUIRED + (REQUIRED_SINCE_2 if manifest["schema"] >= 2 else ())
+    missing = [k for k in required if k not in manifest]
     if missing:
         raise ManifestError(f"manifest {path} is missing fields {missing}")
-    if manifest["schema"] != SCHEMA:
-        raise ManifestError(f"manifest {path} has schema {manifest['schema']}, expected {SCHEMA}")
     if seal(manifest)["manifest_sha256"] != manifest["manifest_sha256"]:
         raise ManifestError(
             f"manifest {path} was edited after it was written (its manifest_sha256 no longer "

@@ -22,26 +22,8 @@ from labkit.manifest import seal
 ROOT = Path(__file__).resolve().parents[2]
 EXP00 = ROOT / "experiments" / "00-pretrain-base"
 
-TINY = {
-    "seed": 3,
-    "threads": 1,
-    "tasks": ["copy", "kv"],
-    "held_out": "rev",
-    "n_per_task": 40,
-    "eval_n": 6,
-    "routing_n": 3,
-    "tolerances": {"default": {"rtol": 0.05, "atol": 0.02}},
-    "models": {
-        "dense": {"model": {"n_layer": 1, "n_head": 2, "n_embd": 16, "d_ff": 24,
-                            "block_size": 24},
-                  "train": {"steps": 6, "batch_size": 8, "warmup_steps": 2, "log_every": 2,
-                            "progress": False}},
-        "moe": {"model": {"n_layer": 1, "n_head": 2, "n_embd": 16, "d_ff": 8, "n_experts": 3,
-                          "top_k": 2, "block_size": 24},
-                "train": {"steps": 6, "batch_size": 8, "warmup_steps": 2, "log_every": 2,
-                          "progress": False}},
-    },
-}
+# The tiny configuration the fingerprint check also runs (experiments/00-pretrain-base/tiny.json).
+TINY = json.loads((EXP00 / "tiny.json").read_text())
 
 
 def labkit(*args: str) -> subprocess.CompletedProcess:

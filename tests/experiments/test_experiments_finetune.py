@@ -18,17 +18,12 @@ from labkit import read_manifest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-TRAIN = {"batch_size": 8, "lr": 0.003, "warmup_steps": 2, "log_every": 2}
 
 
 def tiny_configs() -> dict[str, dict]:
-    c05 = json.loads((ROOT / "experiments/05-lora-finetune/config.json").read_text())
-    c05.update(threads=1, n_train=24, replay_per_task=4, eval_n=4,
-               train={**TRAIN, "steps": 4, "val_fraction": 0.25, "eval_every": 2})
-    c06 = json.loads((ROOT / "experiments/06-qlora-preview/config.json").read_text())
-    c06.update(threads=1, n_train=16, replay_per_task=2, eval_n=4, prompts_per_task=2,
-               train=TRAIN, memory={"steps": 2, "batch_size": 4})
-    return {"05-lora-finetune": c05, "06-qlora-preview": c06}
+    """Each experiment's tiny.json: the configuration its fingerprint check runs."""
+    return {name: json.loads((ROOT / "experiments" / name / "tiny.json").read_text())
+            for name in ("05-lora-finetune", "06-qlora-preview")}
 
 
 def labkit(*args: str) -> subprocess.CompletedProcess:
@@ -97,11 +92,8 @@ def _run_tiny_11(tmp_path, **train) -> dict:
     exp = tmp_path / "11-qlora-moe"
     exp.mkdir()
     shutil.copy(ROOT / "experiments/11-qlora-moe/experiment.py", exp)
-    cfg = json.loads((ROOT / "experiments/11-qlora-moe/config.json").read_text())
-    cfg.update(threads=1, n_train=12, replay_per_task=2, eval_n=2, routing_n=2,
-               train={**cfg["train"], **TRAIN, "steps": 2, "batch_size": 4, "progress": False,
-                      **train},
-               memory={"steps": 1, "batch_size": 4}, triton_check={"batch": 2})
+    cfg = json.loads((ROOT / "experiments/11-qlora-moe/tiny.json").read_text())
+    cfg["train"].update(train)
     (exp / "config.json").write_text(json.dumps(cfg))
     proc = labkit("run", str(exp))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,0 +1,120 @@
+"""Behavioural fingerprints: each experiment's tiny configuration, re-run bit for bit in CI.
+
+A full run takes minutes to half an hour, too long to repeat for every change; its tiny
+configuration (`tiny.json`) runs the same code in seconds. `fingerprint.json`, written beside
+the manifest whenever the full run is recorded, holds what the tiny run produced: every
+metric, and the digests of its data, inputs and artifacts. A change of code that moves the
+tiny run's bits will move the full run's: the check fails, naming the experiment, until the
+full run is re-recorded (`make run EXP=...`), or until a reviewed note says why the full run
+cannot have moved (`python -m labkit fingerprint EXP --write --note "..."`). A refactor that
+moves no number passes, whatever files it touched.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .atomic import atomic_write_text
+from .compare import Moved, compare_metrics
+from .experiment import code_lines, execute
+from .manifest import ManifestError, check_config, read_manifest
+from .provenance import VERSION_KEYS, bit_differences, code_changes
+
+TINY = "tiny.json"
+FINGERPRINT = "fingerprint.json"
+
+
+def read_tiny(exp_dir: Path) -> dict:
+    path = exp_dir / TINY
+    try:
+        return check_config(json.loads(path.read_text(encoding="utf-8")), str(path))
+    except FileNotFoundError:
+        raise ManifestError(f"{exp_dir} has no {TINY} (the tiny configuration its "
+                            "fingerprint runs)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path} is not valid JSON: {e}") from None
+
+
+def tiny_run(exp_dir: Path) -> tuple[dict, dict, dict, dict]:
+    """Run the tiny configuration; (config, result, env, code) where result holds the metrics
+    and the data, input and artifact digests."""
+    cfg = read_tiny(exp_dir)
+    with tempfile.TemporaryDirectory(prefix="fingerprint-") as tmp:
+        out = execute(exp_dir, cfg, Path(tmp))
+        result = {"metrics": out.metrics, "data": out.ctx.data, "inputs": out.ctx.inputs,
+                  "artifacts": out.artifact_digests()}
+    env = {k: out.env.get(k) for k in (*VERSION_KEYS, "numerics", "cpu_id")}
+    return cfg, result, env, out.code
+
+
+def _manifest_sha(exp_dir: Path) -> str | None:
+    path = exp_dir / "manifest.json"
+    return read_manifest(path)["manifest_sha256"] if path.is_file() else None
+
+
+def write_fingerprint(exp_dir: str | Path, note: str | None = None) -> dict:
+    """Run the tiny configuration and record it beside the manifest it belongs to. `note`
+    (for a refresh without re-recording the full run) says why the full run cannot move."""
+    exp_dir = Path(exp_dir).resolve()
+    cfg, result, env, code = tiny_run(exp_dir)
+    record = {"experiment": exp_dir.name, "manifest_sha256": _manifest_sha(exp_dir),
+              "note": note, "config": cfg, "env": env, "code": code, "result": result}
+    atomic_write_text(exp_dir / FINGERPRINT, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    return record
+
+
+@dataclass
+class FingerprintReport:
+    experiment: str
+    problems: list[str]         # why the recording cannot be compared or belongs elsewhere
+    moved: list[Moved]          # tiny-run numbers and digests that moved
+    code_changed: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.moved
+
+    def summary(self) -> str:
+        if self.ok:
+            return f"{self.experiment}: fingerprint holds (tiny run identical)"
+        lines = [f"{self.experiment}: STALE" if self.moved else f"{self.experiment}: UNCHECKED"]
+        lines += [f"  {p}" for p in self.problems]
+        lines += [f"  moved: {m}" for m in self.moved[:20]]
+        if len(self.moved) > 20:
+            lines.append(f"  ... and {len(self.moved) - 20} more")
+        lines += ["  " + line for line in code_lines(self.code_changed)]
+        if self.moved:
+            lines.append(f"  the code no longer produces what experiments/{self.experiment} "
+                         "recorded: re-record it (make run EXP=experiments/"
+                         f"{self.experiment}), and what loads its outputs; or, if the full run "
+                         "cannot have moved, say why: python -m labkit fingerprint "
+                         f"experiments/{self.experiment} --write --note \"...\"")
+        return "\n".join(lines)
+
+
+def check_fingerprint(exp_dir: str | Path) -> FingerprintReport:
+    """Re-run the tiny configuration and compare it bit for bit with `fingerprint.json`."""
+    exp_dir = Path(exp_dir).resolve()
+    path = exp_dir / FINGERPRINT
+    if not path.is_file():
+        raise ManifestError(f"{path} is missing: record it with python -m labkit fingerprint "
+                            f"{exp_dir} --write")
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path} is not valid JSON: {e}") from None
+    problems = []
+    if recorded.get("config") != read_tiny(exp_dir):
+        problems.append(f"{TINY} changed since the fingerprint was recorded")
+    if recorded.get("manifest_sha256") != _manifest_sha(exp_dir):
+        problems.append("the fingerprint belongs to another recording of the full run "
+                        "(manifest_sha256 differs): record both with make run")
+    _, result, env, code = tiny_run(exp_dir)
+    problems += [f"cannot compare bit for bit, {d}" for d in
+                 bit_differences(recorded.get("env", {}), env)]
+    return FingerprintReport(exp_dir.name, problems,
+                             compare_metrics(recorded.get("result", {}), result),
+                             code_changes(recorded.get("code"), code))
