@@ -18,7 +18,7 @@ LAB_ARGS ?=
 # learners do not see them.
 MODE ?= learner
 
-.PHONY: venv lab test test-fast course grade reproduce run check-exercises check lint lock clean
+.PHONY: venv lab test test-fast course grade reproduce run readme check-exercises check lint lock clean
 
 venv: $(STAMP)
 
@@ -52,6 +52,9 @@ run: $(STAMP)  ## run an experiment and write its manifest: make run EXP=experim
 
 reproduce: $(STAMP)  ## re-run and compare: make reproduce EXP=experiments/NN-name
 	$(PY) -m labkit reproduce $(EXP)/manifest.json
+
+readme: $(STAMP)  ## README.md's result numbers, regenerated from the experiments' manifests
+	$(PY) -m labkit readme
 
 check-exercises: $(STAMP)  ## blank each solution region alone; some test must fail (slow)
 	$(PY) -m labkit check-exercises $(LAB)

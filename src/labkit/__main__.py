@@ -1,4 +1,4 @@
-"""python -m labkit run|reproduce|fingerprint|course|grade|check-exercises|check|work|lab —
+"""python -m labkit run|reproduce|fingerprint|readme|course|grade|check-exercises|check|work|lab —
 see README.md.
 
 Exit codes: 0 success; 1 a reproduce that did not reproduce, a stale fingerprint, or failing
@@ -41,7 +41,7 @@ def _pin(args, threads: int) -> int | None:
     if args.numerics == "native":
         return None
     check_can_pin()
-    if overridden(threads) and not os.environ.get("LABKIT_PINNED_CHILD"):
+    if overridden(threads) and os.environ.get("LABKIT_PINNED_CHILD") != f"threads={threads}":
         return relaunch_pinned(args.argv, threads)
     check_pinned(threads)
     return None
@@ -95,6 +95,19 @@ def _fingerprint(args) -> int:
     report = check_fingerprint(exp)
     print(report.summary())
     return 0 if report.ok else 1
+
+
+def _readme(args) -> int:
+    from .readme import write_readme
+
+    if args.check:
+        if write_readme(Path(args.root), check=True):
+            return 0
+        print("README.md is out of date with the manifests: run make readme", file=sys.stderr)
+        return 1
+    in_sync = write_readme(Path(args.root))
+    print("README.md already matches the manifests" if in_sync else "wrote README.md")
+    return 0
 
 
 def _course(args) -> int:
@@ -202,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--numerics", choices=["pinned", "native"], default="pinned",
                    help=numerics_help)
     p.set_defaults(func=_fingerprint)
+    p = sub.add_parser("readme", help="fill README.md's generated blocks from the experiments' "
+                       "manifests (their summary.py files)")
+    p.add_argument("--root", default=".", help="the course checkout")
+    p.add_argument("--check", action="store_true",
+                   help="do not write README.md; fail if it differs from the manifests")
+    p.set_defaults(func=_readme)
     p = sub.add_parser("course", help="build the nbgrader course and refresh labs/")
     p.add_argument("--root", default=".", help="the course checkout")
     p.add_argument("--check", action="store_true",

@@ -179,11 +179,13 @@ def read_manifest(path: str | Path) -> dict:
         raise ManifestError(f"manifest {path} is not valid JSON: {e}") from None
     if not isinstance(manifest, dict):
         raise ManifestError(f"manifest {path} must hold a JSON object")
-    if manifest.get("schema") not in READABLE_SCHEMAS:
-        raise ManifestError(f"manifest {path} has schema {manifest.get('schema')!r}, expected "
-                            f"one of {list(READABLE_SCHEMAS)}")
-    required = REQUIRED + (REQUIRED_SINCE_2 if manifest["schema"] >= 2 else ())
-    missing = [k for k in required if k not in manifest]
+    missing = [k for k in REQUIRED if k not in manifest]
+    if missing:
+        raise ManifestError(f"manifest {path} is missing fields {missing}")
+    if manifest["schema"] not in READABLE_SCHEMAS or isinstance(manifest["schema"], bool):
+        raise ManifestError(f"manifest {path} has schema {manifest['schema']!r}, expected one "
+                            f"of {list(READABLE_SCHEMAS)}")
+    missing = [k for k in REQUIRED_SINCE_2 if manifest["schema"] >= 2 and k not in manifest]
     if missing:
         raise ManifestError(f"manifest {path} is missing fields {missing}")
     if seal(manifest)["manifest_sha256"] != manifest["manifest_sha256"]:

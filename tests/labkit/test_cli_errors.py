@@ -9,11 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from labkit.__main__ import main
+from labkit.__main__ import main as labkit_main
 from labkit.hashing import sha256_file
 from labkit.manifest import seal
 
 pytestmark = pytest.mark.usefixtures("restore_torch_determinism")
+
+
+def main(argv: list[str]) -> int:
+    """The CLI in this process: `--numerics native`, since the pinned mode would re-run each
+    command in a child process (tests/labkit/test_numerics.py covers that path)."""
+    pinnable = argv[0] in ("run", "reproduce", "fingerprint")
+    return labkit_main([*argv, "--numerics", "native"] if pinnable else argv)
 
 EXPERIMENT = '''
 def run(cfg, ctx):

@@ -26,6 +26,7 @@ def body(**overrides) -> dict:
                    "nested": {"b": 1, "a": None}},
         "seed": 0,
         "git": {"commit": "abc123", "dirty": False},
+        "code": {"06-qlora-preview/experiment.py": "3" * 64},
         "env": {"python": "3.11.7", "torch": "2.13.0"},
         "data": {"train": "0" * 64},
         "inputs": {"base": "1" * 64},
@@ -138,7 +139,7 @@ def test_write_refuses_missing_fields(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("schema", [0, 2, "1", None])
+@pytest.mark.parametrize("schema", [0, 3, "1", None])
 def test_wrong_schema(tmp_path, schema):
     path = tmp_path / "manifest.json"
     dump(path, seal({**body(), "schema": schema}))   # correctly sealed: only the schema is off
@@ -273,7 +274,7 @@ def test_atomic_write_keeps_normal_permissions(tmp_path):
 def test_environment_fields():
     env = environment()
     for key in ("python", "torch", "triton", "bitsandbytes", "numpy", "safetensors",
-                "platform", "cpu", "threads", "device"):
+                "platform", "cpu", "cpu_id", "threads", "numerics", "device"):
         assert key in env, key
     assert env["python"] == platform.python_version()
     assert env["torch"] == torch.__version__
@@ -281,7 +282,10 @@ def test_environment_fields():
     assert env["threads"] == torch.get_num_threads()
     expected_device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     assert env["device"] == expected_device
-    assert all(isinstance(v, str) and v for k, v in env.items() if k != "threads")
+    assert all(isinstance(v, str) and v for k, v in env.items()
+               if k not in ("threads", "cpu_id", "numerics"))
+    assert env["numerics"]["intra_op_threads"] == torch.get_num_threads()
+    assert env["numerics"]["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     json.dumps(env)                                              # JSON-able as is
 
 

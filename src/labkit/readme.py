@@ -1,0 +1,184 @@
+"""README.md's generated blocks: the numbers of its results sections, made from the manifests.
+
+A block runs from an opening marker line to `END`, and only its body is ever rewritten:
+- `marker("NN-name")` opens a block whose body is `readme(manifest)` of
+  `experiments/NN-name/summary.py`, given that experiment's verified manifest;
+- `TABLE_MARKER` opens the reproduce table, which labkit makes itself: one row per experiment
+  folder with a manifest (its recorded run time, threads, numerical mode, commit, peak memory).
+
+`python -m labkit readme` rewrites README.md; with `--check` it only says whether README.md
+still matches the manifests, so a hand-typed number cannot survive the next re-run unnoticed.
+Part of labkit's experiment half: stdlib and labkit only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import textwrap
+from pathlib import Path
+
+from .atomic import atomic_write_text
+from .errors import InputError
+from .manifest import read_manifest
+from .numerics import DEFAULT_THREADS
+
+COMMAND = "`python -m labkit readme`"
+END = "<!-- end generated -->"
+TABLE_MARKER = ("<!-- generated from experiments/*/manifest.json by "
+                f"{COMMAND}: the reproduce table -->")
+# README.md's prose is wrapped at this width; generated paragraphs follow it.
+WIDTH = 92
+_OPENING = "<!-- generated from "
+_LINK = re.compile(r"\[[^\]]*\]\([^)]*\)")
+_EXPERIMENT_MARKER = re.compile(r"<!-- generated from experiments/(?P<name>[^/*]+)/manifest\.json "
+                                + re.escape(f"by {COMMAND}; edit summary.py, not this block -->"))
+
+
+def marker(name: str) -> str:
+    """The line that opens the block of experiment `name` (a folder under experiments/)."""
+    return (f"<!-- generated from experiments/{name}/manifest.json by {COMMAND}; "
+            "edit summary.py, not this block -->")
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table, for the summary.py files and the reproduce table."""
+    lines = ["| " + " | ".join(cells) + " |" for cells in (header, *rows)]
+    return "\n".join([lines[0], "|" + "---|" * len(header), *lines[1:]])
+
+
+def paragraph(text: str, indent: str = "") -> str:
+    """`text` wrapped like README.md's prose; `indent` starts every line after the first (two
+    spaces under a list item). Words and links are never split."""
+    # A link's text is kept on one line (NUL stands for its spaces while wrapping).
+    kept = _LINK.sub(lambda link: link[0].replace(" ", "\0"), text)
+    return textwrap.fill(kept, WIDTH, subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False).replace("\0", " ")
+
+
+def _where(number: int) -> str:
+    return f"README.md line {number}"
+
+
+def _opened(line: str, number: int) -> str | None:
+    """What a line opens: an experiment's name, "*" for the reproduce table, or None."""
+    text = line.strip()
+    if text == TABLE_MARKER:
+        return "*"
+    found = _EXPERIMENT_MARKER.fullmatch(text)
+    if found:
+        return found["name"]
+    if text.startswith(_OPENING):
+        raise InputError(f"{_where(number)}: unrecognised marker {text!r}; expected "
+                         f"{marker('NN-name')!r} or {TABLE_MARKER!r}")
+    return None
+
+
+def _blocks(lines: list[str]) -> list[tuple[int, int, str]]:
+    """(index of the opening line, index of its END line, what it opened), in order."""
+    blocks, start, opened = [], None, None
+    for i, line in enumerate(lines):
+        what = _opened(line, i + 1)
+        if what is not None and start is not None:
+            raise InputError(f"{_where(start + 1)}: block has no {END!r} before the next "
+                             f"marker on line {i + 1}")
+        if what is not None:
+            start, opened = i, what
+        elif line.strip() == END:
+            if start is None:
+                raise InputError(f"{_where(i + 1)}: {END!r} closes no block (no marker line "
+                                 "opens one above it)")
+            blocks.append((start, i, opened))
+            start = None
+    if start is not None:
+        raise InputError(f"{_where(start + 1)}: block has no {END!r} after it")
+    return blocks
+
+
+def load_summary(exp_dir: Path, where: str):
+    """An experiment's summary.py, loaded from its path (it is not a package module)."""
+    script = exp_dir / "summary.py"
+    if not exp_dir.is_dir():
+        raise InputError(f"{where}: no experiment folder {exp_dir}")
+    if not script.is_file():
+        raise InputError(f"{where}: {exp_dir} has no summary.py (expected one defining "
+                         "readme(manifest) -> str)")
+    spec = importlib.util.spec_from_file_location(f"summary_{exp_dir.name}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "readme", None)):
+        raise InputError(f"{where}: {script} must define readme(manifest) -> str")
+    return module
+
+
+def _manifest(exp_dir: Path, where: str) -> dict:
+    try:
+        return read_manifest(exp_dir / "manifest.json")
+    except InputError as e:
+        raise InputError(f"{where}: {e}") from None
+
+
+def experiment_body(root: Path, name: str, where: str = "README.md") -> str:
+    """The body of experiment `name`'s block: its summary.py's readme(manifest)."""
+    exp_dir = Path(root) / "experiments" / name
+    summary = load_summary(exp_dir, where)
+    body = summary.readme(_manifest(exp_dir, where))
+    if not isinstance(body, str):
+        raise InputError(f"{where}: {exp_dir / 'summary.py'} readme() returned "
+                         f"{type(body).__name__}, expected the markdown as a str")
+    return body
+
+
+def duration(seconds: float) -> str:
+    """A run time as a reader takes it in: "95 s" under two minutes, else "13.2 min"."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def reproduce_table(root: Path) -> str:
+    """One row per experiment folder with a manifest: the run a reproduce is compared with."""
+    rows = []
+    for manifest_path in sorted(Path(root).glob("experiments/*/manifest.json")):
+        name = manifest_path.parent.name
+        m = _manifest(manifest_path.parent, f"the reproduce table, experiments/{name}")
+        rows.append([f"[{name}](experiments/{name}/REPORT.md)",
+                     duration(m["wall_time_s"]),
+                     str(m["config"].get("threads", DEFAULT_THREADS)),
+                     m["env"].get("numerics", {}).get("mode", "not recorded"),
+                     f"`{m['git']['commit'][:7]}`",
+                     f"{m['peak_memory_mb']:.0f} MB"])
+    return table(["experiment", "recorded run", "threads", "numerics", "commit", "peak memory"],
+                 rows)
+
+
+def render_text(text: str, root: Path) -> str:
+    """`text` (a README) with the body of every generated block made afresh."""
+    lines = text.splitlines(keepends=True)
+    out, done = [], 0
+    for start, end, opened in _blocks(lines):
+        body = (reproduce_table(root) if opened == "*"
+                else experiment_body(root, opened, _where(start + 1)))
+        # Blank lines around the body: a marker is an HTML block, and a table or paragraph
+        # right after it would be swallowed into that block by some renderers.
+        out += lines[done:start + 1] + ["\n", body.strip("\n") + "\n", "\n"]
+        done = end
+    return "".join(out + lines[done:])
+
+
+def render(root: Path) -> str:
+    """README.md under `root` with every generated block filled from the manifests."""
+    path = Path(root) / "README.md"
+    if not path.is_file():
+        raise InputError(f"no README.md in {root}")
+    return render_text(path.read_text(encoding="utf-8"), Path(root))
+
+
+def write_readme(root: Path, check: bool = False) -> bool:
+    """Whether README.md already matched the manifests. Without `check`, a README.md that did
+    not is rewritten (atomically); with it, nothing is written."""
+    path = Path(root) / "README.md"
+    fresh = render(root)
+    if path.read_text(encoding="utf-8") == fresh:
+        return True
+    if not check:
+        atomic_write_text(path, fresh)
+    return False
