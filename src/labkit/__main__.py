@@ -41,7 +41,7 @@ def _pin(args, threads: int) -> int | None:
     if args.numerics == "native":
         return None
     check_can_pin()
-    if overridden(threads) and not os.environ.get("LABKIT_PINNED_CHILD"):
+    if overridden(threads) and os.environ.get("LABKIT_PINNED_CHILD") != f"threads={threads}":
         return relaunch_pinned(args.argv, threads)
     check_pinned(threads)
     return None

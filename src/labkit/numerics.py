@@ -140,5 +140,6 @@ def relaunch_pinned(argv: list[str], threads: int) -> int:
 
     print(f"labkit: pinned numerics, {threads} thread(s) (set for this run: "
           f"{describe_overrides(threads)})", file=sys.stderr, flush=True)
-    env = {**os.environ, **pinned_env(threads), "LABKIT_PINNED_CHILD": "1"}
+    # The marker stops a child re-launching itself; a grandchild wanting other threads may.
+    env = {**os.environ, **pinned_env(threads), "LABKIT_PINNED_CHILD": f"threads={threads}"}
     return subprocess.call([sys.executable, "-m", "labkit", *argv], env=env)
