@@ -14,11 +14,11 @@
 # # Lab 05 — LoRA fine-tuning: teach MiniGPT a new task without forgetting the old ones
 #
 # The pretrained MiniGPT of Lab 00 knows five tasks (`add`, `copy`, `sort`, `kv`, `count`) and
-# has never seen the sixth, **`rev`** (reverse a word): it answers `rev:usr=` with `rr`. In
-# this lab you fine-tune it with the LoRA adapters of Lab 04 — the base frozen, rank-8 factors
-# on every projection, 8.3 % of the parameters trainable — and you write, one piece at a time,
-# the training loop that does it, checked step for step against the course's loop
-# `minituner.train`:
+# has never seen the sixth, **`rev`** (reverse a word): asked `rev:usr=`, it does not answer
+# `rsu`. In this lab you fine-tune it with the LoRA adapters of Lab 04 — the base frozen,
+# rank-8 factors on every projection, 8.3 % of the parameters trainable — and you write, one
+# piece at a time, the training loop that does it, checked step for step against the course's
+# loop `minituner.train`:
 #
 # | # | you write | what it must match |
 # |---|---|---|
@@ -36,7 +36,7 @@
 # with your code; run the test cell below it and read its message if it fails: it says what
 # was expected and what came. Grading runs more (hidden) checks of the same specification —
 # other shapes, weights, schedules and models, and checks that your code does not call the
-# reference to do the work. The whole notebook runs in about a minute on a laptop CPU; no GPU
+# reference to do the work. The whole notebook runs in under two minutes on a laptop CPU; no GPU
 # is needed.
 
 # %%
@@ -379,7 +379,7 @@ assert _z.item() == 0.0, f"hidden: a batch without any scored token should give 
 # Suppose 30 % of the `rev` training answers came out wrong — the annotator copied the word
 # instead of reversing it — and a verifier (here: `answer == prompt word reversed`) gives each
 # example a reward of 1 or 0. Plain SFT learns from everything; reward-weighted SFT gives the
-# wrong examples weight 0 and the right ones weight 1/0.7 ≈ 1.43. Eighty LoRA steps each, with
+# wrong examples weight 0 and the right ones weight 1/0.7 ≈ 1.43. 160 LoRA steps each, with
 # the course's loop; the validation loss is on clean `rev` prompts of the eval split:
 
 # %%
@@ -399,7 +399,7 @@ print(f"{sum(r == 0 for r in rewards)} of {len(rewards)} answers are wrong; weig
       sorted(set(normalize_rewards(rewards).tolist())))
 rev_eval = tasks.make_examples(tasks.HELD_OUT, EVAL_N, seed=0, split="eval")
 rev_val = make_data(rev_eval)
-NOISY_CFG = TrainConfig(steps=80, batch_size=32, lr=8e-3, warmup_steps=10, log_every=10,
+NOISY_CFG = TrainConfig(steps=160, batch_size=32, lr=8e-3, warmup_steps=10, log_every=10,
                         progress=False)
 for label, data in (("plain SFT", make_data(noisy)),
                     ("reward-weighted SFT", make_data(noisy, rewards=rewards))):
@@ -977,7 +977,7 @@ plt.show()
 # Training on `rev` alone teaches it — and wrecks the other tasks. Nothing in the loss asks the
 # adapter to keep the old behaviour, and a rank-8 update on every projection is plenty to
 # overwrite it: the validation loss on the old tasks climbs while the one on `rev` falls. A
-# third of the batch spent on the old tasks keeps them nearly intact for the same number of
+# third of the batch spent on the old tasks keeps them largely intact for the same number of
 # steps; `rev` is learned a little more slowly, since it gets two thirds of the examples. (A
 # frozen base does **not** protect you from forgetting: the base's weights are untouched, but
 # the model you run is base + adapter. Removing the adapter restores the old tasks — and

@@ -66,13 +66,19 @@ class RunContext:
         self.data[name] = digest
 
 
+def load_script(script: Path, module_name: str):
+    """Execute a script of an experiment folder (not a package module) and return it."""
+    spec = importlib.util.spec_from_file_location(module_name, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_experiment(exp_dir: Path):
     script = exp_dir / "experiment.py"
     if not script.is_file():
         raise ManifestError(f"{exp_dir} has no experiment.py")
-    spec = importlib.util.spec_from_file_location(f"experiment_{exp_dir.name}", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(script, f"experiment_{exp_dir.name}")
     if not callable(getattr(module, "run", None)):
         raise ManifestError(f"{script} must define run(cfg, ctx) -> metrics")
     return module

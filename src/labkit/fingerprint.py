@@ -21,7 +21,7 @@ from .atomic import atomic_write_text
 from .compare import Moved, compare_metrics
 from .experiment import code_lines, execute
 from .manifest import ManifestError, check_config, read_manifest
-from .provenance import VERSION_KEYS, bit_differences, code_changes
+from .provenance import VERSION_KEYS, bit_differences, code_changes, cpu_note
 
 TINY = "tiny.json"
 FINGERPRINT = "fingerprint.json"
@@ -72,6 +72,7 @@ class FingerprintReport:
     problems: list[str]         # why the recording cannot be compared or belongs elsewhere
     moved: list[Moved]          # tiny-run numbers and digests that moved
     code_changed: list[str]
+    cpu: str | None = None      # another CPU model than the recording's (allowed under the pin)
 
     @property
     def ok(self) -> bool:
@@ -86,6 +87,9 @@ class FingerprintReport:
         if len(self.moved) > 20:
             lines.append(f"  ... and {len(self.moved) - 20} more")
         lines += ["  " + line for line in code_lines(self.code_changed)]
+        if self.cpu:
+            lines.append(f"  {self.cpu}: if no source file changed, the pin did not hold on "
+                         "this CPU — please report it")
         if self.moved:
             lines.append(f"  the code no longer produces what experiments/{self.experiment} "
                          "recorded: re-record it (make run EXP=experiments/"
@@ -117,4 +121,5 @@ def check_fingerprint(exp_dir: str | Path) -> FingerprintReport:
                  bit_differences(recorded.get("env", {}), env)]
     return FingerprintReport(exp_dir.name, problems,
                              compare_metrics(recorded.get("result", {}), result),
-                             code_changes(recorded.get("code"), code))
+                             code_changes(recorded.get("code"), code),
+                             cpu_note(recorded.get("env", {}), env))

@@ -13,13 +13,13 @@ Part of labkit's experiment half: stdlib and labkit only.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import textwrap
 from pathlib import Path
 
 from .atomic import atomic_write_text
 from .errors import InputError
+from .experiment import load_script
 from .manifest import read_manifest
 from .numerics import DEFAULT_THREADS
 
@@ -103,9 +103,7 @@ def load_summary(exp_dir: Path, where: str):
     if not script.is_file():
         raise InputError(f"{where}: {exp_dir} has no summary.py (expected one defining "
                          "readme(manifest) -> str)")
-    spec = importlib.util.spec_from_file_location(f"summary_{exp_dir.name}", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(script, f"summary_{exp_dir.name}")
     if not callable(getattr(module, "readme", None)):
         raise InputError(f"{where}: {script} must define readme(manifest) -> str")
     return module

@@ -1,4 +1,5 @@
-"""Seeding: one call makes a run repeatable on the same CPU and library versions."""
+"""Seeding: one call makes a run repeatable with the same library versions and arithmetic (the
+numerical mode of labkit.numerics fixes the arithmetic across x86-64 CPUs)."""
 
 from __future__ import annotations
 

@@ -203,12 +203,18 @@ def test_native_reproduce_names_what_differs_and_uses_tolerances(recorded):
         assert proc.returncode == 1 and "moved: digest" in proc.stdout
 
 
+def copy_of(recorded: Path, tmp_path: Path, *names: str) -> Path:
+    """A new experiment folder holding `names` copied from the recorded one."""
+    exp = tmp_path / recorded.name
+    exp.mkdir()
+    for name in names:
+        (exp / name).write_bytes((recorded / name).read_bytes())
+    return exp
+
+
 @pytest.mark.slow
 def test_an_old_manifest_is_reproduced_under_todays_rules(recorded, tmp_path):
-    exp = Path(tmp_path / recorded.name)
-    exp.mkdir()
-    for name in ("experiment.py", "config.json"):
-        (exp / name).write_bytes((recorded / name).read_bytes())
+    exp = copy_of(recorded, tmp_path, "experiment.py", "config.json")
     m = json.loads((recorded / "manifest.json").read_text())
     del m["code"], m["env"]["numerics"], m["env"]["cpu_id"]
     m["schema"] = 1
@@ -229,10 +235,7 @@ def test_a_child_where_the_pin_did_not_take_refuses(recorded):
 
 @pytest.mark.slow
 def test_reproduce_names_a_code_change_before_it_runs(recorded, tmp_path):
-    exp = Path(tmp_path / recorded.name)
-    exp.mkdir()
-    for name in ("config.json", "manifest.json"):
-        (exp / name).write_bytes((recorded / name).read_bytes())
+    exp = copy_of(recorded, tmp_path, "config.json", "manifest.json")
     (exp / "experiment.py").write_text(EXPERIMENT + "\n# a comment moves no number\n")
     proc = labkit("reproduce", str(exp / "manifest.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
