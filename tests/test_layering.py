@@ -1,7 +1,7 @@
 """The import graph between the packages under src/ runs one way (README, Layout):
-miniquant <- minimoe <- minigpt <- minituner; none of them imports labkit, and labkit's
-experiment half imports none of them (only the course's lab harness reaches the packages
-the labs are about)."""
+miniquant <- minimoe <- minigpt <- minituner <- minirl; none of them imports labkit, and
+labkit's experiment half imports none of them (only the course's lab harness reaches the
+packages the labs are about). Nothing imports minirl, the top of the model packages."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MODEL_PACKAGES = ("miniquant", "minimoe", "minigpt", "minituner")
-PACKAGES = MODEL_PACKAGES + ("labkit",)
+PACKAGES = MODEL_PACKAGES + ("minirl", "labkit")
 # What each part may import of the others (minituner: minigpt for its atomic writer only).
 ALLOWED = {
     "miniquant": set(),
     "minimoe": {"miniquant"},
     "minigpt": {"minimoe", "miniquant"},
     "minituner": {"miniquant", "minimoe", "minigpt"},
+    "minirl": {"miniquant", "minimoe", "minigpt", "minituner"},
     "labkit": set(),
     "labkit/course": set(MODEL_PACKAGES) | {"labkit"},
 }

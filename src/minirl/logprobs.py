@@ -1,0 +1,137 @@
+"""Token log-probabilities of sampled completions, under the policy and a frozen reference.
+
+GRPO needs log p(token) of every completion token three times: under the policy being
+trained (with gradients), under the policy that sampled them (`old`, no gradients) and under
+a frozen reference (for the KL term). All three come from one forward over the sampled
+tokens and one `selective_log_softmax`: the log-softmax of each row of logits, read at one
+id. Computed as logit[id] − logsumexp(logits), it never keeps the [N, V] log-softmax.
+
+`IMPLEMENTATIONS` is the one place an implementation is chosen: a backend name mapped to a
+function `(logits [N, V], ids [N]) -> [N]`. "torch" is the reference; a Triton kernel (which
+reads each row once and writes one float) will be added there under "triton", and
+`token_logprobs(..., backend=)` passes the name through.
+
+The reference of a LoRA / QLoRA policy is its own frozen base: `adapters_off(model)` sets the
+scaling of every adapter (LoRALinear, and the expert LoRA of ExpertLinear / NF4Experts) to 0
+for the duration of a `with` block, so the forward is the base's exactly (adding s·0 = 0),
+with no copy of the model. A fully fine-tuned policy needs an explicit reference model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from minimoe import ExpertLinear, NF4Experts
+from minituner import LoRALinear
+
+
+class NonFiniteLogitsError(ValueError, FloatingPointError):
+    """NaN or +Inf logits. A ValueError for bad input; a FloatingPointError so that inside a
+    training step minituner's NaN guard records a stop instead of crashing."""
+
+
+def check_logits(logits: torch.Tensor, what: str) -> None:
+    """Raise NonFiniteLogitsError if `logits` hold NaN or +Inf (−Inf, probability 0, is fine)."""
+    bad = torch.isnan(logits) | (logits == float("inf"))
+    if bad.any():                                                      # one host sync
+        first = tuple(bad.nonzero()[0].tolist())
+        raise NonFiniteLogitsError(f"{what} hold NaN or +Inf ({int(bad.sum())} values, the "
+                                   f"first at {first}); their log-probabilities would be NaN")
+
+
+def _selective_log_softmax_torch(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    if logits.element_size() < 4:       # fp16 / bf16: a logsumexp over V needs float32
+        logits = logits.float()
+    return logits.gather(1, ids[:, None])[:, 0] - torch.logsumexp(logits, dim=1)   # [N]
+
+
+# backend -> fn(logits [N, V], ids [N] int64) -> [N] (float32, float64 for float64 logits).
+IMPLEMENTATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "torch": _selective_log_softmax_torch,
+}
+
+
+def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor, backend: str = "torch"
+                          ) -> torch.Tensor:
+    """log_softmax(logits, -1)[i, ids[i]] for logits [N, V], ids [N] -> [N], in float32
+    (float64 for float64 logits). NaN or +Inf logits -> NonFiniteLogitsError."""
+    if backend not in IMPLEMENTATIONS:
+        raise ValueError(f"backend must be one of {sorted(IMPLEMENTATIONS)}, got {backend!r}")
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 \
+            or not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating-point [N, V] tensor, got "
+                         f"{getattr(logits, 'dtype', type(logits).__name__)} "
+                         f"{list(getattr(logits, 'shape', []))}")
+    N, V = logits.shape
+    if not isinstance(ids, torch.Tensor) or ids.shape != (N,) or ids.dtype != torch.long:
+        raise ValueError(f"ids must be an int64 tensor of shape [{N}] (one id per row of "
+                         f"logits), got {getattr(ids, 'dtype', type(ids).__name__)} "
+                         f"{list(getattr(ids, 'shape', []))}")
+    if N and not ((ids >= 0) & (ids < V)).all():
+        raise ValueError(f"ids must lie in 0..{V - 1} (the logits' vocabulary), got "
+                         f"{int(ids.min())}..{int(ids.max())}")
+    check_logits(logits, "logits")
+    return IMPLEMENTATIONS[backend](logits, ids)
+
+
+def token_logprobs(model, samples, backend: str = "torch") -> torch.Tensor:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) under `model`, [P·G, L-1] float32, 0 wherever
+    `samples.target_mask` is False (prompt and padding).
+
+    Gradients flow when called with grad enabled (the policy); wrap in `torch.no_grad()` for
+    the old policy. The model's mode is left alone: LoRA dropout in training mode makes the
+    policy's log-probs noisy, so GRPO runs use dropout 0.
+    """
+    device = next(model.parameters()).device
+    tokens = samples.tokens.to(device)
+    x, y = tokens[:, :-1], tokens[:, 1:]                                  # [B, L-1]
+    logits = model(x)                                                     # [B, L-1, V]
+    logp = selective_log_softmax(logits.flatten(0, 1), y.flatten(), backend).view(y.shape)
+    return torch.where(samples.target_mask.to(device), logp, 0.0)
+
+
+def _adapter_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules()
+            if isinstance(m, LoRALinear)
+            or (isinstance(m, ExpertLinear | NF4Experts) and m.lora_A is not None)]
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, `model` computes its frozen base: every LoRA scaling is 0.
+
+    Restores each scaling on exit, also on an exception. Refuses a model without adapters
+    (pass a reference model instead) and one with merged LoRALinear layers, whose update is
+    inside the base weight where a scaling of 0 cannot reach it (unmerge them first).
+    """
+    layers = _adapter_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} holds no LoRA adapters, so it has no frozen "
+                         f"base to switch to; pass the reference model explicitly")
+    merged = [n for n, m in model.named_modules() if isinstance(m, LoRALinear) and m.merged]
+    if merged:
+        raise ValueError(f"LoRA layers {merged[:3]} are merged into their base weight; "
+                         f"unmerge() them before switching the adapters off")
+    saved = [m.scaling for m in layers]
+    try:
+        for m in layers:
+            m.scaling = 0.0
+        yield model
+    finally:
+        for m, s in zip(layers, saved, strict=True):
+            m.scaling = s
+
+
+@torch.no_grad()
+def reference_logprobs(model: nn.Module, samples, reference: nn.Module | None = None,
+                       backend: str = "torch") -> torch.Tensor:
+    """`token_logprobs` under the frozen reference, no gradients: `reference` when given,
+    else `model` with its adapters off (the base of a LoRA / QLoRA policy)."""
+    if reference is not None:
+        return token_logprobs(reference, samples, backend)
+    with adapters_off(model):
+        return token_logprobs(model, samples, backend)

@@ -1,0 +1,230 @@
+"""minirl.logprobs: selective_log_softmax against log_softmax + gather, token log-probs
+against one-sequence-at-a-time forwards, the reference with adapters off, and refusals."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from rl_support import PROMPTS, raise_eos, tiny
+
+from minirl import (
+    IMPLEMENTATIONS,
+    NonFiniteLogitsError,
+    adapters_off,
+    reference_logprobs,
+    sample_groups,
+    selective_log_softmax,
+    token_logprobs,
+)
+from minituner import LoRALinear, wrap_lora
+from minituner.qlora import wrap_minigpt_qlora
+
+
+def logits_ids(N=11, V=37, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (4 * torch.randn(N, V, generator=g)).to(dtype).requires_grad_()
+    return logits, torch.randint(0, V, (N,), generator=g)
+
+
+def reference(logits, ids):
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("N, V", [(11, 37), (1, 2), (64, 45)])
+def test_selective_log_softmax_matches_log_softmax_gather(N, V):
+    logits, ids = logits_ids(N, V)
+    got, want = selective_log_softmax(logits, ids), reference(logits, ids)
+    torch.testing.assert_close(got, want)
+    g_got = torch.autograd.grad(got.sum(), logits)[0]
+    g_want = torch.autograd.grad(want.sum(), logits)[0]
+    torch.testing.assert_close(g_got, g_want)
+
+
+def test_selective_log_softmax_dtypes():
+    logits, ids = logits_ids(dtype=torch.float64)
+    got = selective_log_softmax(logits, ids)
+    assert got.dtype == torch.float64
+    assert torch.autograd.gradcheck(lambda x: selective_log_softmax(x, ids), (logits,))
+    half, ids = logits_ids(dtype=torch.bfloat16)
+    got = selective_log_softmax(half, ids)
+    assert got.dtype == torch.float32           # reduced in float32, not in bf16
+    torch.testing.assert_close(got, reference(half, ids))
+
+
+def test_minus_inf_logits_are_probability_zero():
+    logits = torch.tensor([[0.0, -math.inf, 0.0], [-math.inf, 1.0, -math.inf]])
+    got = selective_log_softmax(logits, torch.tensor([0, 1]))
+    torch.testing.assert_close(got, torch.tensor([math.log(0.5), 0.0]))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nan_or_inf_logits_are_refused(bad):
+    logits, ids = logits_ids()
+    logits = logits.detach().clone()
+    logits[4, 7] = bad
+    with pytest.raises(NonFiniteLogitsError, match=r"logits hold NaN or \+Inf \(1 values, the "
+                                                   r"first at \(4, 7\)\)"):
+        selective_log_softmax(logits, ids)
+    assert issubclass(NonFiniteLogitsError, ValueError)
+    assert issubclass(NonFiniteLogitsError, FloatingPointError)   # the trainer's NaN guard
+
+
+def test_bad_arguments_are_named():
+    logits, ids = logits_ids()
+    with pytest.raises(ValueError, match=r"logits must be a floating-point \[N, V\] tensor"):
+        selective_log_softmax(logits[0], ids)
+    with pytest.raises(ValueError, match=r"logits must be a floating-point"):
+        selective_log_softmax(torch.zeros(11, 37, dtype=torch.long), ids)
+    with pytest.raises(ValueError, match=r"ids must be an int64 tensor of shape \[11\]"):
+        selective_log_softmax(logits, ids[:5])
+    with pytest.raises(ValueError, match=r"ids must be an int64"):
+        selective_log_softmax(logits, ids.int())
+    with pytest.raises(ValueError, match=r"ids must lie in 0..36"):
+        selective_log_softmax(logits, torch.full((11,), 37))
+    with pytest.raises(ValueError, match=r"backend must be one of \['torch'\]"):
+        selective_log_softmax(logits, ids, backend="triton")
+
+
+def test_an_implementation_is_swapped_in_one_place(monkeypatch, eos_model):
+    calls = []
+
+    def spy(logits, ids):
+        calls.append(tuple(logits.shape))
+        return IMPLEMENTATIONS["torch"](logits, ids)
+
+    monkeypatch.setitem(IMPLEMENTATIONS, "spy", spy)
+    s = draw(eos_model)
+    torch.testing.assert_close(token_logprobs(eos_model, s, backend="spy"),
+                               token_logprobs(eos_model, s))
+    assert calls == [(s.tokens.numel() - len(s), 45)]
+
+
+def draw(model, G=3, max_new=5, seed=0):
+    return sample_groups(model, PROMPTS, G, max_new, generator=torch.Generator().manual_seed(seed))
+
+
+def loop_logprobs(model, s) -> torch.Tensor:
+    """Each completion token scored by a forward of its own row's prefix alone (no batch, no
+    padding), the way sampling saw it."""
+    out = torch.zeros(s.tokens.shape[0], s.tokens.shape[1] - 1)
+    with torch.no_grad():
+        for row in range(len(s)):
+            for t in s.completion_mask[row].nonzero().flatten().tolist():
+                logits = model(s.tokens[row:row + 1, :t])[0, -1]
+                out[row, t - 1] = torch.log_softmax(logits, -1)[s.tokens[row, t]]
+    return out
+
+
+def test_token_logprobs_equal_plain_forwards_of_each_prefix(eos_model):
+    s = draw(eos_model)
+    got = token_logprobs(eos_model, s)
+    assert got.shape == (len(s), s.tokens.shape[1] - 1) and got.dtype == torch.float32
+    torch.testing.assert_close(got, loop_logprobs(eos_model, s), rtol=1e-5, atol=1e-5)
+    assert (got[~s.target_mask] == 0).all() and (got[s.target_mask] < 0).all()
+
+
+def test_token_logprobs_carry_gradients_to_the_trainable_parameters(eos_model):
+    s = draw(eos_model)
+    token_logprobs(eos_model, s).sum().backward()
+    assert eos_model.lm_head.weight.grad.abs().sum() > 0
+
+
+def test_nan_in_the_model_is_refused_by_token_logprobs(eos_model):
+    s = draw(eos_model)
+    with torch.no_grad():
+        eos_model.lm_head.weight[3, 2] = math.nan
+    with pytest.raises(NonFiniteLogitsError):
+        token_logprobs(eos_model, s)
+
+
+def trained_looking(model) -> torch.nn.Module:
+    """Give every adapter (attention LoRA and expert LoRA) a non-zero B, as after training."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def zero_adapters(model) -> torch.nn.Module:
+    """A copy whose adapters add exactly nothing (B = 0): the frozen base."""
+    base = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if name.endswith("lora_B"):
+                p.zero_()
+    return base
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("wrap", ["lora", "qlora"])
+def test_adapters_off_is_the_frozen_base(kind, wrap):
+    model = raise_eos(tiny(kind))
+    if wrap == "lora":
+        wrap_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj"], r=4)
+    else:
+        wrap_minigpt_qlora(model, r=4)      # MoE: NF4 experts with expert LoRA too
+    base_model = zero_adapters(trained_looking(model))
+    s = draw(model)
+    policy = token_logprobs(model, s).detach()
+    base = token_logprobs(base_model, s)
+    ref = reference_logprobs(model, s)
+    assert torch.equal(ref, base) and not ref.requires_grad
+    assert not torch.allclose(policy, ref)                  # the adapters do change the policy
+    assert torch.equal(token_logprobs(model, s), policy)    # and are back on afterwards
+
+
+def test_adapters_off_on_the_triton_moe_backend():
+    """The fused expert-LoRA kernels (interpreted on a CPU) read the scaling at each call."""
+    model = raise_eos(tiny("moe"))
+    wrap_minigpt_qlora(model, r=4)
+    base_model = zero_adapters(trained_looking(model))
+    for m in (model, base_model):
+        m.set_moe_backend("triton")
+    s = sample_groups(model, PROMPTS[:2], 2, 2, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(reference_logprobs(model, s), token_logprobs(base_model, s).detach())
+
+
+def test_adapters_off_restores_the_scaling_after_an_error():
+    model = wrap_lora_model()
+    scalings = [m.scaling for m in model.modules() if isinstance(m, LoRALinear)]
+    with pytest.raises(KeyError), adapters_off(model):
+        assert all(m.scaling == 0 for m in model.modules() if isinstance(m, LoRALinear))
+        raise KeyError("inside")
+    assert [m.scaling for m in model.modules() if isinstance(m, LoRALinear)] == scalings
+
+
+def wrap_lora_model():
+    model = raise_eos(tiny())
+    wrap_lora(model, ["q_proj", "v_proj"], r=2, alpha=8.0)
+    return trained_looking(model)
+
+
+def test_an_explicit_reference_model():
+    model, other = raise_eos(tiny(seed=0)), raise_eos(tiny(seed=1))
+    s = draw(model)
+    torch.testing.assert_close(reference_logprobs(model, s, reference=other),
+                               token_logprobs(other, s).detach())
+
+
+def test_adapters_off_refuses_a_model_without_adapters_or_with_merged_ones():
+    with pytest.raises(ValueError, match="holds no LoRA adapters.*pass the reference model"):
+        reference_logprobs(tiny(), draw(raise_eos(tiny())))
+    model = wrap_lora_model()
+    model.blocks[0].attn.q_proj.merge()
+    with pytest.raises(ValueError, match=r"\['blocks.0.attn.q_proj'\] are merged"):
+        with adapters_off(model):
+            pass
+
+
+def test_a_completions_first_token_is_scored_at_prompt_length_minus_one():
+    model = raise_eos(tiny())
+    s = draw(model, G=2, max_new=3)
+    got = token_logprobs(model, s)
+    for row in range(len(s)):
+        first = int(s.prompt_lengths[row]) - 1        # column t scores token t + 1
+        assert got[row, first] != 0 and (got[row, :first] == 0).all()
