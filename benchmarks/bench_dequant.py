@@ -23,11 +23,13 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # timing.py, also when loaded by path
+from timing import median_seconds  # noqa: E402
 
 SHAPES = {"tiny": [(256, 256), (128, 512)], "full": [(4096, 4096), (4096, 14336), (14336, 4096)]}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -53,29 +55,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.repeats = args.repeats or (50 if cuda else 5)
     args.warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
     return args
-
-
-def median_seconds(fn, device: str, repeats: int, warmup: int) -> float:
-    """Median wall time of fn() over `repeats` runs, after `warmup` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device == "cuda":
-        flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-        for _ in range(repeats):
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-    else:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def bnb_method(w: torch.Tensor, blocksize: int):
@@ -115,7 +94,7 @@ def bench_shape(shape, args, dtype) -> list[dict]:
 
     rows = []
     for name, (fn, nbytes) in methods.items():
-        seconds = median_seconds(fn, args.device, args.repeats, args.warmup)
+        seconds = median_seconds(fn, args.device, args.repeats, args.warmup, L2_FLUSH_BYTES)
         rows.append(dict(shape=list(shape), method=name, median_s=seconds, bytes=nbytes,
                          gbps=nbytes / seconds / 1e9))
     if bnb is None:

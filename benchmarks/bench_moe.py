@@ -39,11 +39,13 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # timing.py, also when loaded by path
+from timing import median_seconds  # noqa: E402
 
 # name -> (E experts, top-k, d_model, d_ff of one expert)
 MODELS = {
@@ -129,25 +131,6 @@ def make_method(name: str):
                                lora_path=lora_path)
 
     return sorted_method
-
-
-def median_seconds(fn, device: str, repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def bench_model(model: str, args, dtype) -> list[dict]:

@@ -7,7 +7,13 @@ base) and `grpo_loss`. Offline, reward-weighted SFT reads a rewarded JSONL file
 (`read_rewarded_jsonl`), weights it per prompt group (`group_weights`) into a minituner
 `SequenceData`, and `mix_replay` / `add_replay` keep the pretraining tasks in the data.
 See BLUEPRINT.md.
+
+The Triton log-softmax kernels (`selective_log_softmax_triton`, `entropy_from_logits_triton`,
+`logprobs_and_entropy_triton`, `LogSoftmaxStats`) load on first access (module
+`__getattr__`), as miniquant's do; `token_logprobs(..., backend="triton")` loads them too.
 """
+
+import importlib
 
 from .advantages import group_advantages, variance_fraction
 from .grpo import grpo_loss
@@ -15,6 +21,7 @@ from .logprobs import (
     IMPLEMENTATIONS,
     NonFiniteLogitsError,
     adapters_off,
+    entropy_from_logits,
     reference_logprobs,
     selective_log_softmax,
     token_logprobs,
@@ -30,9 +37,25 @@ from .weighting import (
     sft_pairs,
 )
 
+# Loaded on first access, so that importing the package does not build the kernels.
+_TRITON_NAMES = {name: "logprob_triton" for name in
+                 ("LogSoftmaxStats", "entropy_from_logits_triton",
+                  "logprobs_and_entropy_triton", "selective_log_softmax_triton")}
+
+
+def __getattr__(name: str):
+    if name in _TRITON_NAMES:
+        value = getattr(importlib.import_module(f".{_TRITON_NAMES[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["IMPLEMENTATIONS", "NonFiniteLogitsError", "Reward", "RewardedRecords", "Samples",
-           "adapters_off", "add_replay", "exact_match", "group_advantages", "group_weights",
-           "grpo_loss", "mix_replay", "partial_credit", "read_rewarded_jsonl",
+           "adapters_off", "add_replay", "entropy_from_logits", "exact_match",
+           "group_advantages", "group_weights", "grpo_loss", "mix_replay", "partial_credit",
+           "read_rewarded_jsonl",
            "reference_logprobs", "replay_count", "replay_examples", "rewarded_sequence_data",
            "sample_groups", "score", "selective_log_softmax", "sft_pairs", "token_logprobs",
            "variance_fraction"]
+__all__ += sorted(_TRITON_NAMES)

@@ -7,9 +7,11 @@ tokens and one `selective_log_softmax`: the log-softmax of each row of logits, r
 id. Computed as logit[id] − logsumexp(logits), it never keeps the [N, V] log-softmax.
 
 `IMPLEMENTATIONS` is the one place an implementation is chosen: a backend name mapped to a
-function `(logits [N, V], ids [N]) -> [N]`. "torch" is the reference; a Triton kernel (which
-reads each row once and writes one float) will be added there under "triton", and
-`token_logprobs(..., backend=)` passes the name through.
+function `(logits [N, V], ids [N]) -> [N]`. "torch" is the reference; "triton" is the
+streaming kernel of logprob_triton.py (one pass per row forward and backward, three floats
+per row kept), imported on its first call so that `import minirl` does not build it, and
+`token_logprobs(..., backend=)` passes the name through. `entropy_from_logits` is the
+PyTorch reference of the entropy the same kernel computes.
 
 The reference of a LoRA / QLoRA policy is its own frozen base: `adapters_off(model)` sets the
 scaling of every adapter (LoRALinear, and the expert LoRA of ExpertLinear / NF4Experts) to 0
@@ -35,10 +37,24 @@ class NonFiniteLogitsError(ValueError, FloatingPointError):
 
 
 def check_logits(logits: torch.Tensor, what: str) -> None:
-    """Raise NonFiniteLogitsError if `logits` hold NaN or +Inf (−Inf, probability 0, is fine)."""
-    bad = torch.isnan(logits) | (logits == float("inf"))
-    if bad.any():                                                      # one host sync
-        first = tuple(bad.nonzero()[0].tolist())
+    """Raise NonFiniteLogitsError if `logits` [..., V] hold NaN or +Inf (−Inf, probability 0,
+    is fine).
+
+    The max of a row is NaN or +Inf exactly when the row holds one, so the look is one
+    reduction to [rows] (no [..., V] mask of the whole tensor) and one host sync; only the
+    rows it flags are searched for the count and the first position.
+    """
+    if logits.numel() == 0:
+        return
+    rows = logits.detach().reshape(-1, logits.shape[-1])                  # [R, V]
+    top = rows.amax(dim=1)                                                # [R], NaN propagates
+    flagged = torch.isnan(top) | (top == float("inf"))
+    if flagged.any():
+        index = flagged.nonzero()[:, 0]
+        bad = torch.isnan(rows[index]) | (rows[index] == float("inf"))   # [flagged, V]
+        row, col = bad.nonzero()[0].tolist()
+        lead = torch.unravel_index(index[row], logits.shape[:-1])
+        first = (*(int(i) for i in lead), col)
         raise NonFiniteLogitsError(f"{what} hold NaN or +Inf ({int(bad.sum())} values, the "
                                    f"first at {first}); their log-probabilities would be NaN")
 
@@ -49,9 +65,19 @@ def _selective_log_softmax_torch(logits: torch.Tensor, ids: torch.Tensor) -> tor
     return logits.gather(1, ids[:, None])[:, 0] - torch.logsumexp(logits, dim=1)   # [N]
 
 
-# backend -> fn(logits [N, V], ids [N] int64) -> [N] (float32, float64 for float64 logits).
+def _selective_log_softmax_triton(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    # Imported here, at the first call: importing it builds the kernels. The caller,
+    # selective_log_softmax, has checked the ids' range and the logits' finiteness.
+    from .logprob_triton import selective_log_softmax_triton
+
+    return selective_log_softmax_triton(logits, ids, trusted=True)
+
+
+# backend -> fn(logits [N, V], ids [N] int64) -> [N] (float32, float64 for float64 logits;
+# the Triton kernel takes float32, bf16 and fp16 logits, float32 only in its interpreter).
 IMPLEMENTATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "torch": _selective_log_softmax_torch,
+    "triton": _selective_log_softmax_triton,
 }
 
 
@@ -76,6 +102,25 @@ def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor, backend: str 
                          f"{int(ids.min())}..{int(ids.max())}")
     check_logits(logits, "logits")
     return IMPLEMENTATIONS[backend](logits, ids)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """−Σ_v p_v log p_v of softmax(logits[i]) for logits [N, V] -> [N], in float32 (float64
+    for float64 logits; fp16/bf16 reduced in float32). The plain-PyTorch reference of
+    `entropy_from_logits_triton`: it keeps [N, V] log-probabilities and probabilities for its
+    backward. −Inf logits are probability 0 and add 0 (and get gradient 0); a row that is −Inf
+    everywhere gives NaN, as log_softmax. NaN or +Inf logits -> NonFiniteLogitsError."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 \
+            or not logits.is_floating_point() or logits.shape[1] == 0:
+        raise ValueError(f"logits must be a floating-point [N, V] tensor with V >= 1, got "
+                         f"{getattr(logits, 'dtype', type(logits).__name__)} "
+                         f"{list(getattr(logits, 'shape', []))}")
+    check_logits(logits, "logits")
+    if logits.element_size() < 4:
+        logits = logits.float()
+    logp = torch.log_softmax(logits, dim=1)                                 # [N, V]
+    # 0 · log 0 is 0: the where keeps −Inf · 0 = NaN out of the value and the gradient.
+    return -(logp.exp() * torch.where(torch.isneginf(logits), 0.0, logp)).sum(dim=1)
 
 
 def token_logprobs(model, samples, backend: str = "torch") -> torch.Tensor:

@@ -19,6 +19,7 @@ from minirl import (
     selective_log_softmax,
     token_logprobs,
 )
+from minirl.logprobs import check_logits
 from minituner import LoRALinear, wrap_lora
 from minituner.qlora import wrap_minigpt_qlora
 
@@ -72,6 +73,18 @@ def test_nan_or_inf_logits_are_refused(bad):
     assert issubclass(NonFiniteLogitsError, FloatingPointError)   # the trainer's NaN guard
 
 
+def test_non_finite_logits_are_counted_and_located_in_any_shape():
+    """check_logits looks at rows through their max: the count and the first position are
+    those of the whole tensor, also for [B, T, V] logits with several bad rows."""
+    logits = torch.zeros(3, 4, 5)
+    logits[1, 2, 0] = -math.inf                     # probability 0: fine
+    check_logits(logits, "logits")
+    logits[2, 0, 4] = math.nan
+    logits[1, 3, 1] = logits[1, 3, 2] = math.inf
+    with pytest.raises(NonFiniteLogitsError, match=r"\(3 values, the first at \(1, 3, 1\)\)"):
+        check_logits(logits, "logits")
+
+
 def test_bad_arguments_are_named():
     logits, ids = logits_ids()
     with pytest.raises(ValueError, match=r"logits must be a floating-point \[N, V\] tensor"):
@@ -84,8 +97,8 @@ def test_bad_arguments_are_named():
         selective_log_softmax(logits, ids.int())
     with pytest.raises(ValueError, match=r"ids must lie in 0..36"):
         selective_log_softmax(logits, torch.full((11,), 37))
-    with pytest.raises(ValueError, match=r"backend must be one of \['torch'\]"):
-        selective_log_softmax(logits, ids, backend="triton")
+    with pytest.raises(ValueError, match=r"backend must be one of \['torch', 'triton'\]"):
+        selective_log_softmax(logits, ids, backend="cuda")
 
 
 def test_an_implementation_is_swapped_in_one_place(monkeypatch, eos_model):
