@@ -85,7 +85,7 @@ def test_reproduce_names_every_moved_number(run_copy):
     proc = labkit("reproduce", str(path))
     assert proc.returncode == 1
     assert "dense.final_loss" in proc.stdout and "moe.exact_match.kv" in proc.stdout
-    assert "NOT REPRODUCED: 2 number(s) moved" in proc.stdout
+    assert "NOT REPRODUCED: 2 number(s) and 0 dataset(s) moved" in proc.stdout
 
 
 @pytest.mark.slow
