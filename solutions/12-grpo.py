@@ -1,0 +1,1145 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lab 12 — GRPO: group advantages, the clipped loss, rewards, and a streaming log-softmax
+#
+# Until now every fine-tune in this course imitated a given answer. Reinforcement
+# fine-tuning has no answer to imitate, only a **verifier** that scores what the model wrote.
+# [GRPO](https://arxiv.org/abs/2402.03300) (Group Relative Policy Optimization, the method of
+# DeepSeekMath and DeepSeek-R1) turns scores into a gradient with no value network:
+#
+# 1. **sample a group**: `G` completions of each of `P` prompts from the current policy;
+# 2. **score** each completion with a reward (exact match, partial credit, a unit test …);
+# 3. **advantages**: each completion's reward relative to its own group,
+#    `A = (r − mean) / (std + eps)` — better than its siblings → pushed up, worse → down;
+# 4. **update** with a clipped policy-gradient loss on the completion tokens' log-probabilities,
+#    plus a KL term that keeps the policy near a frozen reference.
+#
+# Step 4 needs `log p(token)` of every completion token: the log-softmax of a `[rows, V]`
+# block of logits read at one id per row. For a real vocabulary (151 936 for Qwen) the full
+# log-softmax of a batch is gigabytes that nobody reads; a **streaming kernel** computes the one
+# value per row without it, and recomputes what its backward needs.
+#
+# | # | you write | what it must match |
+# |---|---|---|
+# | 1 | `group_advantages(rewards)` `[P, G] → [P, G]` | a Python loop; exact zeros for a group of equal rewards |
+# | 2 | `partial_credit(example, completion)` | hand-computed credits; 1.0 only for the exact answer |
+# | 3 | `grpo_loss(logp, old_logp, advantages, mask, clip_eps, ref_logp, kl_coef)` | a token-by-token loop, value and gradient; the hand-derived one-token gradients |
+# | 4 | `logsoftmax_fwd_kernel` + `my_logsoftmax_stats(logits, ids)`: log p(id), row max, log-sum | `torch.log_softmax` + `gather` |
+# | 5 | `logsoftmax_bwd_kernel` + `my_logsoftmax_grad(...)` + `MySelectiveLogSoftmax` | `torch.autograd` of `log_softmax` + `gather` |
+#
+# Then your pieces run GRPO on a tiny MiniGPT (Part C): with exact match as the reward nothing
+# is learned, with your partial credit the mean reward climbs to 1 in a few seconds — and the
+# plot shows why.
+#
+# **No GPU needed.** As in Labs 03, 08 and 09, the setup cell sets `TRITON_INTERPRET=1`
+# **before** `import triton` when there is no CUDA GPU, and the kernels run in Triton's
+# interpreter (NumPy, one program after another, **float32 only**). The tests use small
+# vocabularies (10 to 1 000 columns) and a few dozen rows.
+#
+# **How to work.** Run the cells from top to bottom; replace each `raise NotImplementedError()`
+# with your code; run the test cell below it and read its message if it fails: it says what
+# was expected and what came. Grading runs more (hidden) checks of the same specification —
+# `G = 2`, a group of equal rewards, one row, a vocabulary smaller than the block, `−inf`
+# logits, strided logits, bad inputs — and checks that your code does not call the `minirl`
+# function it rebuilds (the tests switch those off while your code runs) and that your
+# launchers launch your kernels. The whole notebook runs in well under a minute on a laptop CPU.
+
+# %%
+import math
+import os
+import time
+import warnings
+
+import torch
+
+# The interpreter must be chosen before triton is imported (see Lab 03): @triton.jit decides
+# at decoration time whether a function is compiled or interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import minirl  # noqa: E402
+import minirl.logprob_triton  # noqa: E402
+from labkit.course import harness  # noqa: E402
+from minigpt import MiniGPT, MiniGPTConfig, tasks  # noqa: E402
+from minirl import exact_match, sample_groups, score, token_logprobs  # noqa: E402
+
+INTERPRET, DEVICE = harness.triton_setup()   # one CPU thread, seed 0, and where kernels run
+
+# %% [markdown]
+# ## Part A — one GRPO step, and why a group can teach nothing
+#
+# `minirl` has the plumbing: `sample_groups(model, prompts, G, max_new_tokens)` returns the
+# `P·G` sampled rows in prompt-major order (row `p·G + g` is sample `g` of prompt `p`, so
+# `rewards.view(P, G)` lines up with the groups) and `score(reward, examples, completions)` runs
+# a reward over them. A reward is any function `(example, completion) -> float`.
+#
+# Below, a freshly initialised MiniGPT answers two prompts four times each. Its completions
+# are random characters, so exact match scores every one of them 0: **each group's rewards are
+# all equal**. An advantage compares an answer with its siblings; when they all scored the
+# same there is nothing to prefer, every advantage is 0 and the step has no gradient. That is
+# the first thing to check when GRPO "does not learn": if the policy never samples a right
+# answer (pass@G = 0 on every prompt), there is nothing to reinforce. Exercise 2's partial
+# credit is one way out; a warm start (supervised fine-tuning first) is the usual one.
+
+# %%
+_cfg = MiniGPTConfig(block_size=24, n_layer=1, n_head=2, n_embd=16, d_ff=32)
+torch.manual_seed(0)
+_fresh = MiniGPT(_cfg)
+_prompts = [tasks.Example("answer", ex.prompt, "42") for ex in tasks.make_examples("copy", 2)]
+_s = sample_groups(_fresh, _prompts, 4, 3, generator=torch.Generator().manual_seed(0))
+_r = score(exact_match, [_prompts[i] for i in _s.group.tolist()], _s.completions).view(2, 4)
+for _p in range(2):
+    print(f"prompt {_prompts[_p].prompt!r} (answer {_prompts[_p].answer!r}): completions "
+          f"{_s.completions[4 * _p: 4 * _p + 4]}, rewards {_r[_p].tolist()}")
+print("tokens [P·G, L]:", tuple(_s.tokens.shape), "| target_mask marks the completion tokens:",
+      _s.target_mask[0].int().tolist())
+
+# %% [markdown]
+# ## Exercise 1 — group-relative advantages
+#
+# For rewards `r` `[P, G]` (row `p` is the group of prompt `p`), write
+#
+# $$A[p, g] = \frac{r[p, g] - \operatorname{mean}_g r[p]}{\operatorname{std}_g r[p] + \varepsilon}$$
+#
+# * `std` is the **sample** standard deviation (Bessel's correction, `G − 1` in the
+#   denominator), as TRL's `GRPOTrainer` uses, so the numbers compare with it;
+# * `eps` (default `1e-6`) only keeps the division finite;
+# * return **float32** `[P, G]` whatever the input's float dtype; do not modify the input;
+# * raise `ValueError` for a tensor that is not 2-D, and for `G < 2` (an answer is judged
+#   against the other answers to the same prompt: with one there is no baseline).
+#
+# **A group of equal rewards must give exactly 0.** The formula alone does not guarantee it:
+# the float mean of equal values can differ from them in the last bit, the std is then
+# `1e-17` instead of 0, and that rounding error divided by `std + eps` is a spurious advantage
+# (with `eps = 0`, a huge one). The cell below shows it happen. Either test for equal groups
+# explicitly, or centre on a value that is exact — `d = r − r[:, :1]` is exactly 0 for equal
+# values, and so are `d − d.mean()` and the std of `d` — whichever you prefer; compute in
+# float64. It must hold for `eps = 0` too (where `0 / (0 + 0)` would be NaN).
+
+# %%
+for _dtype, _v, _G in ((torch.float64, 0.1, 3), (torch.float32, 0.9, 3), (torch.float32, 0.7, 8)):
+    _eq = torch.full((1, _G), _v, dtype=_dtype)
+    _d = _eq - _eq.mean(dim=1, keepdim=True)
+    print(f"{_G} × {_v} in {_dtype}: r − mean = {_d[0, 0].item():.3g}, std = "
+          f"{_eq.std(dim=1).item():.3g}, naive A with eps=1e-6: "
+          f"{(_d / (_eq.std(dim=1, keepdim=True) + 1e-6))[0, 0].item():.3g}, with eps=0: "
+          f"{(_d / _eq.std(dim=1, keepdim=True))[0, 0].item():.3g}")
+
+
+# %% nbgrader={"grade": false, "grade_id": "group_advantages", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """rewards [P, G] -> float32 advantages [P, G]: (r − group mean) / (group std + eps),
+    std with Bessel's correction; a group of equal rewards gives exactly 0."""
+    ### BEGIN SOLUTION
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 2:
+        raise ValueError(f"rewards must be a [P, G] tensor, got "
+                         f"{list(getattr(rewards, 'shape', []))}")
+    if rewards.shape[1] < 2:
+        raise ValueError(f"GRPO needs at least 2 samples per group, got G = {rewards.shape[1]}")
+    r = rewards.double()                                                 # [P, G]
+    d = r - r[:, :1]                                 # exactly 0 where a group is all equal
+    centred = d - d.mean(dim=1, keepdim=True)                            # [P, G]
+    std = d.std(dim=1, keepdim=True)                   # [P, 1] Bessel; exactly 0 if equal
+    return torch.where(std > 0, centred / (std + eps), 0.0).float()
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_group_advantages", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# The minirl pieces this lab rebuilds: each raises if your code reaches it (under any name)
+# while the tests run it.
+_REFERENCE = [minirl.group_advantages, minirl.partial_credit, minirl.grpo_loss,
+              minirl.selective_log_softmax, minirl.token_logprobs, minirl.reference_logprobs,
+              minirl.entropy_from_logits, minirl.logprobs._selective_log_softmax_torch,
+              minirl.logprobs._selective_log_softmax_triton,
+              minirl.logprob_triton.LogSoftmaxStats,
+              minirl.logprob_triton.selective_log_softmax_triton,
+              minirl.logprob_triton.logprobs_and_entropy_triton,
+              minirl.logprob_kernels.logsoftmax_stats_forward,
+              minirl.logprob_kernels.logsoftmax_stats_backward,
+              minirl.logprob_kernels._logsoftmax_stats_fwd_kernel,
+              minirl.logprob_kernels._logsoftmax_stats_bwd_kernel]
+
+
+def _no_reference():
+    return harness.forbid(_REFERENCE, globals())
+
+
+def _loop_advantages(rows, eps=1e-6):
+    """The definition, one Python float at a time (equal groups: 0 by definition)."""
+    out = []
+    for row in rows:
+        G, mean = len(row), sum(row) / len(row)
+        if all(x == row[0] for x in row):
+            out.append([0.0] * G)
+            continue
+        std = math.sqrt(sum((x - mean) ** 2 for x in row) / (G - 1))
+        out.append([(x - mean) / (std + eps) for x in row])
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def _check_advantages(rewards, eps=None, what=""):
+    before = rewards.clone()
+    kw = {} if eps is None else {"eps": eps}
+    with _no_reference():
+        got = group_advantages(rewards, **kw)
+    where = f"group_advantages of {what or 'rewards'} {list(rewards.shape)} {rewards.dtype}" \
+            + ("" if eps is None else f", eps={eps}")
+    assert torch.equal(rewards, before), f"{where} modified its input"
+    want = _loop_advantages(rewards.tolist(), **kw)
+    harness.assert_close(got, want, where)
+    for p, row in enumerate(rewards.tolist()):
+        if all(x == row[0] for x in row):
+            assert torch.equal(got[p], torch.zeros_like(got[p])), \
+                f"{where}: group {p} has equal rewards {row}, so its advantages must be exactly " \
+                f"0; got {got[p].tolist()} (the float mean of equal values is not always " \
+                "equal to them: see the cell above the exercise)"
+    return got
+
+
+def _raises(what, call):
+    try:
+        with _no_reference():
+            call()
+    except ValueError:
+        return
+    raise AssertionError(f"{what}: expected ValueError")
+
+
+# worked by hand: one right answer of four. mean 0.25, std = sqrt(0.75 / 3) = 0.5
+_A = _check_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), what="one right answer of four")
+assert abs(_A[0, 0].item() - 1.5) < 1e-4 and abs(_A[0, 1].item() + 0.5) < 1e-4, \
+    f"[[1, 0, 0, 0]]: expected about [[1.5, -0.5, -0.5, -0.5]] (Bessel std 0.5), got {_A.tolist()}"
+_check_advantages(torch.tensor([[1.0, 0.0], [0.25, 0.75]]), what="G = 2")
+_check_advantages(torch.tensor([[0.1, 0.1, 0.1]], dtype=torch.float64), what="an equal group")
+_check_advantages(torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.0, 0.9]]), what="an equal group")
+_check_advantages((torch.rand(5, 8, generator=torch.Generator().manual_seed(0)) < 0.3).float(),
+                  what="binary rewards")
+_raises("group_advantages of rewards [3, 1] (G = 1)", lambda: group_advantages(torch.ones(3, 1)))
+print("group_advantages matches the loop, gives exact zeros for equal groups, refuses G = 1")
+
+### BEGIN HIDDEN TESTS
+_check_advantages(torch.full((1, 2), 0.3), what="one equal group, G = 2")
+_check_advantages(torch.full((2, 8), 0.7), what="equal groups, G = 8")
+_check_advantages(torch.full((1, 7), 1 / 3, dtype=torch.float64) * 2, what="an equal group")
+_check_advantages(torch.randint(0, 4, (6, 16), generator=torch.Generator().manual_seed(1)) / 3,
+                  what="partial credits")
+_check_advantages(torch.tensor([[1e6, 1e6 + 1.0, 1e6, 1e6 + 2.0]], dtype=torch.float64),
+                  what="a large offset")
+_check_advantages(torch.tensor([[1.0, 0.0, 1.0], [0.5, 0.5, 0.5]]), eps=0.5, what="rewards")
+_check_advantages(torch.tensor([[0.1, 0.1, 0.1]], dtype=torch.float64), eps=0.0,
+                  what="an equal group")
+_raises("group_advantages of rewards [1, 1]", lambda: group_advantages(torch.ones(1, 1)))
+_raises("group_advantages of a 1-D tensor", lambda: group_advantages(torch.ones(4)))
+_raises("group_advantages of a 3-D tensor", lambda: group_advantages(torch.ones(2, 2, 2)))
+assert group_advantages(torch.ones(2, 3, dtype=torch.float64)).dtype == torch.float32, \
+    "group_advantages must return float32 for float64 rewards"
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Exercise 2 — a partial-credit reward
+#
+# Exact match gives a fresh model nothing (Part A). A reward that gives **partial credit**
+# lets the group's answers differ before any of them is right:
+#
+# $$\text{credit} = \frac{\#\{i : \text{completion}[i] = \text{answer}[i]\}}{\max(\lvert\text{answer}\rvert, \lvert\text{completion}\rvert)}$$
+#
+# Positions are compared where both strings have a character; dividing by the **longer**
+# length makes a missing or extra character cost as much as a wrong one: for the answer
+# `"abc"`, `"ab"` earns 2/3, `"abcd"` earns 3/4, `"xbc"` earns 2/3 and only `"abc"` earns 1.
+# Both empty: 1.0. Return a Python `float` (`score` refuses anything that is not a real number).
+# `example` is a `minigpt.tasks.Example`; its `.answer` is the string to compare with.
+
+# %% nbgrader={"grade": false, "grade_id": "partial_credit", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def partial_credit(example: tasks.Example, completion: str) -> float:
+    """Positions that agree / max(len(answer), len(completion)); 1.0 only for the answer."""
+    ### BEGIN SOLUTION
+    answer = example.answer
+    n = max(len(answer), len(completion))
+    if n == 0:
+        return 1.0
+    return sum(a == c for a, c in zip(answer, completion, strict=False)) / n
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_partial_credit", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+def _check_credit(answer, completion, want):
+    with _no_reference():
+        got = partial_credit(tasks.Example("t", "p=", answer), completion)
+    assert isinstance(got, float), \
+        f"partial_credit must return a Python float, got {type(got).__name__} {got!r}"
+    assert abs(got - want) < 1e-12, \
+        f"partial_credit(answer {answer!r}, completion {completion!r}): expected {want:.6g}, " \
+        f"got {got:.6g}"
+
+
+def _loop_credit(answer, completion):
+    n = max(len(answer), len(completion))
+    hits = 0
+    for i in range(min(len(answer), len(completion))):
+        hits += answer[i] == completion[i]
+    return 1.0 if n == 0 else hits / n
+
+
+for _ans, _comp, _want in (("abc", "abc", 1.0), ("abc", "ab", 2 / 3), ("abc", "abcd", 3 / 4),
+                           ("abc", "xbc", 2 / 3), ("42", "24", 0.0), ("42", "", 0.0)):
+    _check_credit(_ans, _comp, _want)
+def _random_string(g, alphabet, shortest, longest):
+    n = int(torch.randint(shortest, longest + 1, (1,), generator=g))
+    return "".join(alphabet[int(i)] for i in torch.randint(0, len(alphabet), (n,), generator=g))
+
+
+_gc = torch.Generator().manual_seed(0)
+for _ in range(40):
+    _ans, _comp = _random_string(_gc, "0123", 1, 4), _random_string(_gc, "0123", 0, 5)
+    _check_credit(_ans, _comp, _loop_credit(_ans, _comp))
+print("partial_credit matches the hand-computed credits and the loop")
+
+### BEGIN HIDDEN TESTS
+_check_credit("", "", 1.0)
+_check_credit("", "x", 0.0)
+_check_credit("7", "7", 1.0)
+_check_credit("7", "77", 0.5)
+_check_credit("abcdef", "abc", 0.5)
+_check_credit("abc", "abcabc", 0.5)
+for _ in range(60):
+    _ans, _comp = _random_string(_gc, "01", 0, 5), _random_string(_gc, "01", 0, 5)
+    _check_credit(_ans, _comp, _loop_credit(_ans, _comp))
+    with _no_reference():
+        _full = partial_credit(tasks.Example("t", "p=", _ans), _comp) == 1.0
+    assert _full == (_ans == _comp), \
+        f"partial_credit(answer {_ans!r}, completion {_comp!r}) is 1.0 only for the exact answer"
+# it plugs into minirl.score as a Reward
+_exs = [tasks.Example("t", "p=", a) for a in ("abc", "42", "7")]
+with _no_reference():
+    _sc = score(partial_credit, _exs, ["abd", "4", "7"])
+harness.assert_close(_sc, torch.tensor([2 / 3, 0.5, 1.0]), "score(partial_credit, ...)")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Exercise 3 — the GRPO loss
+#
+# Inputs, as `minirl.token_logprobs` and your advantages give them, for `B = P·G` sequences
+# of `T` positions:
+#
+# * `logp` `[B, T]`: log-probabilities of the sampled tokens under the policy being trained
+#   (with gradients);
+# * `old_logp` `[B, T]`: the same under the policy that **sampled** them (no gradients);
+# * `advantages` `[B]`: one per sequence (your `group_advantages(...).flatten()`), the same
+#   for every token of the sequence;
+# * `mask` `[B, T]` bool: True on completion tokens (`Samples.target_mask`). Positions off
+#   the mask may hold **anything** (even `±inf`): they must not reach the loss or its gradient;
+# * `ref_logp` `[B, T]` or `None`: the frozen reference's log-probabilities, `kl_coef` = β.
+#
+# Per completion token, with ratio $\rho = e^{\,\mathrm{logp} - \mathrm{old}}$ and $\varepsilon$ = `clip_eps`:
+#
+# $$\ell = -\min\big(\rho A,\ \operatorname{clip}(\rho, 1-\varepsilon, 1+\varepsilon)\,A\big)
+#   + \beta\,\big(e^{\,\mathrm{ref} - \mathrm{logp}} - (\mathrm{ref} - \mathrm{logp}) - 1\big)$$
+#
+# The KL term is the **k3** estimator of KL(policy ‖ reference): never negative, 0 when the
+# two agree, and its gradient pulls `logp` towards `ref`. **Averaging**: each sequence's token
+# losses are averaged over *its own* completion tokens, then the `B` sequence losses are
+# averaged (the GRPO paper's $\frac1G\sum_i \frac1{|o_i|}\sum_t$). Return the scalar loss.
+# Treat `old_logp`, `ref_logp` and `advantages` as constants (`.detach()`); only `logp` gets
+# a gradient. Add the KL term only when `kl_coef > 0`; raise `ValueError` when `kl_coef > 0`
+# and `ref_logp` is `None`, and when a sequence has no completion token (its mean would be
+# 0/0).
+#
+# What the min does, one token at a time (the tests check these gradients):
+#
+# | | ρ < 1 − ε | 1 − ε ≤ ρ ≤ 1 + ε | ρ > 1 + ε |
+# |---|---|---|---|
+# | A > 0 | −A·ρ (still pushed up) | −A·ρ | **0** (clipped: far enough up) |
+# | A < 0 | **0** (clipped: far enough down) | −A·ρ | −A·ρ (still pushed down) |
+#
+# d loss / d logp of one token (B = 1, one completion token). On fresh samples (`old = logp`,
+# ρ = 1) the loss is `−mean(A)` and its gradient is the plain policy gradient. The KL adds
+# `β (1 − e^(ref − logp))`.
+#
+# **Pitfall**: `(ρ · mask)` with `ρ = exp(logp − old)` computed everywhere turns an off-mask
+# `exp(100) = inf` into `inf · 0 = NaN`; select with `torch.where(mask, logp − old, 0)` before
+# the `exp` (and likewise for the KL).
+
+# %% nbgrader={"grade": false, "grade_id": "grpo_loss", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor, clip_eps: float = 0.2, ref_logp: torch.Tensor | None = None,
+              kl_coef: float = 0.0) -> torch.Tensor:
+    """The clipped GRPO loss (+ β·k3 KL), per-sequence mean over completion tokens, then the
+    mean over sequences; a scalar with gradients to `logp` only."""
+    ### BEGIN SOLUTION
+    if kl_coef > 0 and ref_logp is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logp")
+    if not mask.any(dim=1).all():
+        raise ValueError("every sequence needs at least one completion token in mask")
+    m = mask.to(logp.dtype)                                               # [B, T]
+    A = advantages.detach().to(logp.dtype)[:, None]                       # [B, 1]
+    ratio = torch.where(mask, logp - old_logp.detach(), 0.0).exp()        # [B, T]
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    per_token = -torch.min(ratio * A, clipped * A)                        # [B, T]
+    if kl_coef > 0:
+        d = torch.where(mask, ref_logp.detach() - logp, 0.0)              # [B, T]
+        per_token = per_token + kl_coef * (d.exp() - d - 1)
+    per_token = torch.where(mask, per_token, 0.0)
+    return (per_token.sum(dim=1) / m.sum(dim=1)).mean()
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_grpo_loss", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+def _loop_loss(logp, old, adv, mask, eps, ref, beta):
+    """Token by token, sequence by sequence, from the definition (autograd through it)."""
+    seq_losses = []
+    for i in range(logp.shape[0]):
+        terms = []
+        for t in range(logp.shape[1]):
+            if not mask[i, t]:
+                continue
+            rho = torch.exp(logp[i, t] - old[i, t])
+            a = adv[i]
+            term = -torch.minimum(rho * a, torch.clamp(rho, 1 - eps, 1 + eps) * a)
+            if beta > 0:
+                d = ref[i, t] - logp[i, t]
+                term = term + beta * (torch.exp(d) - d - 1)
+            terms.append(term)
+        seq_losses.append(torch.stack(terms).mean())
+    return torch.stack(seq_losses).mean()
+
+
+def _batch(B, T, seed=0, spread=0.4, garbage=100.0):
+    """logp, old, ref [B, T] (off the mask: `garbage`), advantages [B], mask [B, T]: each
+    row a prompt (False), then 1..T-1 completion tokens, then padding (False)."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g) * 3
+    logp = old + spread * torch.randn(B, T, generator=g)
+    ref = old + 0.3 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, generator=g)
+    start = torch.randint(0, T // 2, (B,), generator=g)
+    length = torch.randint(1, T // 2 + 1, (B,), generator=g)
+    pos = torch.arange(T)
+    mask = (pos >= start[:, None]) & (pos < (start + length)[:, None])
+    for t, v in ((logp, garbage), (old, -garbage), (ref, -garbage)):
+        t[~mask] = v
+    return logp, old, adv, mask, ref
+
+
+def _check_loss(B, T, seed=0, eps=0.2, beta=0.0, with_ref=True, spread=0.4, garbage=100.0):
+    logp, old, adv, mask, ref = _batch(B, T, seed, spread, garbage)
+    ref = ref if with_ref else None
+    lw = harness.leaf(logp)
+    want = _loop_loss(lw, old, adv, mask, eps, ref, beta)
+    want.backward()
+    lg = harness.leaf(logp)
+    with _no_reference():
+        got = grpo_loss(lg, old, adv, mask, clip_eps=eps, ref_logp=ref, kl_coef=beta)
+    where = (f"grpo_loss, B={B}, T={T}, clip_eps={eps}, kl_coef={beta}, ref_logp "
+             f"{'given' if with_ref else 'None'}, completion lengths {mask.sum(1).tolist()}")
+    assert isinstance(got, torch.Tensor) and got.dim() == 0, \
+        f"{where}: expected a scalar tensor, got {type(got).__name__} " \
+        f"{list(getattr(got, 'shape', []))}"
+    harness.assert_close(got.detach(), want.detach(), f"{where}: loss")
+    got.backward()
+    assert lg.grad is not None, f"{where}: no gradient reached logp"
+    assert torch.equal(lg.grad[~mask], torch.zeros_like(lg.grad[~mask])), \
+        f"{where}: the gradient off the mask must be exactly 0, got " \
+        f"{lg.grad[~mask][lg.grad[~mask] != 0][:3].tolist()} (NaN: inf · 0 — select with " \
+        "torch.where before the exp)"
+    harness.assert_close(lg.grad, lw.grad, f"{where}: d loss / d logp")
+    return got
+
+
+def _one_token(logp, old, a, eps=0.2, ref=None, beta=0.0):
+    """(loss, d loss / d logp) for one sequence of one completion token."""
+    lp = torch.tensor([[logp]], requires_grad=True)
+    with _no_reference():
+        loss = grpo_loss(lp, torch.tensor([[old]]), torch.tensor([a]),
+                         torch.tensor([[True]]), clip_eps=eps,
+                         ref_logp=None if ref is None else torch.tensor([[ref]]), kl_coef=beta)
+    loss.backward()
+    return loss.item(), lp.grad.item()
+
+
+# fresh samples: old = logp, ratio 1, the loss is -mean(A)
+_lp, _old, _adv, _mask, _ = _batch(6, 7, seed=1, garbage=0.0)
+with _no_reference():
+    _fresh_loss = grpo_loss(_lp, _lp.clone(), _adv, _mask)
+assert abs(_fresh_loss.item() + _adv.mean().item()) < 1e-6, \
+    f"on fresh samples (old_logp = logp) the loss is -mean(advantages) = " \
+    f"{-_adv.mean().item():.6f}, got {_fresh_loss.item():.6f}"
+# one token, rho = 1.5 > 1 + eps: A > 0 is clipped (gradient 0), A < 0 is not (-A·rho)
+_, _g = _one_token(math.log(1.5), 0.0, 1.0)
+assert abs(_g) < 1e-7, f"rho = 1.5, A = +1, eps = 0.2: clipped, gradient 0 expected, got {_g}"
+_, _g = _one_token(math.log(1.5), 0.0, -1.0)
+assert abs(_g - 1.5) < 1e-5, f"rho = 1.5, A = -1: gradient -A·rho = 1.5 expected, got {_g}"
+_check_loss(6, 7)                                   # off-mask garbage 100: exp(100) = inf
+_check_loss(8, 9, seed=2, beta=0.1)                 # with the k3 KL
+print("grpo_loss matches the token-by-token loop (value and gradient); clipping as the table")
+
+### BEGIN HIDDEN TESTS
+_check_loss(8, 9, seed=3, eps=0.1, beta=0.0)        # ref given, kl_coef 0: no KL term
+_check_loss(8, 9, seed=4, eps=0.3, with_ref=False)
+_check_loss(5, 12, seed=5, eps=0.2, beta=0.05, spread=1.5)   # most tokens clipped
+_check_loss(1, 4, seed=6, beta=0.2)                 # one sequence
+_check_loss(2, 3, seed=7, eps=0.2, beta=0.1, garbage=float("inf"))
+# the other two clip cases, and the KL gradient beta·(1 - e^(ref - logp))
+_, _g = _one_token(math.log(0.5), 0.0, 1.0)
+assert abs(_g + 0.5) < 1e-5, f"rho = 0.5, A = +1: gradient -A·rho = -0.5 expected, got {_g}"
+_, _g = _one_token(math.log(0.5), 0.0, -1.0)
+assert abs(_g) < 1e-7, f"rho = 0.5, A = -1: clipped, gradient 0 expected, got {_g}"
+_, _g = _one_token(math.log(1.1), 0.0, 2.0)
+assert abs(_g + 2.2) < 1e-5, f"rho = 1.1, A = 2, inside the clip range: -A·rho = -2.2, got {_g}"
+_l, _g = _one_token(math.log(1.5), math.log(1.5), 0.0, ref=0.0, beta=0.1)
+assert abs(_g - 0.1 * (1 - 1 / 1.5)) < 1e-6, \
+    f"KL gradient: beta·(1 - e^(ref - logp)) = {0.1 * (1 - 1 / 1.5):.6f} expected, got {_g}"
+assert abs(_l - 0.1 * (1 / 1.5 + math.log(1.5) - 1)) < 1e-6, f"k3 value: got {_l}"
+_l, _g = _one_token(-0.7, -0.7, 0.0, ref=-0.7, beta=0.5)
+assert abs(_l) < 1e-7 and abs(_g) < 1e-7, f"policy = reference: KL 0 and gradient 0, got {_l}, {_g}"
+# constants get no gradient
+_lp, _old, _adv, _mask, _ref = _batch(4, 6, seed=8, garbage=0.0)
+_oldr, _advr, _refr, _lpr = (harness.leaf(t) for t in (_old, _adv, _ref, _lp))
+with _no_reference():
+    grpo_loss(_lpr, _oldr, _advr, _mask, ref_logp=_refr, kl_coef=0.1).backward()
+for _name, _t in (("old_logp", _oldr), ("advantages", _advr), ("ref_logp", _refr)):
+    assert _t.grad is None or not _t.grad.any(), f"grpo_loss: {_name} must get no gradient"
+# bad inputs
+_m0 = _mask.clone()
+_m0[1] = False
+_raises("grpo_loss with a sequence without completion tokens",
+        lambda: grpo_loss(_lp, _old, _adv, _m0))
+_raises("grpo_loss with kl_coef=0.1 and no ref_logp",
+        lambda: grpo_loss(_lp, _old, _adv, _mask, kl_coef=0.1))
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Part B — the selective log-softmax, streamed over the vocabulary
+#
+# `token_logprobs` runs the model over the sampled tokens and needs, for each of the
+# `N = B·(L−1)` positions, one number: $\log \mathrm{softmax}(z)[\mathrm{id}] = z_{\mathrm{id}} -
+# \mathrm{lse}(z)$ with $\mathrm{lse}(z) = \log\sum_v e^{z_v}$. `torch.log_softmax(z).gather(...)`
+# builds the whole `[N, V]` log-softmax to read one entry per row, and keeps it for the
+# backward: at `N = 4096` positions and Qwen's `V = 151 936` that is 2.5 GB in float32, on top
+# of the logits. A kernel can stream each row instead, in chunks of `BLOCK_V` columns, with
+# the **online log-sum-exp** (the trick at the heart of FlashAttention): keep a running max
+# `m` and a running sum `s = Σ e^(z − m)`, and rescale `s` whenever the max grows:
+#
+# ```
+# m = −inf;  s = 0
+# for each chunk z_c of the row:
+#     m_new = max(m, max(z_c))
+#     s     = s · e^(m − m_new) + Σ e^(z_c − m_new)
+#     m     = m_new
+# lse = m + log s;   log p(id) = (z[id] − m) − log s
+# ```
+#
+# Only `m` and `log s` (two floats per row) are kept for the backward, which recomputes
+# `p_v = e^((z_v − m) − log s)` chunk by chunk. Keeping them apart (rather than `lse`) keeps
+# `z − m` exact: for logits near `1e4`, a float32 `lse` is off by `5e-4`.
+#
+# **`−inf` logits** (a masked token) are probability 0 and must stay harmless: while a row has
+# seen only `−inf`, `m = −inf` and `z − m = −inf − (−inf) = NaN`. Shift by
+# `c = m_new if m_new > −inf else 0` instead of `m_new` (then `e^(−inf − 0) = 0`). A row that
+# is `−inf` everywhere has no distribution; PyTorch gives NaN there, and so does the formula.
+#
+# The same loop in PyTorch on one row, chunk by chunk, to read before you write the kernel:
+
+# %%
+def _online_lse(z: torch.Tensor, block: int) -> tuple[float, float]:
+    """(m, log s) of one row z [V], streamed in chunks of `block` (the kernel's loop)."""
+    m, s = float("-inf"), 0.0
+    for v0 in range(0, z.numel(), block):
+        zc = z[v0:v0 + block]
+        m_new = max(m, zc.max().item())
+        c = m_new if m_new > float("-inf") else 0.0
+        s = s * math.exp(m - c) + torch.exp(zc - c).sum().item()
+        m = m_new
+    return m, math.log(s) if s > 0 else float("-inf")
+
+
+_z = torch.randn(45) * 3
+_z[:20] = float("-inf")                        # the first chunk holds only -inf
+_m, _ls = _online_lse(_z, 16)
+print(f"online: m + log s = {_m + _ls:.6f} | torch.logsumexp = {torch.logsumexp(_z, 0).item():.6f}")
+
+# %% [markdown]
+# ## Exercise 4 — the forward kernel
+#
+# Write `logsoftmax_fwd_kernel` for the grid `(cdiv(N, BLOCK_R),)`: program `pid` owns rows
+# `r = pid·BLOCK_R + arange(BLOCK_R)` and streams over the vocabulary with the online loop
+# above, vectorised over its rows (`m`, `s` are `[BLOCK_R]`):
+#
+# ```
+# r  = pid·BLOCK_R + arange(BLOCK_R);  rr = min(r, N − 1)     # padding rows re-read row N−1
+# m = full([BLOCK_R], −inf);  s = zeros([BLOCK_R])
+# for v0 in range(0, V, BLOCK_V):
+#     v = v0 + arange(BLOCK_V)
+#     z = logits[rr, v]   (masked v < V, other −inf)           # [BLOCK_R, BLOCK_V]
+#     m_new = maximum(m, max(z, axis=1));  c = where(m_new > −inf, m_new, 0)
+#     s = s · exp(m − c) + sum(exp(z − c[:, None]), axis=1);   m = m_new
+# logp[r]    = (logits[r, ids[r]] − m) − log(s)               # stores masked r < N
+# row_max[r] = m;   log_sum[r] = log(s)
+# ```
+#
+# Read the logits through their strides (`s_n`, `s_v`: the tests pass transposed views), and
+# never touch a column `≥ V` or store a row `≥ N` (the tests surround the tensors with NaN
+# and sentinels). `tl.max(z, axis=1)`, `tl.sum(..., axis=1)`, `tl.exp`, `tl.log`,
+# `tl.maximum`, `tl.where`, `tl.minimum` and `tl.full` are all you need; use int64 offsets
+# (`r.to(tl.int64)`) so that `N·V > 2³¹` would not overflow on a GPU. `BLOCK_V` may be
+# larger than `V` (one masked chunk) or much smaller (many chunks).
+#
+# Then `my_logsoftmax_stats(logits, ids, block_r=16, block_v=64)` → `(logp, row_max,
+# log_sum)`, `[N]` float32 each: raise `ValueError` unless `logits` is a 2-D float tensor
+# with `V ≥ 1` (float32 under the interpreter) and `ids` an int64 `[N]` tensor with values
+# in `[0, V)`; allocate the outputs and launch **your** kernel (strided logits are fine:
+# pass the strides).
+
+# %% nbgrader={"grade": false, "grade_id": "logsoftmax_fwd", "locked": false, "schema_version": 3, "solution": true, "task": false}
+@triton.jit
+def logsoftmax_fwd_kernel(
+    logits,         # *float32 [N, V], read through its strides
+    ids,            # *int64 [N]: the token id of each row
+    logp,           # *float32 [N] out: log_softmax(logits)[r, ids[r]]
+    row_max,        # *float32 [N] out: m = max_v logits[r, v]
+    log_sum,        # *float32 [N] out: log Σ_v exp(logits[r, v] - m)
+    N, V,           # rows, vocabulary size
+    s_n, s_v,       # strides of logits, in elements
+    BLOCK_R: tl.constexpr,    # rows per program
+    BLOCK_V: tl.constexpr,    # vocabulary columns per step
+):
+    """One program per BLOCK_R rows, one streaming pass over the vocabulary."""
+    ### BEGIN SOLUTION
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)     # [BR]
+    in_rows = r < N
+    rr = tl.minimum(r, N - 1)
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_R,), tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        v = v0 + cols
+        z = tl.load(logits + rr[:, None] * s_n + v.to(tl.int64)[None, :] * s_v,
+                    mask=(v < V)[None, :], other=float("-inf")).to(tl.float32)  # [BR, BV]
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        c = tl.where(m_new > float("-inf"), m_new, 0.0)
+        s = s * tl.exp(m - c) + tl.sum(tl.exp(z - c[:, None]), axis=1)
+        m = m_new
+    log_s = tl.log(s)
+    target = tl.load(ids + rr)
+    z_id = tl.load(logits + rr * s_n + target * s_v).to(tl.float32)
+    tl.store(logp + r, (z_id - m) - log_s, mask=in_rows)
+    tl.store(row_max + r, m, mask=in_rows)
+    tl.store(log_sum + r, log_s, mask=in_rows)
+    ### END SOLUTION
+
+
+def my_logsoftmax_stats(logits: torch.Tensor, ids: torch.Tensor, block_r: int = 16,
+                        block_v: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, row_max, log_sum) [N] float32 each, for logits [N, V] and ids [N], by your kernel."""
+    ### BEGIN SOLUTION
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 \
+            or not logits.is_floating_point() or logits.shape[1] < 1:
+        raise ValueError(f"logits must be a floating-point [N, V] tensor with V >= 1, got "
+                         f"{getattr(logits, 'dtype', type(logits).__name__)} "
+                         f"{list(getattr(logits, 'shape', []))}")
+    if INTERPRET and logits.dtype != torch.float32:
+        raise ValueError(f"logits are {logits.dtype}; the Triton interpreter is float32-only")
+    N, V = logits.shape
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.long or ids.shape != (N,):
+        raise ValueError(f"ids must be an int64 tensor of shape [{N}], got "
+                         f"{getattr(ids, 'dtype', type(ids).__name__)} "
+                         f"{list(getattr(ids, 'shape', []))}")
+    if N and not ((ids >= 0) & (ids < V)).all():
+        raise ValueError(f"ids must lie in 0..{V - 1}, got {int(ids.min())}..{int(ids.max())}")
+    logp, row_max, log_sum = (torch.empty(N, dtype=torch.float32, device=logits.device)
+                              for _ in range(3))
+    if N:
+        logsoftmax_fwd_kernel[(triton.cdiv(N, block_r),)](
+            logits, ids.contiguous(), logp, row_max, log_sum, N, V,
+            logits.stride(0), logits.stride(1), BLOCK_R=block_r, BLOCK_V=block_v)
+    return logp, row_max, log_sum
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_logsoftmax_fwd_kernel", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+SENTINEL = 12345.0      # what the tests put around the outputs: it must still be there after
+
+
+def _assert_same(got, want, what, rtol=1e-5):
+    """NaN and ±inf where (and only where) `want` has them; the finite entries close."""
+    assert isinstance(got, torch.Tensor) and got.shape == want.shape, \
+        f"{what}: expected a tensor of shape {tuple(want.shape)}, got " \
+        f"{list(getattr(got, 'shape', [])) if isinstance(got, torch.Tensor) else type(got).__name__}"
+    got, want = got.detach().float().cpu(), want.detach().float().cpu()
+    for name, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        diff = (test(got) != test(want)).nonzero()
+        if len(diff):
+            at = tuple(diff[0].tolist())
+            raise AssertionError(f"{what}: at index {list(at)} expected {want[at].item()}, got "
+                                 f"{got[at].item()} ({name} where it should (not) be)")
+    fin = torch.isfinite(want)
+    if fin.any():
+        harness.assert_close(got[fin], want[fin], f"{what} (finite entries)", rtol=rtol)
+
+
+def _logits(N, V, seed=0, scale=3.0, neg_inf=False, offset=0.0):
+    """logits [N, V] float32 and ids [N] (ids 0 and V-1 included). With `neg_inf`: row 0 has
+    -inf in its first half, row 1 at its id, row 2 finite only in its last column."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, V, generator=g) * scale + offset
+    ids = torch.randint(0, V, (N,), generator=g)
+    ids[0] = 0
+    ids[-1] = V - 1
+    if neg_inf and N >= 3 and V >= 4:
+        x[0, : V // 2] = float("-inf")
+        ids[0] = V - 1
+        x[1, ids[1]] = float("-inf")
+        x[2, :-1] = float("-inf")
+    return x, ids
+
+
+def _torch_stats(x, ids):
+    """(logp, row_max, log_sum) from PyTorch: log_softmax + gather, max, log Σ exp(z - max)."""
+    logp = torch.log_softmax(x, dim=1).gather(1, ids[:, None])[:, 0]
+    m = x.max(dim=1).values
+    return logp, m, torch.log(torch.exp(x - m[:, None]).sum(dim=1))
+
+
+def _strided(x, layout):
+    """x as a strided view with NaN around it (any read outside [N, V] shows), or transposed."""
+    N, V = x.shape
+    if layout == "transposed":
+        return x.T.contiguous().T
+    buf = torch.full((N + 8, V + 5), float("nan"), device=x.device)
+    buf[:N, :V] = x
+    return buf[:N, :V]
+
+
+def _launch_fwd(N, V, BLOCK_R, BLOCK_V, seed=0, layout="padded", **kind):
+    x, ids = _logits(N, V, seed, **kind)
+    want = _torch_stats(x, ids)
+    x, ids = _strided(x.to(DEVICE), layout), ids.to(DEVICE)
+    bufs = [torch.full((N + BLOCK_R + 3,), SENTINEL, device=DEVICE) for _ in range(3)]
+    outs = [b[:N] for b in bufs]
+    grid = (triton.cdiv(N, BLOCK_R),)
+    with _no_reference():
+        logsoftmax_fwd_kernel[grid](x, ids, *outs, N, V, x.stride(0), x.stride(1),
+                                    BLOCK_R=BLOCK_R, BLOCK_V=BLOCK_V)
+    where = (f"logsoftmax_fwd_kernel[{grid}], N={N}, V={V}, BLOCK_R={BLOCK_R}, "
+             f"BLOCK_V={BLOCK_V}, {layout} logits" + (f", {kind}" if kind else ""))
+    for name, b in zip(("logp", "row_max", "log_sum"), bufs, strict=True):
+        assert (b[N:] == SENTINEL).all(), \
+            f"{where}: wrote {name} past row N-1 (mask the stores with r < N)"
+    _assert_same(outs[0], want[0], f"{where}: logp — expected log_softmax(logits).gather(ids)")
+    _assert_same(outs[1], want[1], f"{where}: row_max — expected the max of each row")
+    _assert_same(outs[2], want[2], f"{where}: log_sum — expected log Σ exp(logits - row_max)")
+
+
+_launch_fwd(13, 45, 4, 16)                 # 3 chunks, the last part-filled; 4 programs
+_launch_fwd(5, 37, 8, 64)                  # V smaller than the block, one part-filled program
+_launch_fwd(6, 100, 2, 32, seed=1, layout="transposed")
+_launch_fwd(4, 45, 4, 16, seed=2, neg_inf=True)       # -inf: a whole first chunk, at an id
+print("logsoftmax_fwd_kernel matches log_softmax + gather, the row max and the log-sum")
+
+### BEGIN HIDDEN TESTS
+_launch_fwd(1, 45, 1, 16, seed=3)                     # one row
+_launch_fwd(1, 45, 16, 64, seed=4)                    # one row in a 16-row program
+_launch_fwd(33, 1000, 8, 128, seed=5)                 # a longer vocabulary, 8 chunks
+_launch_fwd(7, 10, 4, 64, seed=6, layout="transposed")
+_launch_fwd(9, 2, 4, 16, seed=7)                      # V = 2
+_launch_fwd(6, 45, 4, 16, seed=8, offset=1e4)         # logits near 1e4: z - m stays exact
+_launch_fwd(6, 45, 4, 16, seed=9, scale=30.0)         # very peaked rows
+_launch_fwd(7, 64, 4, 16, seed=10, neg_inf=True, layout="transposed")
+# a row that is -inf everywhere: logp NaN, as torch.log_softmax
+_xa, _ia = _logits(3, 45, seed=11)
+_xa[1] = float("-inf")
+_outs = [torch.empty(3, device=DEVICE) for _ in range(3)]
+with _no_reference(), warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)       # NumPy's log(0) in the interpreter
+    logsoftmax_fwd_kernel[(1,)](_xa.to(DEVICE), _ia.to(DEVICE), *_outs, 3, 45, 45, 1,
+                                BLOCK_R=4, BLOCK_V=16)
+_assert_same(_outs[0], _torch_stats(_xa, _ia)[0], "logsoftmax_fwd_kernel with an all -inf row")
+assert _outs[1][1].item() == float("-inf"), "row_max of an all -inf row must be -inf"
+### END HIDDEN TESTS
+
+# %% nbgrader={"grade": true, "grade_id": "test_my_logsoftmax_stats", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+def _check_stats(N, V, seed=0, layout=None, **kw):
+    x, ids = _logits(N, V, seed)
+    want = _torch_stats(x, ids)
+    x, ids = x.to(DEVICE), ids.to(DEVICE)
+    if layout:
+        x = _strided(x, layout)
+    with _no_reference(), harness.spy_on(globals(), logsoftmax_fwd_kernel) as spy:
+        got = my_logsoftmax_stats(x, ids, **kw)
+    where = f"my_logsoftmax_stats, N={N}, V={V}" + (f", {layout} logits" if layout else "") \
+            + (f", {kw}" if kw else "")
+    assert spy.grids, f"{where}: logsoftmax_fwd_kernel was not launched"
+    assert isinstance(got, tuple) and len(got) == 3, \
+        f"{where}: expected (logp, row_max, log_sum), got {type(got).__name__}"
+    for name, gt, wt in zip(("logp", "row_max", "log_sum"), got, want, strict=True):
+        assert gt.dtype == torch.float32, f"{where}: {name} must be float32, got {gt.dtype}"
+        _assert_same(gt, wt, f"{where}: {name}")
+
+
+_check_stats(13, 45)
+_check_stats(20, 45, seed=1, block_r=4, block_v=16)
+print("my_logsoftmax_stats launches your kernel and matches PyTorch")
+
+### BEGIN HIDDEN TESTS
+_check_stats(1, 45, seed=2)
+_check_stats(7, 100, seed=3, layout="transposed")
+_check_stats(5, 1, seed=4)                                    # V = 1: log p = 0
+_xb, _ib = _logits(4, 45, seed=5)
+_xb, _ib = _xb.to(DEVICE), _ib.to(DEVICE)
+_bad = [("ids of another length", lambda: my_logsoftmax_stats(_xb, _ib[:-1])),
+        ("ids past the vocabulary", lambda: my_logsoftmax_stats(_xb, _ib + 45)),
+        ("negative ids", lambda: my_logsoftmax_stats(_xb, _ib - 46)),
+        ("int32 ids", lambda: my_logsoftmax_stats(_xb, _ib.int())),
+        ("1-D logits", lambda: my_logsoftmax_stats(_xb[0], _ib[:1]))]
+if INTERPRET:
+    _bad.append(("float64 logits under the interpreter",
+                 lambda: my_logsoftmax_stats(_xb.double(), _ib)))
+harness.assert_rejects("my_logsoftmax_stats", _bad, _no_reference)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Exercise 5 — the backward kernel, and the autograd Function
+#
+# With $p_v = e^{(z_v - m) - \log s}$, the derivative of $\log p_{\mathrm{id}} = z_{\mathrm{id}} -
+# \mathrm{lse}(z)$ is $\partial/\partial z_v = \delta_{v,\mathrm{id}} - p_v$ (the lse's
+# derivative is the softmax). With the upstream gradient `g` `[N]` of `logp`:
+#
+# $$\frac{\partial\,\mathrm{loss}}{\partial z_{r,v}} = g_r\,\big(\mathbb 1[v = \mathrm{id}_r] - p_{r,v}\big)$$
+#
+# Write `logsoftmax_bwd_kernel` for the same grid: load each row's `row_max`, `log_sum`, `g`
+# and id once, then stream over the vocabulary again, recompute `p` chunk by chunk from the
+# logits, and store `d logits` (masked `r < N`, `v < V`; through `dlogits`' strides `sd_n`,
+# `sd_v`). Nothing `[N, V]` is kept between the two passes: the logits themselves (which the
+# model's autograd holds anyway) and three floats per row are all the backward needs.
+# A `−inf` logit has `p = 0`, so its gradient is `g·1[v = id]`: no special case needed.
+#
+# Then:
+#
+# * `my_logsoftmax_grad(logits, ids, row_max, log_sum, g, block_r=16, block_v=64)` → `dlogits`
+#   `[N, V]` float32, contiguous: make `g` float32 and **contiguous** first (the gradient of
+#   `logp.sum()` arrives as an expanded tensor with stride 0, and the kernel reads `g + r`),
+#   allocate, launch **your** kernel;
+# * `MySelectiveLogSoftmax.forward(ctx, logits, ids)`: `my_logsoftmax_stats`, save what the
+#   backward needs (`ctx.save_for_backward`), return `logp`; `.backward(ctx, g)`: return
+#   `(d logits, None)` — one gradient per forward input, `None` for the ids.
+#
+# `my_selective_log_softmax(logits, ids)` (given) is the differentiable function, with the
+# signature of the backends in `minirl.IMPLEMENTATIONS`.
+
+# %% nbgrader={"grade": false, "grade_id": "logsoftmax_bwd", "locked": false, "schema_version": 3, "solution": true, "task": false}
+@triton.jit
+def logsoftmax_bwd_kernel(
+    logits,         # *float32 [N, V], read through its strides
+    ids,            # *int64 [N]
+    row_max,        # *float32 [N]: the forward's m
+    log_sum,        # *float32 [N]: the forward's log Σ exp(z - m)
+    g,              # *float32 [N]: d loss / d logp, contiguous
+    dlogits,        # *float32 [N, V] out: d loss / d logits
+    N, V,           # rows, vocabulary size
+    s_n, s_v,       # strides of logits
+    sd_n, sd_v,     # strides of dlogits
+    BLOCK_R: tl.constexpr,    # rows per program
+    BLOCK_V: tl.constexpr,    # vocabulary columns per step
+):
+    """dlogits[r, v] = g[r] · (1[v == ids[r]] − p[r, v]), p recomputed from row_max, log_sum."""
+    ### BEGIN SOLUTION
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)     # [BR]
+    in_rows = r < N
+    rr = tl.minimum(r, N - 1)
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.load(row_max + rr)[:, None]                                      # [BR, 1]
+    log_s = tl.load(log_sum + rr)[:, None]
+    g_r = tl.load(g + rr)[:, None]
+    target = tl.load(ids + rr)[:, None]
+    for v0 in range(0, V, BLOCK_V):
+        v = (v0 + cols).to(tl.int64)[None, :]                               # [1, BV]
+        in_v = v < V
+        z = tl.load(logits + rr[:, None] * s_n + v * s_v, mask=in_v,
+                    other=float("-inf")).to(tl.float32)                     # [BR, BV]
+        p = tl.exp((z - m) - log_s)
+        dz = g_r * (tl.where(v == target, 1.0, 0.0) - p)
+        tl.store(dlogits + r[:, None] * sd_n + v * sd_v, dz, mask=in_rows[:, None] & in_v)
+    ### END SOLUTION
+
+
+def my_logsoftmax_grad(logits: torch.Tensor, ids: torch.Tensor, row_max: torch.Tensor,
+                       log_sum: torch.Tensor, g: torch.Tensor, block_r: int = 16,
+                       block_v: int = 64) -> torch.Tensor:
+    """d loss / d logits [N, V] float32 for the upstream gradient g [N] of logp."""
+    ### BEGIN SOLUTION
+    N, V = logits.shape
+    g = g.to(torch.float32).contiguous()
+    dlogits = torch.empty((N, V), dtype=torch.float32, device=logits.device)
+    if N:
+        logsoftmax_bwd_kernel[(triton.cdiv(N, block_r),)](
+            logits, ids.contiguous(), row_max, log_sum, g, dlogits, N, V,
+            logits.stride(0), logits.stride(1), dlogits.stride(0), dlogits.stride(1),
+            BLOCK_R=block_r, BLOCK_V=block_v)
+    return dlogits
+    ### END SOLUTION
+
+
+class MySelectiveLogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, ids):
+        ### BEGIN SOLUTION
+        logp, row_max, log_sum = my_logsoftmax_stats(logits, ids)
+        ctx.save_for_backward(logits, ids, row_max, log_sum)
+        return logp
+        ### END SOLUTION
+
+    @staticmethod
+    def backward(ctx, g):
+        ### BEGIN SOLUTION
+        logits, ids, row_max, log_sum = ctx.saved_tensors
+        return my_logsoftmax_grad(logits, ids, row_max, log_sum, g), None
+        ### END SOLUTION
+
+
+def my_selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits, -1)[i, ids[i]] -> [N] float32, differentiable by your kernels."""
+    return MySelectiveLogSoftmax.apply(logits, ids)
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_logsoftmax_bwd_kernel", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+def _torch_grad(x, ids, g):
+    """d (g · logp).sum() / d logits by torch.autograd of log_softmax + gather."""
+    xr = harness.leaf(x)
+    logp = torch.log_softmax(xr, dim=1).gather(1, ids[:, None])[:, 0]
+    logp.backward(g)
+    return xr.grad
+
+
+def _launch_bwd(N, V, BLOCK_R, BLOCK_V, seed=0, layout="padded", **kind):
+    x, ids = _logits(N, V, seed, **kind)
+    g = torch.randn(N, generator=torch.Generator().manual_seed(seed + 50))
+    want = _torch_grad(x, ids, g)
+    _, m, ls = _torch_stats(x, ids)
+    xs = _strided(x.to(DEVICE), layout)
+    dbuf = torch.full((N + BLOCK_R, V + 3), float("nan"), device=DEVICE)
+    d = dbuf[:N, :V]                   # starts as NaN: every element must be written
+    grid = (triton.cdiv(N, BLOCK_R),)
+    with _no_reference():
+        logsoftmax_bwd_kernel[grid](xs, ids.to(DEVICE), m.to(DEVICE), ls.to(DEVICE),
+                                    g.to(DEVICE), d, N, V, xs.stride(0), xs.stride(1),
+                                    d.stride(0), d.stride(1), BLOCK_R=BLOCK_R, BLOCK_V=BLOCK_V)
+    where = (f"logsoftmax_bwd_kernel[{grid}], N={N}, V={V}, BLOCK_R={BLOCK_R}, "
+             f"BLOCK_V={BLOCK_V}, {layout} logits" + (f", {kind}" if kind else ""))
+    outside = dbuf.clone()
+    outside[:N, :V] = float("nan")
+    assert outside.isnan().all(), \
+        f"{where}: wrote outside dlogits[:N, :V] (mask the stores with r < N and v < V)"
+    _assert_same(d, want, f"{where}: dlogits — expected autograd of log_softmax + gather")
+
+
+_launch_bwd(13, 45, 4, 16)
+_launch_bwd(5, 37, 8, 64, seed=1)
+_launch_bwd(6, 100, 2, 32, seed=2, layout="transposed")
+_launch_bwd(4, 45, 4, 16, seed=3, neg_inf=True)
+print("logsoftmax_bwd_kernel matches autograd of log_softmax + gather, writes all of dlogits "
+      "and nothing else")
+
+### BEGIN HIDDEN TESTS
+_launch_bwd(1, 45, 1, 16, seed=4)
+_launch_bwd(1, 45, 16, 64, seed=5)
+_launch_bwd(33, 1000, 8, 128, seed=6)
+_launch_bwd(7, 10, 4, 64, seed=7, layout="transposed")
+_launch_bwd(9, 2, 4, 16, seed=8)
+_launch_bwd(6, 45, 4, 16, seed=9, offset=1e4)
+_launch_bwd(6, 45, 4, 16, seed=10, scale=30.0)
+_launch_bwd(7, 64, 4, 16, seed=11, neg_inf=True, layout="transposed")
+### END HIDDEN TESTS
+
+# %% nbgrader={"grade": true, "grade_id": "test_my_selective_log_softmax", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _check_function(N, V, seed=0, layout=None, upstream="random", **kind):
+    x, ids = _logits(N, V, seed, **kind)
+    x, ids = x.to(DEVICE), ids.to(DEVICE)
+    if layout:
+        x = _strided(x, layout)
+    xr = harness.leaf(x)
+    want_logp = torch.log_softmax(xr, dim=1).gather(1, ids[:, None])[:, 0]
+    g = torch.randn(N, generator=torch.Generator().manual_seed(seed + 9)).to(DEVICE)
+    (want_logp.sum() if upstream == "sum" else (want_logp * g).sum()).backward()
+    xm = harness.leaf(x)
+    with _no_reference(), harness.spy_on(globals(), logsoftmax_fwd_kernel,
+                                         logsoftmax_bwd_kernel) as (fwd, bwd):
+        logp = my_selective_log_softmax(xm, ids)
+        (logp.sum() if upstream == "sum" else (logp * g).sum()).backward()
+    where = f"my_selective_log_softmax, N={N}, V={V}" + (f", {layout} logits" if layout else "") \
+            + (", upstream gradient of logp.sum()" if upstream == "sum" else "") \
+            + (f", {kind}" if kind else "")
+    assert fwd.grids and bwd.grids, \
+        f"{where}: your kernels were not both launched (forward {len(fwd.grids)}, backward " \
+        f"{len(bwd.grids)} launches)"
+    _assert_same(logp, want_logp, f"{where}: logp")
+    assert xm.grad is not None, f"{where}: no gradient reached the logits"
+    _assert_same(xm.grad, xr.grad, f"{where}: d logits")
+
+
+_check_function(13, 45)
+_check_function(9, 100, seed=1, layout="transposed")
+print("my_selective_log_softmax: value and gradient match PyTorch, through your two kernels")
+
+### BEGIN HIDDEN TESTS
+_check_function(1, 45, seed=2)
+_check_function(24, 45, seed=3, upstream="sum")        # g arrives expanded, stride 0
+_check_function(5, 45, seed=4, neg_inf=True)
+_check_function(6, 300, seed=5, layout="padded", upstream="sum")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Part C — GRPO on a tiny MiniGPT, with your pieces
+#
+# The loop below is the whole algorithm (`tests/minirl/test_grpo_learns.py` has the same
+# shape): a fresh one-layer MiniGPT must learn to answer
+# `"42"` to every prompt. Each step samples `G = 8` completions of `P = 8` prompts (at most 3
+# new tokens), scores them, and takes two AdamW steps on **your** `grpo_loss` with **your**
+# advantages (the second step has ratio ≠ 1, so clipping can act), with a small KL to the
+# frozen initial model. It runs twice: rewarded by exact match, then by **your**
+# `partial_credit`.
+#
+# Exact match needs `"4"`, `"2"`, `<eos>` in a row from a model that draws each of 45 tokens
+# about equally: roughly 1 chance in 10⁵ per completion. The groups score all zeros, every
+# advantage is 0, and the model does not move (the KL term pulls it nowhere: it *is* the
+# reference, and with zero gradients AdamW takes no step). Partial credit rewards a first
+# `"4"`, so the answers of a group differ from the first steps, and the mean reward climbs.
+# Takes a few seconds.
+
+# %%
+def run_grpo(reward, steps=40, P=8, G=8, seed=0):
+    """Mean reward, exact-match rate and share of groups with reward variance, per step."""
+    prompts = [tasks.Example("answer", ex.prompt, "42") for ex in tasks.make_examples("copy", 32)]
+    torch.manual_seed(seed)
+    model, reference = MiniGPT(_cfg), MiniGPT(_cfg)
+    reference.load_state_dict(model.state_dict())
+    reference.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    history = []
+    for step in range(steps):
+        batch = [prompts[(step * P + i) % len(prompts)] for i in range(P)]
+        s = sample_groups(model, batch, G, 3, generator=gen)
+        examples = [batch[i] for i in s.group.tolist()]
+        rewards = score(reward, examples, s.completions).view(P, G)             # [P, G]
+        exact = score(exact_match, examples, s.completions)
+        varied = (rewards != rewards[:, :1]).any(dim=1).float().mean().item()
+        history.append((rewards.mean().item(), exact.mean().item(), varied))
+        adv = group_advantages(rewards).flatten()                               # [P·G]
+        with torch.no_grad():
+            old = token_logprobs(model, s)
+            ref = token_logprobs(reference, s)
+        for _ in range(2):
+            loss = grpo_loss(token_logprobs(model, s), old, adv, s.target_mask,
+                             clip_eps=0.2, ref_logp=ref, kl_coef=0.01)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return history
+
+
+try:
+    _t0 = time.perf_counter()
+    _runs = {"exact match": run_grpo(exact_match), "your partial credit": run_grpo(partial_credit)}
+    print(f"two GRPO runs of 40 steps in {time.perf_counter() - _t0:.1f} s")
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    for (name, hist), color in zip(_runs.items(), ("tab:gray", "tab:green"), strict=True):
+        for ax, col in zip(axes, range(3), strict=True):
+            ax.plot([h[col] for h in hist], color=color, label=name)
+    for ax, title in zip(axes, ("mean reward (the run's own reward)", "exact match rate",
+                                "share of groups with reward variance"), strict=True):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.05, 1.05)
+    axes[0].legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()
+    for name, hist in _runs.items():
+        print(f"{name:>20}: mean reward {hist[0][0]:.2f} -> {hist[-1][0]:.2f}, exact match "
+              f"{hist[0][1]:.2f} -> {hist[-1][1]:.2f}, steps with any group with reward "
+              f"variance: {sum(h[2] > 0 for h in hist)} of {len(hist)}")
+except NotImplementedError:
+    print("(finish Exercises 1-3 to run GRPO)")
+
+# %% [markdown]
+# The third panel explains the second. With exact match the share of groups with variance is
+# 0 at (almost) every step: a group that never holds a right and a wrong answer has nothing to
+# reinforce. A lucky draw may give one group one right answer once (this seeded run has such
+# a step); one update from one sample is forgotten long before the next lucky draw. With
+# partial credit the share starts above 0, reaches 1 while the model is half right (groups
+# mix `"4"`, `"42"` and misses), and falls back towards 0 at the end, when every answer in a
+# group is right — a solved prompt teaches nothing either, and only costs samples.
+#
+# ### Your kernel inside `minirl`
+#
+# `minirl.IMPLEMENTATIONS` is the one place where `selective_log_softmax` (hence
+# `token_logprobs` and the GRPO loss) picks its implementation: a backend name mapped to a
+# function `(logits [N, V], ids [N]) -> [N]`. Your `my_selective_log_softmax` has that shape.
+# Registered under a new name, it computes a GRPO batch's token log-probabilities and the
+# gradient of the loss, and gives what the PyTorch backend gives:
+
+# %%
+try:
+    minirl.IMPLEMENTATIONS["yours"] = my_selective_log_softmax
+    torch.manual_seed(1)
+    _model = MiniGPT(_cfg).to(DEVICE)         # where your kernels run
+    _batch_prompts = [tasks.Example("answer", ex.prompt, "42") for ex in tasks.make_examples("copy", 4)]
+    _s = sample_groups(_model, _batch_prompts, 4, 3, generator=torch.Generator().manual_seed(1))
+    _adv = torch.randn(len(_s), generator=torch.Generator().manual_seed(2))
+    _grads = {}
+    for _backend in ("torch", "yours"):
+        _model.zero_grad()
+        _lp = token_logprobs(_model, _s, backend=_backend)
+        _loss = grpo_loss(_lp, _lp.detach(), _adv, _s.target_mask)
+        _loss.backward()
+        _grads[_backend] = (_lp.detach(), torch.cat([p.grad.flatten() for p in _model.parameters()]))
+    _dl = (_grads["torch"][0] - _grads["yours"][0]).abs().max().item()
+    _dg = (_grads["torch"][1] - _grads["yours"][1]).abs().max().item()
+    print(f"{len(_s)} sequences, logits [{_s.target_mask.numel()}, {_cfg.vocab_size}]: max |Δ logp| "
+          f"{_dl:.2e}, max |Δ grad| over the model's parameters {_dg:.2e} "
+          f"(of max |grad| {_grads['torch'][1].abs().max().item():.2e})")
+except NotImplementedError:
+    print("(finish Exercises 3-5 to plug your kernel in)")
+finally:
+    minirl.IMPLEMENTATIONS.pop("yours", None)
+
+# %% [markdown]
+# ## Where this goes next
+#
+# `experiments/12-grpo/REPORT.md` runs the same loop at the course's scale: GRPO on the
+# pretrained MiniGPT bases (LoRA and QLoRA, dense and MoE) on the held-out task, reward-weighted
+# SFT as the offline alternative, replay of the pretraining tasks against forgetting, and the
+# share of groups with reward variance over training. On a GPU, `benchmarks/bench_logprobs.py`
+# times `minirl`'s version of your kernels (which also computes the entropy in the same pass)
+# against the PyTorch path and measures the memory the streaming saves.
+#
+# ### Reflection
+#
+# 1. A prompt whose `G` answers all scored 1 gives advantages 0, like one whose answers all
+#    scored 0. What does each cost per step, and what would you do with such prompts in a
+#    long run (think of pass@G measured before training)?
+# 2. Why divide by the group's std at all? Compare a prompt where 1 of 8 answers is right
+#    with one where 7 of 8 are: what are the advantages of the right answers in each, with
+#    and without the division?
+# 3. Averaging per sequence, then over sequences, makes a token of a 20-token completion
+#    count 20 times less than the single token of a 1-token completion. What behaviour
+#    could that reward, and what does summing over all tokens (as DAPO does) change?
+# 4. Your kernel keeps `row_max` and `log_sum` apart rather than `lse = m + log s`. Take
+#    logits near `1e4` in float32: how large is the rounding error of `lse`, and what does it
+#    do to `p = exp(z − lse)` in the backward?
+# 5. The backward reads the logits once more instead of keeping the softmax. For `N = 4096`
+#    positions and `V = 151 936` in bf16, how many bytes does each choice read and keep, and
+#    which one is faster on a GPU whose bandwidth is the limit?
