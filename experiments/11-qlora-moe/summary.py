@@ -15,6 +15,13 @@ RUNS = {"qlora_moe": "QLoRA on the NF4 MoE", "lora_moe": "LoRA on the float MoE"
         "dense_qlora": "dense QLoRA (experiment 06's recipe)",
         "qlora_moe_rw": "QLoRA-MoE, reward-weighted SFT on its own samples"}
 MODELS = {"mixtral-8x7b": "Mixtral-8x7B", "qwen3-30b-a3b": "Qwen3-30B-A3B"}
+# Why a run's row reads as it does, where the numbers alone would mislead; shown under the table.
+NOTES = {"qlora_moe_rw": (
+    "The reward-weighted row learns nothing: none of the model's own `{held}` samples is "
+    "right (experiment 12 measures the MoE base's pass@8 on `{held}` at 0.00), so the "
+    "weights only re-teach what it already does. "
+    "[Experiment 12](#from-reward-weighted-sft-to-grpo-experiment-12) measures what does "
+    "learn from a reward: per-group weights and GRPO, from a short supervised warm start.")}
 # Runs that start from the model metrics["before"] measured (the fresh NF4 MoE with LoRA);
 # the others start from another base, whose score before is not recorded here.
 FROM_BEFORE = ("qlora_moe", "qlora_moe_rw")
@@ -72,7 +79,10 @@ def runs_table(manifest: dict) -> str:
     forgot = forgotten(metrics, held_out)
     rows = [[RUNS.get(name, name), cell(name, held_out, metrics), cell(name, forgot, metrics)]
             for name in in_order(metrics["runs"], RUNS)]
-    return table(["run", f"{held_out} before → after", f"{forgot} after (forgetting)"], rows)
+    notes = [paragraph(NOTES[name].format(held=held_out))
+             for name in in_order(metrics["runs"], RUNS) if name in NOTES]
+    return "\n\n".join([table(["run", f"{held_out} before → after",
+                                f"{forgot} after (forgetting)"], rows), *notes])
 
 
 def exactness(memory: dict) -> str:

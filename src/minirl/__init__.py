@@ -26,9 +26,10 @@ from .logprobs import (
     selective_log_softmax,
     token_logprobs,
 )
+from .loop import GRPOConfig, GRPOResult, grpo_train
 from .replay import add_replay, mix_replay, replay_count, replay_examples
 from .rewards import Reward, exact_match, partial_credit, score
-from .sampling import Samples, sample_groups
+from .sampling import Samples, pass_at_k, sample_groups
 from .weighting import (
     RewardedRecords,
     group_weights,
@@ -51,10 +52,10 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["IMPLEMENTATIONS", "NonFiniteLogitsError", "Reward", "RewardedRecords", "Samples",
-           "adapters_off", "add_replay", "entropy_from_logits", "exact_match",
-           "group_advantages", "group_weights", "grpo_loss", "mix_replay", "partial_credit",
-           "read_rewarded_jsonl",
+__all__ = ["GRPOConfig", "GRPOResult", "IMPLEMENTATIONS", "NonFiniteLogitsError", "Reward",
+           "RewardedRecords", "Samples", "adapters_off", "add_replay", "entropy_from_logits",
+           "exact_match", "group_advantages", "group_weights", "grpo_loss", "grpo_train",
+           "mix_replay", "partial_credit", "pass_at_k", "read_rewarded_jsonl",
            "reference_logprobs", "replay_count", "replay_examples", "rewarded_sequence_data",
            "sample_groups", "score", "selective_log_softmax", "sft_pairs", "token_logprobs",
            "variance_fraction"]

@@ -173,3 +173,15 @@ def _assemble(ids: list[list[int]], rows: list[list[int]], G: int, tok: CharToke
         completions=[tok.decode(c) for c in rows],
         group=torch.arange(len(ids)).repeat_interleave(G),
         group_size=G)
+
+
+def pass_at_k(model, examples: Sequence[Example], k: int, max_new_tokens: int, *,
+              temperature: float = 1.0, generator: torch.Generator | None = None) -> float:
+    """Share of `examples` for which at least one of `k` sampled completions is exactly the
+    answer: whether sampling can find a right answer to reinforce (GRPO learns nothing on a
+    prompt where it never does). Greedy exact match is `minigpt.evaluate`."""
+    s = sample_groups(model, examples, k, max_new_tokens, temperature=temperature,
+                      generator=generator)
+    hit = torch.tensor([c == examples[g].answer for g, c in zip(s.group.tolist(),
+                                                                 s.completions, strict=True)])
+    return hit.view(len(examples), k).any(1).sum().item() / len(examples)
