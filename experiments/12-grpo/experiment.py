@@ -163,7 +163,8 @@ def grpo(model, name: str, variant: dict, reward: str, cfg: dict, ctx: RunContex
 # --- the runs --------------------------------------------------------------------------------
 
 def one_model(kind: str, cfg: dict, ctx: RunContext) -> tuple[dict, dict]:
-    """(the scores before and after the warm start, every run of this model)."""
+    """(the scores before and after the warm start, every run of this model). Wall times go
+    to `ctx.timings` (recorded, not compared), never into the metrics."""
     base = build(kind, cfg)
     before = scores(base, cfg)
     warm = copy.deepcopy(base)
@@ -184,13 +185,14 @@ def one_model(kind: str, cfg: dict, ctx: RunContext) -> tuple[dict, dict]:
         else:
             out = grpo(model, f"{name}_{kind}", spec.get("grpo", {}),
                        spec.get("reward", cfg["reward"]), cfg, ctx)
+        ctx.timings[f"{name}_{kind}_train_s"] = round(out.pop("train_s"), 1)
         out["after"] = scores(model, cfg)
         out["gain"] = out["after"][cfg["held_out"]] - start[spec["start"]][cfg["held_out"]]
         out["start"] = spec["start"]
         runs[name] = out
         ctx.timings[f"{name}_{kind}_s"] = round(time.perf_counter() - t0, 1)
-    ctx.timings[f"warm_{kind}_s"] = round(warm_s, 1)
-    return start | {"warm_train_s": warm_s}, runs
+    ctx.timings[f"warm_{kind}_train_s"] = round(warm_s, 1)
+    return start, runs
 
 
 def summary(metrics: dict, cfg: dict) -> dict:
@@ -265,7 +267,7 @@ TARGETS = {"dense": 0.25, "moe": 0.15}   # issue 17: GRPO's gain on the held-out
 SORT_TARGET = 0.90                        # sort after the run with replay (or KL)
 
 
-def report_rows(metrics: dict, cfg: dict, kind: str) -> list[str]:
+def report_rows(metrics: dict, cfg: dict, kind: str, timings: dict) -> list[str]:
     held, k = cfg["held_out"], cfg["eval"]["k"]
     pk = f"{held}_pass@{k}"
     others = [t for t in tasks.TASKS if t != held]
@@ -277,7 +279,7 @@ def report_rows(metrics: dict, cfg: dict, kind: str) -> list[str]:
 
     start = metrics[kind]["start"]
     out = [row("base", start["base"], "", "", "", ""),
-           row("warm start", start["warm"], "", "", f"{start['warm_train_s']:.0f}", "")]
+           row("warm start", start["warm"], "", "", f"{timings[f'warm_{kind}_train_s']:.0f}", "")]
     for name, r in metrics[kind]["runs"].items():
         c = r.get("curves")
         signal = f"{c['variance_fraction'][0]:.2f} → {c['variance_fraction'][-1]:.2f}" if c else ""
@@ -285,7 +287,8 @@ def report_rows(metrics: dict, cfg: dict, kind: str) -> list[str]:
         gain = f"{r['gain']:+.2f} ({r['start']})"
         if r.get("stopped_early"):
             gain += f"; stopped at {r['stopped_early']['step']}: {r['stopped_early']['reason']}"
-        out.append(row(name, r["after"], signal, kl, f"{r['train_s']:.0f}", gain))
+        seconds = f"{timings[f'{name}_{kind}_train_s']:.0f}"
+        out.append(row(name, r["after"], signal, kl, seconds, gain))
     return out
 
 
@@ -309,7 +312,7 @@ def write_report(metrics: dict, cfg: dict, ctx: RunContext) -> None:
     head = ("| model | run | " + " | ".join([held, f"{held} pass@{k}", *others])
             + " | groups with reward variance, first → last window | KL to the base, last "
             "window | train s | gain on " + held + " (over) |\n|" + "---|" * (len(others) + 8))
-    rows = "\n".join(r for kind in MODELS for r in report_rows(metrics, cfg, kind))
+    rows = "\n".join(r for kind in MODELS for r in report_rows(metrics, cfg, kind, ctx.timings))
     shares = {name: r["task_share"] for name, r in metrics["dense"]["runs"].items()
               if "task_share" in r}
     share_rows = "\n".join(f"| {name} | " + " | ".join(f"{s[t]:.2f}" for t in tasks.TASKS)
