@@ -5,19 +5,26 @@ The M slots are sorted once by expert (`sort.flatten_sort_count`): row i of the 
 is slot `s = sorted_scattered_idxs[i]` (token `s // k`) routed to `e = sorted_expert_idxs[i]`.
 "Grouped" tensors are in sorted order; "scattered" ones in slot order (row s = t·k + j).
 
-scatter2scatter — gather + per-expert GEMM + scatter, no padding:
+scatter2scatter — gather + per-expert GEMM + scatter, no padding of the data:
 
-    # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))
-    i     = pid_m * BLOCK_M + arange(BLOCK_M)          # sorted rows of this tile
-    e_i   = sorted_expert_idxs[i];  s_i = sorted_scattered_idxs[i]
+    # grid = (n_tiles, cdiv(N, BLOCK_N)); tile t covers sorted rows tile_start[t] ..
+    # tile_end[t] of ONE expert (`expert_tiles`: each expert's rows cut into BLOCK_M pieces,
+    # n_tiles <= cdiv(M, BLOCK_M) + E - 1; spare tiles have start == end and return at once)
+    i     = tile_start + arange(BLOCK_M);  rows = i < tile_end
+    e     = sorted_expert_idxs[tile_start]             # the tile's one expert
+    s_i   = sorted_scattered_idxs[i]
     xrow  = i if X_GROUPED else s_i // FAN_OUT         # which row of X each sorted row reads
     yrow  = i if Y_GROUPED else s_i                    # where its output goes
     acc   = 0                                          # [BLOCK_M, BLOCK_N] float32
-    for e in e_i[first] .. e_i[last]:                  # ids are sorted: the tile's range
-        rows = (e_i == e)                              # a tile may span several experts
-        for kk in 0 .. K step BLOCK_K:
-            acc += X[xrow, kk:] * rows  @  W[e, kk:, n]   # other experts' rows load as 0
+    for kk in 0 .. K step BLOCK_K:
+        acc += X[xrow, kk:]  @  W[e, kk:, n]           # rows past tile_end load as 0
     Y[yrow, n] = acc
+
+Why tiles never span experts (ScatterMoE pads its block indices per expert the same way): a
+tile of BLOCK_M sorted rows that spans several experts must run one K loop per expert, each
+a full BLOCK_M-row product of which only that expert's rows count. With 64–128 experts and a
+few tokens each, one tile spans dozens of experts, does dozens of times the work and runs
+them in series. Cut per expert, the work is one K loop per tile, at most E - 1 tiles more.
 
 group — gather rows into sorted order, optionally scaled:
 
@@ -33,9 +40,9 @@ group_bwd_W — dW[e] = Σ_{sorted rows i of e} X[i]ᵀ · DY[i], both grouped, 
         acc += X[m:m+BLOCK_M, kk]ᵀ @ DY[m:m+BLOCK_M, n]   # masked: rows < end
     dW[e, kk, n] = acc                                 # an expert with no rows stores 0
 
-scatter2scatter_lora — the same kernel with HAS_LORA: per expert of the tile, also
+scatter2scatter_lora — the same kernel with HAS_LORA: also
 
-    xa  = Σ_kk X[xrow, kk:] * rows @ A[e·R:(e+1)·R, kk:]ᵀ   # [BLOCK_M, R], same x loads
+    xa  = Σ_kk X[xrow, kk:] @ A[e·R:(e+1)·R, kk:]ᵀ          # [BLOCK_M, R], same x loads
     acc += scaling · xa @ B[n, e·R:(e+1)·R]ᵀ                # rank-R update of the tile
 
 and dX with LoRA is that kernel again on (dY, Wᵀ, A := Bᵀ, B := Aᵀ): dY·W_eᵀ + s·(dY·B_e)·A_e.
@@ -52,8 +59,10 @@ group_bwd_lora — one kernel for both LoRA gradients (no atomics, exact zeros i
 
 The kernels use builtins only (no `tl.min`, `tl.sum`, ...: those are themselves @triton.jit
 helpers, which fail inside an interpreted kernel when triton was first imported without
-TRITON_INTERPRET; see miniquant/triton_dequant.py). The expert range of a row tile comes from
-loading the first and last expert id of the tile, which bound it because the ids are sorted.
+TRITON_INTERPRET; see miniquant/triton_dequant.py).
+
+PRECISION is `tl.dot`'s input_precision: "ieee" (exact float32 products, the checking mode)
+or "tf32" (float32 on tensor cores); 16-bit inputs always run on tensor cores.
 """
 
 from __future__ import annotations
@@ -68,7 +77,9 @@ def _scatter2scatter_kernel(
     Y,              # [M, N] output: slot order, or sorted order (Y_GROUPED)
     expert_ids,     # [M] int64 sorted_expert_idxs (non-decreasing)
     scattered_ids,  # [M] int64 sorted_scattered_idxs (slot s = token * FAN_OUT + j)
-    M, K, N,        # sizes (runtime ints)
+    tile_start,     # [n_tiles] int64 first sorted row of each tile (`expert_tiles`)
+    tile_end,       # [n_tiles] int64 end of its expert's rows (== start: a spare tile)
+    K, N,           # sizes (runtime ints)
     sxm, sxk,       # strides of X
     swe, swk, swn,  # strides of W
     sym, syn,       # strides of Y
@@ -80,17 +91,21 @@ def _scatter2scatter_kernel(
     X_GROUPED: tl.constexpr,  # True: X row of sorted row i is i
     Y_GROUPED: tl.constexpr,  # True: output row of sorted row i is i (else its slot)
     HAS_LORA: tl.constexpr,   # add scaling · (x @ A_eᵀ) @ B_eᵀ (scatter2scatter_lora)
-    BLOCK_M: tl.constexpr,    # sorted rows per program
+    PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" or "tf32"
+    BLOCK_M: tl.constexpr,    # sorted rows per tile (the size `expert_tiles` cut with)
     BLOCK_N: tl.constexpr,    # output columns per program
     BLOCK_K: tl.constexpr,    # reduction step
     BLOCK_R: tl.constexpr,    # LoRA rank, padded to a power of two (>= 16 for tl.dot)
 ):
-    pid_m = tl.program_id(0).to(tl.int64)   # int64: row · stride can pass 2**31 elements
-    pid_n = tl.program_id(1).to(tl.int64)
-    i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                     # [BM]
-    m_mask = i < M
-    e_i = tl.load(expert_ids + i, mask=m_mask, other=-1)           # [BM]
-    s_i = tl.load(scattered_ids + i, mask=m_mask, other=0)         # [BM]
+    tile = tl.program_id(0)
+    start = tl.load(tile_start + tile)                              # int64: row · stride can
+    end = tl.load(tile_end + tile)                                  # pass 2**31 elements
+    if start >= end:
+        return
+    e = tl.load(expert_ids + start)                                 # the tile's one expert
+    i = start + tl.arange(0, BLOCK_M)                               # [BM] sorted rows
+    rows = i < end
+    s_i = tl.load(scattered_ids + i, mask=rows, other=0)            # [BM]
     if X_GROUPED:
         xrow = i
     else:
@@ -99,36 +114,30 @@ def _scatter2scatter_kernel(
         yrow = i
     else:
         yrow = s_i
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BN]
+    n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)   # [BN]
     n_mask = n < N
     kk = tl.arange(0, BLOCK_K)                                      # [BK]
-    # Sorted ids: the first and last row of the tile bound its experts.
-    e_first = tl.load(expert_ids + pid_m * BLOCK_M)
-    e_last = tl.load(expert_ids + tl.minimum(pid_m * BLOCK_M + BLOCK_M, M) - 1)
     rr = tl.arange(0, BLOCK_R)                                      # [BR]
     r_mask = rr < R
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    for e in range(e_first, e_last + 1):
-        rows = m_mask & (e_i == e)                                  # [BM]
-        xa = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)           # x @ A_eᵀ, LoRA only
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = (k0 + kk) < K
-            x = tl.load(X + xrow[:, None] * sxm + (k0 + kk)[None, :] * sxk,
-                        mask=rows[:, None] & k_mask[None, :], other=0.0)       # [BM, BK]
-            w = tl.load(W + e * swe + (k0 + kk)[:, None] * swk + n[None, :] * swn,
-                        mask=k_mask[:, None] & n_mask[None, :], other=0.0)     # [BK, BN]
-            acc += tl.dot(x, w, input_precision="ieee")
-            if HAS_LORA:
-                a = tl.load(A + (e * R + rr)[None, :] * sar + (k0 + kk)[:, None] * sak,
-                            mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # [BK, BR]
-                xa += tl.dot(x, a, input_precision="ieee")
+    xa = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)               # x @ A_eᵀ, LoRA only
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + kk) < K
+        x = tl.load(X + xrow[:, None] * sxm + (k0 + kk)[None, :] * sxk,
+                    mask=rows[:, None] & k_mask[None, :], other=0.0)           # [BM, BK]
+        w = tl.load(W + e * swe + (k0 + kk)[:, None] * swk + n[None, :] * swn,
+                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)         # [BK, BN]
+        acc += tl.dot(x, w, input_precision=PRECISION)
         if HAS_LORA:
-            b = tl.load(B + n[None, :] * sbn + (e * R + rr)[:, None] * sbr,
-                        mask=r_mask[:, None] & n_mask[None, :], other=0.0)     # [BR, BN]
-            # Rows of other experts loaded x as 0, so their xa is 0: no mask needed here.
-            acc += tl.dot((xa * scaling).to(b.dtype), b, input_precision="ieee")
+            a = tl.load(A + (e * R + rr)[None, :] * sar + (k0 + kk)[:, None] * sak,
+                        mask=k_mask[:, None] & r_mask[None, :], other=0.0)      # [BK, BR]
+            xa += tl.dot(x, a, input_precision=PRECISION)
+    if HAS_LORA:
+        b = tl.load(B + n[None, :] * sbn + (e * R + rr)[:, None] * sbr,
+                    mask=r_mask[:, None] & n_mask[None, :], other=0.0)         # [BR, BN]
+        acc += tl.dot((xa * scaling).to(b.dtype), b, input_precision=PRECISION)
     tl.store(Y + yrow[:, None] * sym + n[None, :] * syn, acc.to(Y.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+             mask=rows[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -168,6 +177,7 @@ def _group_bwd_W_kernel(
     sdym, sdyn,     # strides of DY
     sxm, sxk,       # strides of X
     swe, swk, swn,  # strides of DW
+    PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" or "tf32"
     BLOCK_M: tl.constexpr,    # rows per reduction step
     BLOCK_K: tl.constexpr,    # rows of dW[e] per program
     BLOCK_N: tl.constexpr,    # columns of dW[e] per program
@@ -187,7 +197,7 @@ def _group_bwd_W_kernel(
                     mask=r_mask[:, None] & k_mask[None, :], other=0.0)   # [BM, BK]
         dy = tl.load(DY + (m0 + mm)[:, None] * sdym + n[None, :] * sdyn,
                      mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BM, BN]
-        acc += tl.dot(tl.trans(x), dy, input_precision="ieee")
+        acc += tl.dot(tl.trans(x), dy, input_precision=PRECISION)
     tl.store(DW + e * swe + k[:, None] * swk + n[None, :] * swn, acc.to(DW.dtype.element_ty),
              mask=k_mask[:, None] & n_mask[None, :])
 
@@ -205,6 +215,7 @@ def _group_bwd_lora_kernel(
     s_vm, s_vq,     # strides of V
     s_lq, s_lr,     # strides of L
     s_op, s_or,     # strides of OUT
+    PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" or "tf32"
     BLOCK_M: tl.constexpr,    # rows per reduction step
     BLOCK_P: tl.constexpr,    # output rows per program
     BLOCK_Q: tl.constexpr,    # inner reduction step over Q
@@ -229,12 +240,83 @@ def _group_bwd_lora_kernel(
                         mask=rows[:, None] & q_mask[None, :], other=0.0)      # [BM, BQ]
             lf = tl.load(L + (q0 + qq)[:, None] * s_lq + (e * R + rr)[None, :] * s_lr,
                          mask=q_mask[:, None] & r_mask[None, :], other=0.0)   # [BQ, BR]
-            vl += tl.dot(v, lf, input_precision="ieee")
+            vl += tl.dot(v, lf, input_precision=PRECISION)
         u = tl.load(U + (m0 + mm)[:, None] * s_um + p[None, :] * s_up,
                     mask=rows[:, None] & p_mask[None, :], other=0.0)          # [BM, BP]
-        acc += tl.dot(tl.trans(u), vl.to(u.dtype), input_precision="ieee")
+        acc += tl.dot(tl.trans(u), vl.to(u.dtype), input_precision=PRECISION)
     tl.store(OUT + p[:, None] * s_op + (e * R + rr)[None, :] * s_or,
              (acc * scaling).to(OUT.dtype.element_ty), mask=p_mask[:, None] & r_mask[None, :])
+
+
+KERNELS = {"scatter2scatter": _scatter2scatter_kernel, "group": _group_kernel,
+           "group_bwd_W": _group_bwd_W_kernel, "group_bwd_lora": _group_bwd_lora_kernel}
+
+# Sorted rows per scatter2scatter tile: fixed rather than tuned, because the host cuts each
+# expert's rows into tiles of this size before the launch (`ops.expert_tiles`).
+TILE_M = 64
+
+
+def _configs(*rows: tuple) -> list[dict]:
+    """(BLOCK sizes dict, num_warps, num_stages) rows -> config dicts."""
+    return [dict(blocks, num_warps=w, num_stages=s) for blocks, w, s in rows]
+
+
+# GPU candidates per kernel and dtype width (16: fp16/bf16, 32: float32), each compiled for
+# sm_80 and sm_90 by benchmarks/compile_report.py and held to no spills by the tests. Float32
+# without TF32 multiplies on the FMA units: a thread then holds its whole strip of both
+# operands, so it gets smaller K steps or more warps than 16-bit tiles of the same size.
+# "unaligned": for launches whose sizes or strides are not multiples of 16. Triton cannot
+# prove such rows aligned, so every element gets its own 64-bit address and load, and the
+# aligned tiles then run out of registers (up to 968 spilled bytes a thread, sm_80); smaller
+# tiles over 8 warps, unpipelined, keep within them.
+CONFIGS = {
+    "scatter2scatter": {
+        16: _configs((dict(BLOCK_N=64, BLOCK_K=32), 4, 3), (dict(BLOCK_N=128, BLOCK_K=32), 4, 3),
+                     (dict(BLOCK_N=64, BLOCK_K=64), 4, 3), (dict(BLOCK_N=128, BLOCK_K=64), 8, 3)),
+        32: _configs((dict(BLOCK_N=32, BLOCK_K=32), 4, 3), (dict(BLOCK_N=64, BLOCK_K=16), 4, 2),
+                     (dict(BLOCK_N=128, BLOCK_K=16), 8, 2)),
+        "unaligned": _configs((dict(BLOCK_N=32, BLOCK_K=32), 8, 1)),
+    },
+    "group": {
+        16: _configs((dict(BLOCK_M=64, BLOCK_N=64), 4, 1), (dict(BLOCK_M=32, BLOCK_N=128), 4, 1)),
+        32: _configs((dict(BLOCK_M=64, BLOCK_N=64), 4, 1), (dict(BLOCK_M=32, BLOCK_N=128), 4, 1)),
+    },
+    "group_bwd_W": {
+        16: _configs((dict(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64), 4, 3),
+                     (dict(BLOCK_M=32, BLOCK_K=128, BLOCK_N=64), 4, 3),
+                     (dict(BLOCK_M=64, BLOCK_K=64, BLOCK_N=128), 8, 3)),
+        32: _configs((dict(BLOCK_M=32, BLOCK_K=64, BLOCK_N=64), 8, 2),
+                     (dict(BLOCK_M=16, BLOCK_K=64, BLOCK_N=64), 4, 2)),
+        "unaligned": _configs((dict(BLOCK_M=32, BLOCK_K=64, BLOCK_N=64), 8, 1)),
+    },
+    "group_bwd_lora": {
+        16: _configs((dict(BLOCK_M=64, BLOCK_P=64, BLOCK_Q=32), 4, 3),
+                     (dict(BLOCK_M=64, BLOCK_P=128, BLOCK_Q=64), 8, 3)),
+        32: _configs((dict(BLOCK_M=32, BLOCK_P=64, BLOCK_Q=32), 8, 2),
+                     (dict(BLOCK_M=64, BLOCK_P=64, BLOCK_Q=16), 8, 2)),
+        "unaligned": _configs((dict(BLOCK_M=32, BLOCK_P=64, BLOCK_Q=16), 8, 1)),
+    },
+}
+
+
+def configs(name: str, bits: int, aligned: bool = True) -> list[dict]:
+    """The GPU candidates of kernel `name` for a dtype of `bits` (16 or 32) and a launch
+    whose sizes and strides are (`aligned`) or are not all multiples of 16."""
+    per_width = CONFIGS[name]
+    return per_width["unaligned"] if not aligned and "unaligned" in per_width else per_width[bits]
+
+
+# The sizes whose change can change the best configuration (the autotuner adds the dtypes).
+TUNING_KEYS = {"scatter2scatter": ["K", "N", "HAS_LORA", "X_GROUPED", "Y_GROUPED"],
+               "group": ["N", "HAS_COEFF"], "group_bwd_W": ["K", "N"],
+               "group_bwd_lora": ["P", "Q", "R"]}
+# The interpreter pays per program, not per instruction: one large tile each.
+INTERPRETER_CONFIG = {
+    "scatter2scatter": dict(BLOCK_N=64, BLOCK_K=64),
+    "group": dict(BLOCK_M=64, BLOCK_N=64),
+    "group_bwd_W": dict(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64),
+    "group_bwd_lora": dict(BLOCK_M=64, BLOCK_P=64, BLOCK_Q=64),
+}
 
 
 def interpreting() -> bool:

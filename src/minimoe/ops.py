@@ -3,6 +3,14 @@
 Shapes: M = T·k sorted rows, E experts, W [E, K, N]; see kernels.py for the pseudocode.
 Row inputs (X, DY) that are not contiguous are copied; weights are read through strides.
 
+Launch configurations (`kernels.CONFIGS`): on a GPU each kernel autotunes over a short list
+for its dtype's width (16-bit or float32), keyed on the sizes that change the best choice; in
+the interpreter, which pays per program rather than per instruction, one fixed large tile.
+`benchmarks/compile_report.py` compiles every candidate for sm_80 and sm_90 and the tests hold
+them to no register spills. Float32 products are exact ("ieee") unless the caller allows
+TF32 the way PyTorch's own matmuls are allowed it, `torch.set_float32_matmul_precision("high")`
+(or "medium"); the interpreter always computes in float32.
+
 Index values: called alone, a launcher checks the index values it reads (in range, sorted,
 a permutation, consistent offsets) with one host sync. `trusted=True` skips that look: the
 caller vouches that the indices come from a validated `sort.Routing` (`parallel_linear`
@@ -12,11 +20,12 @@ always checked (no sync).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
-from miniquant.triton_env import not_on_cuda
+from miniquant.triton_env import not_on_cuda, triton
 
 from . import kernels, sort
 
@@ -27,9 +36,63 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _tile(interp: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): the interpreter pays per program, so larger there."""
-    return (64, 64, 64) if interp else (64, 64, 32)
+@functools.cache
+def _autotuned(name: str, bits: int, aligned: bool):
+    """kernels.`name` autotuned over kernels.configs(name, bits, aligned) (on first use)."""
+    configs = [triton.Config({k: v for k, v in c.items() if k.startswith("BLOCK_")},
+                             num_warps=c["num_warps"], num_stages=c["num_stages"])
+               for c in kernels.configs(name, bits, aligned)]
+    return triton.autotune(configs, key=kernels.TUNING_KEYS[name])(kernels.KERNELS[name])
+
+
+def _launch(name: str, grid: Callable[[dict], tuple], dtype: torch.dtype, *args, **consts):
+    """Launch kernels.`name` on grid(meta) (meta: the BLOCK_* sizes chosen): autotuned on a
+    GPU, the interpreter's fixed configuration otherwise."""
+    if kernels.interpreting():
+        meta = kernels.INTERPRETER_CONFIG[name]
+        kernels.KERNELS[name][grid(meta)](*args, **consts, **meta)
+        return
+    bits = 32 if dtype == torch.float32 else 16
+    _autotuned(name, bits, aligned(kernels.KERNELS[name].arg_names, args))[grid](*args, **consts)
+
+
+def aligned(names: list[str], args: tuple) -> bool:
+    """Whether every integer argument (sizes, strides) is 1 or a multiple of 16, which Triton
+    specializes on and then vectorises; the LoRA rank R is left out (it only counts rows of A
+    and B, whose strides are arguments of their own)."""
+    return all(a == 1 or a % 16 == 0 for n, a in zip(names, args, strict=False)
+               if type(a) is int and n != "R")
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision: "tf32" for float32 when PyTorch's matmuls may use it."""
+    allowed = torch.get_float32_matmul_precision() != "highest" and not kernels.interpreting()
+    return "tf32" if dtype == torch.float32 and allowed else "ieee"
+
+
+def expert_tiles(sorted_expert_idxs: torch.Tensor, E: int, block_m: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut each expert's sorted rows into tiles of block_m: (start, end) int64 [n_tiles].
+
+    Tile t covers rows start[t] .. min(start[t] + block_m, end[t]) of one expert, end[t]
+    being that expert's end row; n_tiles = cdiv(M, block_m) + min(E, M) - 1 bounds the
+    tiles any routing needs (each expert with rows adds at most one partial tile), and the
+    spare ones have start == end == 0. Device ops only, no host sync. M >= 1.
+    """
+    sei = sorted_expert_idxs
+    M = sei.shape[0]
+    experts = torch.arange(E, device=sei.device)
+    ends = torch.searchsorted(sei, experts, right=True)                    # [E] end rows
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))                   # [E] rows each
+    tiles = (counts + block_m - 1) // block_m                              # [E] tiles each
+    last_tile = torch.cumsum(tiles, 0)                                     # [E] exclusive
+    t = torch.arange(_cdiv(M, block_m) + min(E, M) - 1, device=sei.device)
+    e = torch.searchsorted(last_tile, t, right=True)                       # [n_tiles]
+    used = e < E
+    e = e.clamp(max=E - 1)
+    start = ends[e] - counts[e] + (t - (last_tile[e] - tiles[e])) * block_m
+    zero = start.new_zeros(())
+    return torch.where(used, start, zero), torch.where(used, ends[e], zero)
 
 
 def _check_float(t: torch.Tensor, name: str) -> None:
@@ -167,14 +230,14 @@ def _scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_group
     Y = torch.empty(M, N, dtype=X.dtype, device=X.device)                  # [M, N]
     if M == 0:
         return Y
-    BM, BN, BK = _tile(kernels.interpreting())
-    grid = (_cdiv(M, BM), _cdiv(N, BN))
-    kernels._scatter2scatter_kernel[grid](
-        X, W, Y, sei, ssi, M, K, N, X.stride(0), X.stride(1),
-        W.stride(0), W.stride(1), W.stride(2), Y.stride(0), Y.stride(1),
-        A, B, r, scaling, A.stride(0), A.stride(1), B.stride(0), B.stride(1),
-        FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped, HAS_LORA=lora is not None,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=_rank_block(max(r, 1)))
+    start, end = expert_tiles(sei, E, kernels.TILE_M)
+    _launch("scatter2scatter", lambda meta: (start.shape[0], _cdiv(N, meta["BLOCK_N"])),
+            X.dtype, X, W, Y, sei, ssi, start, end, K, N, X.stride(0), X.stride(1),
+            W.stride(0), W.stride(1), W.stride(2), Y.stride(0), Y.stride(1),
+            A, B, r, scaling, A.stride(0), A.stride(1), B.stride(0), B.stride(1),
+            FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped, HAS_LORA=lora is not None,
+            PRECISION=_precision(X.dtype), BLOCK_M=kernels.TILE_M,
+            BLOCK_R=_rank_block(max(r, 1)))
     return Y
 
 
@@ -202,11 +265,10 @@ def group(X: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_out: int = 1
     out = torch.empty(M, N, dtype=X.dtype, device=X.device)                # [M, N]
     if M == 0:
         return out
-    BM, BN, _ = _tile(kernels.interpreting())
-    kernels._group_kernel[(_cdiv(M, BM), _cdiv(N, BN))](
-        X, X if coeff is None else coeff, out, ssi, M, N,
-        X.stride(0), X.stride(1), out.stride(0), out.stride(1),
-        FAN_OUT=fan_out, HAS_COEFF=coeff is not None, BLOCK_M=BM, BLOCK_N=BN)
+    _launch("group", lambda meta: (_cdiv(M, meta["BLOCK_M"]), _cdiv(N, meta["BLOCK_N"])),
+            X.dtype, X, X if coeff is None else coeff, out, ssi, M, N,
+            X.stride(0), X.stride(1), out.stride(0), out.stride(1),
+            FAN_OUT=fan_out, HAS_COEFF=coeff is not None)
     return out
 
 
@@ -229,11 +291,11 @@ def group_bwd_W(DY: torch.Tensor, X: torch.Tensor, expert_offsets: torch.Tensor,
     offs = _checked_offsets(expert_offsets, E, M, X.device, trusted)
     DY, X = DY.contiguous(), X.contiguous()
     DW = torch.empty(E, K, N, dtype=X.dtype, device=X.device)              # [E, K, N]
-    BM, BN, BK = _tile(kernels.interpreting())
-    grid = (E, _cdiv(K, BK), _cdiv(N, BN))
-    kernels._group_bwd_W_kernel[grid](
-        DY, X, DW, offs, K, N, DY.stride(0), DY.stride(1), X.stride(0), X.stride(1),
-        DW.stride(0), DW.stride(1), DW.stride(2), BLOCK_M=BM, BLOCK_K=BK, BLOCK_N=BN)
+    _launch("group_bwd_W",
+            lambda meta: (E, _cdiv(K, meta["BLOCK_K"]), _cdiv(N, meta["BLOCK_N"])),
+            X.dtype, DY, X, DW, offs, K, N, DY.stride(0), DY.stride(1), X.stride(0),
+            X.stride(1), DW.stride(0), DW.stride(1), DW.stride(2),
+            PRECISION=_precision(X.dtype))
     return DW
 
 
@@ -264,15 +326,14 @@ def group_bwd_lora(DY: torch.Tensor, X: torch.Tensor, lora_A: torch.Tensor,
     DY, X, A, B = (t.contiguous() for t in (DY, X, lora_A, lora_B))
     dA = torch.empty_like(A)                                               # [r·E, K]
     dB = torch.empty_like(B)                                               # [N, r·E]
-    BM, BP, BQ = _tile(kernels.interpreting())
     BR = _rank_block(r)
     # dB[n, e·r + j] = s · Σ DY[m, n] · (X[m] @ A_eᵀ)[j];  dAᵀ[k, e·r + j] likewise with
     # U = X, V = DY, L = B — dA written through its transposed strides.
     for U, V, L, OUT, sl, so in ((DY, X, A, dB, (A.stride(1), A.stride(0)), dB.stride()),
                                  (X, DY, B, dA, B.stride(), (dA.stride(1), dA.stride(0)))):
         P, Q = U.shape[1], V.shape[1]
-        kernels._group_bwd_lora_kernel[(E, _cdiv(P, BP))](
-            U, V, L, OUT, offs, P, Q, r, float(scaling), U.stride(0), U.stride(1),
-            V.stride(0), V.stride(1), *sl, *so,
-            BLOCK_M=BM, BLOCK_P=BP, BLOCK_Q=BQ, BLOCK_R=BR)
+        _launch("group_bwd_lora", lambda meta, P=P: (E, _cdiv(P, meta["BLOCK_P"])),
+                X.dtype, U, V, L, OUT, offs, P, Q, r, float(scaling), U.stride(0),
+                U.stride(1), V.stride(0), V.stride(1), *sl, *so,
+                PRECISION=_precision(X.dtype), BLOCK_R=BR)
     return dA, dB

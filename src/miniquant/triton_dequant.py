@@ -80,6 +80,7 @@ def _nf4_dequant_kernel(
     src_ptr,  # *int64 [n_rows]: the stored segment (expert) each output row reads; if GATHER
     out_ptr,  # *float32 | *float16 | *bfloat16 [n_rows, seg_numel], contiguous
     seg_numel,  # M: elements per segment (the whole tensor, or one expert; even if GATHER)
+    seg_bytes,  # ceil(M / 2): packed bytes per segment (its own argument: see below)
     BLOCKSIZE: tl.constexpr,  # elements per scale; constexpr so that // is a shift
     BYTES: tl.constexpr,  # packed bytes per program (a power of two); it writes 2*BYTES values
     GATHER: tl.constexpr,  # True: segment = src[row]; False: segment = row (the one row, 0)
@@ -97,10 +98,12 @@ def _nf4_dequant_kernel(
     else:
         scale_seg = seg
 
-    # [BYTES] byte offsets inside the segment, which holds ceil(M/2) bytes; M is even whenever
-    # seg > 0, so segment seg starts at byte seg * M/2.
+    # [BYTES] byte offsets inside the segment; M is even whenever seg > 0, so segment seg
+    # starts at byte seg * seg_bytes. The bound is an argument rather than (M + 1) // 2 because
+    # Triton vectorises a masked load only if it can prove the mask constant over a vector:
+    # an argument that is a multiple of 16 is specialized as such at launch, M + 1 is not.
     k = tile * BYTES + tl.arange(0, BYTES)
-    b = tl.load(packed_ptr + seg * (seg_numel // 2) + k, mask=k < (seg_numel + 1) // 2, other=0)
+    b = tl.load(packed_ptr + seg * seg_bytes + k, mask=k < seg_bytes, other=0)
 
     # [2*BYTES] codes in element order: join makes [BYTES, 2] (high, low) pairs and the
     # row-major reshape lays them out hi0, lo0, hi1, lo1, ... This is what tl.interleave
@@ -113,7 +116,10 @@ def _nf4_dequant_kernel(
 
     # The table is 64 bytes: these gathers stay in L1. idx is in [0, 16) even where masked.
     level = tl.load(code_ptr + idx)
-    scale = tl.load(absmax_ptr + (scale_seg * seg_numel + j) // BLOCKSIZE, mask=in_seg, other=0.0)
+    # Segments are whole blocks (or seg = 0), so the segment's first block plus j's block:
+    # written this way the compiler sees BLOCKSIZE equal neighbours and loads each scale once.
+    first_block = (scale_seg * seg_numel) // BLOCKSIZE
+    scale = tl.load(absmax_ptr + first_block + j // BLOCKSIZE, mask=in_seg, other=0.0)
 
     # One float32 multiply, exactly the reference's; rounded once (to nearest even) at the store.
     w = level * scale
@@ -169,6 +175,7 @@ def _launch(q, scales, src, out, seg_numel, gather, scales_by_row):
         src,
         out,
         seg_numel,
+        (seg_numel + 1) // 2,
         BLOCKSIZE=q.blocksize,
         BYTES=BYTES_PER_PROGRAM,
         GATHER=gather,

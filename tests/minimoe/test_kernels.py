@@ -483,3 +483,53 @@ def test_gpu_fused_lora_float32_ieee(case):
         runs.append([out] + [t.grad for t in lv])
     for got, want in zip(*runs, strict=True):
         assert _rel(got, want) <= 1e-5
+
+
+ALIGNED = (300, 128, 256, 64, 4, "rand")     # sizes multiples of 16: the autotuned tiles
+
+
+def _fused_lora_runs(case, dtype):
+    """(parallel_linear with fused expert LoRA, the float32 loop): out and every gradient."""
+    x, W, experts, gates = [t.cuda() for t in _inputs(case)]
+    E, K, N = W.shape
+    A, B = torch.randn(16 * E, K, device="cuda") / K, torch.randn(N, 16 * E, device="cuda") / 16
+    runs = []
+    for fused in (True, False):
+        lv = [(t.to(dtype) if fused else t).clone().requires_grad_() for t in (x, W, gates, A, B)]
+        if fused:
+            out = parallel_linear(lv[0], lv[1], experts.shape[1], *flatten_sort_count(experts, E),
+                                  gates=lv[2], lora_A=lv[3], lora_B=lv[4], scaling=0.5)
+        else:
+            out = reference.linear_loop(lv[0], lv[1], experts, lv[2], lv[3], lv[4], 0.5)
+        out.backward(torch.ones_like(out))
+        runs.append([out] + [t.grad for t in lv])
+    return zip(*runs, strict=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, precision, tol", [
+    (torch.float32, "highest", 1e-5),           # exact products: the checking mode
+    (torch.float32, "high", 5e-3),              # TF32 allowed, as torch.matmul would use it
+    (torch.bfloat16, "highest", 2e-2),
+])
+def test_gpu_aligned_sizes_autotuned(dtype, precision, tol):
+    """Sizes that are multiples of 16 take the autotuned tiles (CONFIGS[...][16 | 32]), 64
+    experts with few tokens each; fp32 exact unless TF32 is allowed."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        for got, want in _fused_lora_runs(ALIGNED, dtype):
+            err = float((got.float() - want).norm() / want.norm())
+            assert err <= tol, err
+    finally:
+        torch.set_float32_matmul_precision(before)
+    from minimoe import ops
+    tuned = ops._autotuned("scatter2scatter", 32 if dtype == torch.float32 else 16, True)
+    assert tuned.best_config is not None
+
+
+@pytest.mark.gpu
+def test_gpu_unaligned_sizes_bf16():
+    """K = 40, N = 24: the "unaligned" configurations, bf16 with fused LoRA, fwd and bwd."""
+    for got, want in _fused_lora_runs(CASES[11], torch.bfloat16):
+        assert float((got.float() - want).norm() / want.norm()) < 2e-2
