@@ -463,36 +463,15 @@ def test_gpu_bf16_norm_relative(case):
         assert float((got.float() - want).norm() / want.norm()) < 2e-2
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [CASES[4], CASES[9], CASES[14]], ids=_case_id)
-def test_gpu_fused_lora_float32_ieee(case):
-    """The fused LoRA kernels compiled: output and dx, dW, dA, dB vs the loop on the GPU."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    x, W, experts, gates = [t.cuda() for t in _inputs(case)]
-    E, K, N = W.shape
-    A, B = torch.randn(3 * E, K, device="cuda"), torch.randn(N, 3 * E, device="cuda")
-    runs = []
-    for fused in (True, False):
-        lv = [t.clone().requires_grad_() for t in (x, W, gates, A, B)]
-        if fused:
-            out = parallel_linear(lv[0], lv[1], experts.shape[1], *flatten_sort_count(experts, E),
-                                  gates=lv[2], lora_A=lv[3], lora_B=lv[4], scaling=0.5)
-        else:
-            out = reference.linear_loop(lv[0], lv[1], experts, lv[2], lv[3], lv[4], 0.5)
-        out.backward(torch.ones_like(out))
-        runs.append([out] + [t.grad for t in lv])
-    for got, want in zip(*runs, strict=True):
-        assert _rel(got, want) <= 1e-5
-
-
 ALIGNED = (300, 128, 256, 64, 4, "rand")     # sizes multiples of 16: the autotuned tiles
 
 
-def _fused_lora_runs(case, dtype):
-    """(parallel_linear with fused expert LoRA, the float32 loop): out and every gradient."""
+def _fused_lora_runs(case, dtype, r=16):
+    """(parallel_linear with fused rank-r expert LoRA, the float32 loop) on the GPU: pairs of
+    the output and every gradient (x, W, gates, A, B)."""
     x, W, experts, gates = [t.cuda() for t in _inputs(case)]
     E, K, N = W.shape
-    A, B = torch.randn(16 * E, K, device="cuda") / K, torch.randn(N, 16 * E, device="cuda") / 16
+    A, B = torch.randn(r * E, K, device="cuda") / K, torch.randn(N, r * E, device="cuda") / r
     runs = []
     for fused in (True, False):
         lv = [(t.to(dtype) if fused else t).clone().requires_grad_() for t in (x, W, gates, A, B)]
@@ -504,6 +483,15 @@ def _fused_lora_runs(case, dtype):
         out.backward(torch.ones_like(out))
         runs.append([out] + [t.grad for t in lv])
     return zip(*runs, strict=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [CASES[4], CASES[9], CASES[14]], ids=_case_id)
+def test_gpu_fused_lora_float32_ieee(case):
+    """The fused LoRA kernels compiled: output and dx, dW, dA, dB vs the loop on the GPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for got, want in _fused_lora_runs(case, torch.float32, r=3):
+        assert _rel(got, want) <= 1e-5
 
 
 @pytest.mark.gpu
