@@ -18,7 +18,7 @@ LAB_ARGS ?=
 # learners do not see them.
 MODE ?= learner
 
-.PHONY: venv lab test test-fast course grade reproduce run readme check-exercises check lint lock clean
+.PHONY: venv lab test test-fast course grade reproduce run readme bench-gpu compile-report check-exercises check lint lock clean
 
 venv: $(STAMP)
 
@@ -55,6 +55,12 @@ reproduce: $(STAMP)  ## re-run and compare: make reproduce EXP=experiments/NN-na
 
 readme: $(STAMP)  ## README.md's result numbers, regenerated from the experiments' manifests
 	$(PY) -m labkit readme
+
+compile-report: $(STAMP)  ## compile every Triton kernel for sm_80/sm_90 (no GPU) -> benchmarks/results/compile_report.json
+	$(PY) benchmarks/compile_report.py
+
+bench-gpu: $(STAMP)  ## GPU tests + both kernel benchmarks, one run -> benchmarks/results/gpu/<device>.json [BENCH_ARGS=--tiny on a CPU]
+	$(PY) benchmarks/bench_gpu.py $(BENCH_ARGS)
 
 check-exercises: $(STAMP)  ## blank each solution region alone; some test must fail (slow)
 	$(PY) -m labkit check-exercises $(LAB)

@@ -4,7 +4,13 @@ A block runs from an opening marker line to `END`, and only its body is ever rew
 - `marker("NN-name")` opens a block whose body is `readme(manifest)` of
   `experiments/NN-name/summary.py`, given that experiment's verified manifest;
 - `TABLE_MARKER` opens the reproduce table, which labkit makes itself: one row per experiment
-  folder with a manifest (its recorded run time, threads, numerical mode, commit, peak memory).
+  folder with a manifest (its recorded run time, threads, numerical mode, commit, peak memory);
+- `gpu_marker(part)` opens a block of the GPU benchmarks: `readme(part, results)` of
+  `benchmarks/summary.py`, given every result `make bench-gpu` wrote to
+  `benchmarks/results/gpu/` (verified manifests, newest first; none: not yet run on a GPU);
+- `COMPILE_MARKER` opens the compile report's block: `compile_readme(records, roofline)` of
+  `benchmarks/summary.py`, given benchmarks/results/compile_report.json and roofline.json
+  (which `make compile-report` writes and a test holds to what the compiler makes).
 
 `python -m labkit readme` rewrites README.md; with `--check` it only says whether README.md
 still matches the manifests, so a hand-typed number cannot survive the next re-run unnoticed.
@@ -13,6 +19,7 @@ Part of labkit's experiment half: stdlib and labkit only.
 
 from __future__ import annotations
 
+import json
 import re
 import textwrap
 from pathlib import Path
@@ -27,18 +34,32 @@ COMMAND = "`python -m labkit readme`"
 END = "<!-- end generated -->"
 TABLE_MARKER = ("<!-- generated from experiments/*/manifest.json by "
                 f"{COMMAND}: the reproduce table -->")
+GPU_RESULTS = "benchmarks/results/gpu"
+GPU_SUMMARY = "benchmarks/summary.py"
+COMPILE_REPORT = "benchmarks/results/compile_report.json"    # and roofline.json beside it
+COMPILE_MARKER = (f"<!-- generated from {COMPILE_REPORT} by {COMMAND}; edit {GPU_SUMMARY}, "
+                  "not this block -->")
 # README.md's prose is wrapped at this width; generated paragraphs follow it.
 WIDTH = 92
 _OPENING = "<!-- generated from "
 _LINK = re.compile(r"\[[^\]]*\]\([^)]*\)")
 _EXPERIMENT_MARKER = re.compile(r"<!-- generated from experiments/(?P<name>[^/*]+)/manifest\.json "
                                 + re.escape(f"by {COMMAND}; edit summary.py, not this block -->"))
+_GPU_MARKER = re.compile(re.escape(f"<!-- generated from the newest {GPU_RESULTS}/*.json by "
+                                   f"{COMMAND}; edit {GPU_SUMMARY}, not this block: ")
+                         + r"(?P<part>[a-z-]+) -->")
 
 
 def marker(name: str) -> str:
     """The line that opens the block of experiment `name` (a folder under experiments/)."""
     return (f"<!-- generated from experiments/{name}/manifest.json by {COMMAND}; "
             "edit summary.py, not this block -->")
+
+
+def gpu_marker(part: str) -> str:
+    """The line that opens block `part` of the GPU benchmark results (one of summary's PARTS)."""
+    return (f"<!-- generated from the newest {GPU_RESULTS}/*.json by {COMMAND}; "
+            f"edit {GPU_SUMMARY}, not this block: {part} -->")
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -61,16 +82,23 @@ def _where(number: int) -> str:
 
 
 def _opened(line: str, number: int) -> str | None:
-    """What a line opens: an experiment's name, "*" for the reproduce table, or None."""
+    """What a line opens: an experiment's name, "*" for the reproduce table, GPU_RESULTS/part
+    for a block of the GPU benchmarks (no experiment's name holds a "/"), or None."""
     text = line.strip()
     if text == TABLE_MARKER:
         return "*"
+    if text == COMPILE_MARKER:
+        return COMPILE_REPORT
     found = _EXPERIMENT_MARKER.fullmatch(text)
     if found:
         return found["name"]
+    found = _GPU_MARKER.fullmatch(text)
+    if found:
+        return f"{GPU_RESULTS}/{found['part']}"
     if text.startswith(_OPENING):
         raise InputError(f"{_where(number)}: unrecognised marker {text!r}; expected "
-                         f"{marker('NN-name')!r} or {TABLE_MARKER!r}")
+                         f"{marker('NN-name')!r}, {gpu_marker('part')!r}, {COMPILE_MARKER!r} "
+                         f"or {TABLE_MARKER!r}")
     return None
 
 
@@ -120,11 +148,57 @@ def experiment_body(root: Path, name: str, where: str = "README.md") -> str:
     """The body of experiment `name`'s block: its summary.py's readme(manifest)."""
     exp_dir = Path(root) / "experiments" / name
     summary = load_summary(exp_dir, where)
-    body = summary.readme(_manifest(exp_dir, where))
+    return _markdown(summary.readme(_manifest(exp_dir, where)), exp_dir / "summary.py", where)
+
+
+def _markdown(body, script: Path, where: str) -> str:
     if not isinstance(body, str):
-        raise InputError(f"{where}: {exp_dir / 'summary.py'} readme() returned "
-                         f"{type(body).__name__}, expected the markdown as a str")
+        raise InputError(f"{where}: {script} readme() returned {type(body).__name__}, expected "
+                         "the markdown as a str")
     return body
+
+
+def gpu_results(root: Path, where: str = "README.md") -> list[tuple[str, dict]]:
+    """(path from the root, verified manifest) of every result under GPU_RESULTS, newest
+    first; a --tiny or CPU run there is refused, never shown as a GPU's numbers."""
+    found = []
+    for path in sorted((Path(root) / GPU_RESULTS).glob("*.json")):
+        name = f"{GPU_RESULTS}/{path.name}"
+        try:
+            m = read_manifest(path)
+        except InputError as e:
+            raise InputError(f"{where}: {e}") from None
+        if m["config"].get("tiny") or m["env"].get("device", "cpu") == "cpu":
+            raise InputError(f"{where}: {name} is a --tiny or CPU run, not a GPU's result; "
+                             f"it does not belong in {GPU_RESULTS}/")
+        found.append((name, m))
+    return sorted(found, key=lambda item: item[1].get("recorded_at", ""), reverse=True)
+
+
+def gpu_body(root: Path, part: str, where: str = "README.md") -> str:
+    """The body of GPU block `part`: GPU_SUMMARY's readme(part, gpu_results(root))."""
+    script = Path(root) / GPU_SUMMARY
+    if not script.is_file():
+        raise InputError(f"{where}: no {GPU_SUMMARY} (expected one defining PARTS and "
+                         "readme(part, results) -> str)")
+    summary = load_script(script, "benchmarks_summary")
+    if part not in getattr(summary, "PARTS", ()):
+        raise InputError(f"{where}: {GPU_SUMMARY} makes no block {part!r} (its PARTS: "
+                         f"{getattr(summary, 'PARTS', ())})")
+    return _markdown(summary.readme(part, gpu_results(root, where)), script, where)
+
+
+def compile_body(root: Path, where: str = "README.md") -> str:
+    """The compile report's block: GPU_SUMMARY's compile_readme(records, roofline)."""
+    paths = [Path(root) / COMPILE_REPORT, (Path(root) / COMPILE_REPORT).with_name("roofline.json")]
+    try:
+        records, roofline = (json.loads(p.read_text(encoding="utf-8")) for p in paths)
+    except (OSError, ValueError) as e:
+        raise InputError(f"{where}: cannot read the compile report ({e}); run "
+                         "`make compile-report`") from None
+    script = Path(root) / GPU_SUMMARY
+    summary = load_script(script, "benchmarks_summary")
+    return _markdown(summary.compile_readme(records, roofline), script, where)
 
 
 def duration(seconds: float) -> str:
@@ -148,13 +222,22 @@ def reproduce_table(root: Path) -> str:
                  rows)
 
 
+def _body(root: Path, opened: str, where: str) -> str:
+    if opened == "*":
+        return reproduce_table(root)
+    if opened.startswith(f"{GPU_RESULTS}/"):
+        return gpu_body(root, opened.removeprefix(f"{GPU_RESULTS}/"), where)
+    if opened == COMPILE_REPORT:
+        return compile_body(root, where)
+    return experiment_body(root, opened, where)
+
+
 def render_text(text: str, root: Path) -> str:
     """`text` (a README) with the body of every generated block made afresh."""
     lines = text.splitlines(keepends=True)
     out, done = [], 0
     for start, end, opened in _blocks(lines):
-        body = (reproduce_table(root) if opened == "*"
-                else experiment_body(root, opened, _where(start + 1)))
+        body = _body(root, opened, _where(start + 1))
         # Blank lines around the body: a marker is an HTML block, and a table or paragraph
         # right after it would be swallowed into that block by some renderers.
         out += lines[done:start + 1] + ["\n", body.strip("\n") + "\n", "\n"]

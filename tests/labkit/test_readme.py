@@ -1,6 +1,7 @@
 """labkit.readme: README.md's generated blocks, each filled from an experiment's manifest by its
-summary.py, the reproduce table, and the real README, which must match the committed
-manifests."""
+summary.py, the reproduce table, the GPU benchmark blocks (their contents are tested in
+tests/benchmarks/test_bench_gpu.py), and the real README, which must match the committed
+manifests and GPU results."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ import pytest
 from labkit import read_manifest, write_manifest
 from labkit.__main__ import main
 from labkit.errors import InputError
-from labkit.readme import END, TABLE_MARKER, load_summary, marker, render, write_readme
+from labkit.readme import (
+    END,
+    TABLE_MARKER,
+    gpu_marker,
+    load_summary,
+    marker,
+    render,
+    write_readme,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ["00-pretrain-base", "05-lora-finetune", "06-qlora-preview", "11-qlora-moe"]
@@ -117,6 +126,8 @@ def test_the_reproduce_table_of_an_older_manifest(tmp_path):
      "README.md line 5: .*readme\\(\\) returned int, expected the markdown as a str"),
     (section("<!-- generated from experiments/01-demo/manifest.json by hand -->"), SUMMARY,
      "README.md line 5: unrecognised marker"),
+    (section(gpu_marker("dequant")), SUMMARY,
+     "README.md line 5: no benchmarks/summary.py \\(expected one defining PARTS"),
 ])
 def test_refused_naming_the_line(tmp_path, readme, summary, message):
     root = course(tmp_path, readme, summary)
@@ -163,16 +174,41 @@ def test_the_readme_matches_the_manifests():
         "README.md is out of date with the manifests: run make readme"
 
 
+def readme_copy(tmp_path: Path) -> tuple[Path, str]:
+    """A checkout of README.md and links to what its blocks are made from; the README."""
+    for folder in ("experiments", "benchmarks"):
+        (tmp_path / folder).symlink_to(ROOT / folder)
+    return tmp_path, (ROOT / "README.md").read_text(encoding="utf-8")
+
+
 def test_a_number_edited_by_hand_is_caught(tmp_path):
     """The check above fails for an edit inside a generated block (on a copy of README.md)."""
-    (tmp_path / "experiments").symlink_to(ROOT / "experiments")
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    root, readme = readme_copy(tmp_path)
     start = readme.index(marker("00-pretrain-base"))
     number = re.compile(r"\d+\.\d+").search(readme, start)
     edited = readme[:number.start()] + number[0] + "1" + readme[number.end():]
-    (tmp_path / "README.md").write_text(edited, encoding="utf-8")
-    assert not write_readme(tmp_path, check=True)
-    assert render(tmp_path) == readme
+    (root / "README.md").write_text(edited, encoding="utf-8")
+    assert not write_readme(root, check=True)
+    assert render(root) == readme
+
+
+@pytest.mark.parametrize("part", ["dequant", "moe"])
+def test_a_gpu_block_edited_by_hand_is_caught(tmp_path, part):
+    """The GPU blocks are checked the same way: typed text in one (a GPU's numbers claimed
+    by hand, or a "not yet run" kept after a result was committed) makes README.md stale."""
+    root, readme = readme_copy(tmp_path)
+    start = readme.index(gpu_marker(part)) + len(gpu_marker(part))
+    end = readme.index(END, start)
+    edited = readme[:start] + "\n\nMeasured by hand: 0.95 of copy.\n\n" + readme[end:]
+    (root / "README.md").write_text(edited, encoding="utf-8")
+    assert not write_readme(root, check=True)
+    assert render(root) == readme
+
+
+def test_the_real_readme_has_both_gpu_blocks():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert [readme.count(gpu_marker(part)) for part in ("dequant", "moe")] == [1, 1]
+    assert "GPU; not yet run" not in readme             # the lab map links to them instead
 
 
 def summary_text(name: str) -> tuple[str, dict]:

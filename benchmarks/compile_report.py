@@ -1,0 +1,410 @@
+"""Compile every Triton kernel of the packages for A100 (sm_80) and H100 (sm_90), no GPU needed.
+
+    python benchmarks/compile_report.py [--out benchmarks/results/compile_report.json]
+                                        [--jobs 2] [--arch sm_80,sm_90] [--kernels a,b]
+
+What each launcher would compile on a GPU, at the sizes of the benchmarks (multiples of 16,
+so Triton's divisibility specialization applies as it would there), for every configuration
+it can pick: the MoE kernels' autotune candidates (`minimoe.kernels.CONFIGS`), float32 both
+exact ("ieee") and with TF32, float16 and bfloat16; the NF4 dequant kernel for its three
+uses and three output dtypes; minirl's log-softmax kernels. One record per kernel ×
+configuration × architecture × dtype (`labkit.gpucompile.KernelReport`): registers, spilled
+bytes, shared memory, occupancy, global loads and stores by width, tensor-core instructions.
+A few records compile the same kernel at sizes that are not multiples of 16 (`"sizes":
+"odd"`): what a launch on awkward shapes gets.
+
+Then a roofline for each benchmark shape of bench_dequant and bench_moe: bytes the kernel
+must move, FLOPs, and the time neither bandwidth nor arithmetic would let it beat, on each
+device from its datasheet peaks (`DEVICES`), plus the predicted effect of cutting the MoE
+dispatch's row tiles per expert (what `ops.expert_tiles` does) against tiles that span
+experts (what it did before).
+
+Compilation only: it runs in CI on a CPU (one to two minutes on 2 cores). Its JSON, a list of
+those records, is committed at benchmarks/results/compile_report.json; the roofline goes
+beside it, in roofline.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "compile_report.json"
+ROOFLINE_NAME = "roofline.json"       # written beside --out
+FORK = multiprocessing.get_context("fork")   # workers inherit TRITON_INTERPRET=0 (see main)
+
+# Datasheet peaks, dense (no structured sparsity). H100: "NVIDIA H100 Tensor Core GPU"
+# datasheet, SXM5 column (HBM3 3.35 TB/s; FP32 67 TFLOP/s; TF32 494.7, BF16/FP16 989.4
+# TFLOP/s, given there as 989/1,979 with sparsity halved). A100: "NVIDIA A100 Tensor Core
+# GPU" datasheet, 80GB SXM column (HBM2e 2,039 GB/s; FP32 19.5; TF32 156; BF16/FP16 312).
+DEVICES = {
+    "H100 SXM": dict(arch="sm_90", sms=132, bandwidth=3.35e12,
+                     flops=dict(fp32=67e12, tf32=494.7e12, fp16=989.4e12, bf16=989.4e12)),
+    "A100 SXM 80GB": dict(arch="sm_80", sms=108, bandwidth=2.039e12,
+                          flops=dict(fp32=19.5e12, tf32=156e12, fp16=312e12, bf16=312e12)),
+}
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16,
+          "bf16": torch.bfloat16}
+ARCHS = ("sm_80", "sm_90")
+
+# The sizes the records are compiled at: bench_moe's Qwen3-30B-A3B expert linear (E = 128,
+# top-8, d_model 2048, d_ff 768, 4096 tokens), a 4096 × 4096 weight for the dequant, a
+# Qwen-sized vocabulary for the log-softmax. "odd": the same kernels at sizes no power of two
+# divides (as the CPU tests use).
+MOE = dict(T=4096, k=8, E=128, K=2048, N=768, R=16)
+MOE_ODD = dict(T=33, k=2, E=5, K=40, N=24, R=3)
+DEQUANT_N = 4096 * 4096
+VOCAB = dict(N=1024, V=151936)
+
+
+# ----------------------------------------------------------------------------- the jobs
+
+
+def jobs(kernels: set[str] | None = None, archs=ARCHS) -> list[dict]:
+    """Every (kernel, variant, config, dtype, arch) to compile, as plain dicts."""
+    from minimoe.kernels import CONFIGS, configs
+
+    out = []
+
+    def add(kernel, variant, config, dtypes, sizes="aligned"):
+        if kernels and kernel not in kernels:
+            return
+        for dtype in dtypes:
+            for arch in archs:
+                out.append(dict(kernel=kernel, variant=variant, config=config, dtype=dtype,
+                                arch=arch, sizes=sizes))
+
+    for use in ("whole", "selective", "selective_dq"):
+        add("nf4_dequant", dict(use=use), dict(BYTES=1024, num_warps=4), ("fp32", "fp16", "bf16"))
+    add("nf4_dequant", dict(use="whole"), dict(BYTES=1024, num_warps=4), ("bf16",), "odd")
+    for name in CONFIGS:
+        variants = [{}]
+        if name == "scatter2scatter":
+            variants = [dict(pass_=p, lora=lora) for p in ("fwd", "dX") for lora in (False, True)]
+        elif name == "group":
+            variants = [dict(coeff=c) for c in (False, True)]
+        for variant in variants:
+            for bits in (16, 32):
+                dtypes = ("fp32", "tf32") if bits == 32 else ("fp16", "bf16")
+                if name == "group":
+                    dtypes = ("fp32",) if bits == 32 else ("fp16", "bf16")
+                for config in configs(name, bits):
+                    add(name, variant, config, dtypes)
+                for config in configs(name, bits, aligned=False):
+                    add(name, variant, config, ("fp32",) if bits == 32 else ("bf16",), "odd")
+    for flags in (dict(HAS_IDS=True), dict(HAS_IDS=False)):
+        add("logsoftmax_fwd", flags, {}, ("fp32", "bf16"))
+    for flags in (dict(HAS_G_LOGP=True, HAS_G_H=True), dict(HAS_G_LOGP=True, HAS_G_H=False)):
+        add("logsoftmax_bwd", flags, {}, ("fp32", "bf16"))
+    return out
+
+
+def _moe_launch(job) -> tuple:
+    """(kernel, args, kwargs) of one MoE kernel launch, as ops.py makes it."""
+    from labkit.gpucompile import like
+    from minimoe import kernels as K
+
+    s = MOE if job["sizes"] == "aligned" else MOE_ODD
+    t, i = like(DTYPES[job["dtype"]]), like(torch.int64)
+    M, Kd, N, E, R = s["T"] * s["k"], s["K"], s["N"], s["E"], s["R"]
+    precision = "tf32" if job["dtype"] == "tf32" else "ieee"
+    c = dict(job["config"])
+    kw = dict(num_warps=c.pop("num_warps"), num_stages=c.pop("num_stages"), **c)
+    v = job["variant"]
+    if job["kernel"] == "scatter2scatter":
+        lora, dx = v["lora"], v["pass_"] == "dX"
+        # dX = dY @ Wᵀ: K and N trade places and Wᵀ is read through transposed strides.
+        Kin, Nout = (N, Kd) if dx else (Kd, N)
+        w_strides = (Kd * N, 1, N) if dx else (Kd * N, N, 1)
+        args = (t, t, t, i, i, i, i, Kin, Nout, Kin, 1, *w_strides, Nout, 1,
+                t, t, R, 2.0, Kin, 1, R * E, 1)
+        kw.update(FAN_OUT=1 if dx else s["k"], X_GROUPED=dx, Y_GROUPED=False, HAS_LORA=lora,
+                  PRECISION=precision, BLOCK_M=K.TILE_M, BLOCK_R=16)
+    elif job["kernel"] == "group":
+        args = (t, t, t, i, M, Kd, Kd, 1, Kd, 1)
+        kw.update(FAN_OUT=s["k"], HAS_COEFF=v["coeff"])
+    elif job["kernel"] == "group_bwd_W":
+        args = (t, t, t, i, Kd, N, N, 1, Kd, 1, Kd * N, N, 1)
+        kw.update(PRECISION=precision)
+    else:                                  # group_bwd_lora, dB = f(U=dY, V=X, L=Aᵀ)
+        args = (t, t, t, t, i, N, Kd, R, 2.0, N, 1, Kd, 1, 1, Kd, R * E, 1)
+        kw.update(PRECISION=precision, BLOCK_R=16)
+    return K.KERNELS[job["kernel"]], args, kw
+
+
+def _other_launch(job) -> tuple:
+    """(kernel, args, kwargs) of the dequant and log-softmax launches."""
+    from labkit.gpucompile import like
+    from miniquant import triton_dequant as D
+    from minirl import logprob_kernels as L
+
+    f32, i64 = like(torch.float32), like(torch.int64)
+    out = like(DTYPES[job["dtype"]])
+    if job["kernel"] == "nf4_dequant":
+        n = DEQUANT_N if job["sizes"] == "aligned" else 999 * 1001
+        use = job["variant"]["use"]
+        args = (like(torch.uint8), f32, f32, i64, out, n, (n + 1) // 2)
+        kw = dict(BLOCKSIZE=64, BYTES=job["config"]["BYTES"], GATHER=use != "whole",
+                  SCALES_BY_ROW=use == "selective_dq", BF16_BY_HAND=False,
+                  num_warps=job["config"]["num_warps"])
+        return D._nf4_dequant_kernel, args, kw
+    N, V = VOCAB["N"], VOCAB["V"]
+    block_r, block_v = L.blocks(N, V)
+    job["config"] = dict(BLOCK_R=block_r, BLOCK_V=block_v,
+                         num_warps=8 if block_r * block_v >= L.TILE else 4)
+    kw = dict(job["variant"], **job["config"])
+    if job["kernel"] == "logsoftmax_fwd":
+        return L._logsoftmax_stats_fwd_kernel, (out, i64, f32, f32, f32, f32, N, V, V, 1), kw
+    return (L._logsoftmax_stats_bwd_kernel, (out, i64, f32, f32, f32, f32, f32, out, N, V, V, 1),
+            kw)
+
+
+def run_job(job: dict) -> dict:
+    """Compile one job and read its cubin: the job's fields plus the KernelReport's (without
+    the compile time, which would make the committed file differ on every run), or `error`."""
+    from labkit.gpucompile import inspect_kernel
+
+    moe = job["kernel"] in ("scatter2scatter", "group", "group_bwd_W", "group_bwd_lora")
+    fn, args, kw = (_moe_launch if moe else _other_launch)(job)
+    head = dict(kernel=job["kernel"], arch=job["arch"], dtype=job["dtype"],
+                config=dict(job["variant"], **job["config"]), sizes=job["sizes"])
+    try:
+        report = inspect_kernel(fn, args, kw, job["arch"]).as_dict()
+    except Exception as e:  # noqa: BLE001  (a kernel that no longer compiles is a finding)
+        return dict(head, error=f"{type(e).__name__}: {str(e)[:2000]}")
+    for key in ("kernel", "arch", "compile_s"):
+        report.pop(key)
+    head["config"].update(num_warps=report.pop("num_warps"), num_stages=report.pop("num_stages"))
+    return dict(head, **report)
+
+
+DOT_KERNELS = ("scatter2scatter", "group_bwd_W", "group_bwd_lora")
+
+
+def problems(records: list[dict], archs=ARCHS) -> list[str]:
+    """What the tests and CI refuse, one line each: a kernel that failed to compile or is
+    missing for an architecture, any spilled register, byte-wide loads or stores narrower than
+    8 bytes in the NF4 dequant at aligned sizes, a 16-bit (or TF32) dot without tensor-core
+    instructions, and an exact ("ieee") float32 dot with them."""
+    found = []
+    seen: dict[str, set] = {}
+    for r in records:
+        name = (f"{r['kernel']} {r['dtype']} {r['arch']} "
+                f"{json.dumps(r['config'], sort_keys=True)} {r['sizes']}")
+        seen.setdefault(name.replace(r["arch"], "*"), set()).add(r["arch"])
+        if "error" in r:
+            found.append(f"{name}: does not compile: {r['error'][:300]}")
+            continue
+        if r["spill_bytes"]:
+            found.append(f"{name}: spills {r['spill_bytes']} bytes per thread "
+                         f"({r['registers']} registers)")
+        if r["kernel"] == "nf4_dequant" and r["sizes"] == "aligned":
+            if "8" in r["global_loads"]:
+                found.append(f"{name}: loads packed bytes one at a time ({r['global_loads']})")
+            if min(int(b) for b in r["global_stores"]) < 64:
+                found.append(f"{name}: stores narrower than 8 bytes ({r['global_stores']})")
+        if r["kernel"] in DOT_KERNELS:
+            cores = r["tensor_core_instructions"]
+            if r["dtype"] != "fp32" and not cores:
+                found.append(f"{name}: a {r['dtype']} dot without tensor-core instructions")
+            if r["dtype"] == "fp32" and cores:
+                found.append(f"{name}: an exact float32 dot uses tensor cores ({cores})")
+    for name, got in seen.items():
+        for arch in sorted(set(archs) - got):
+            found.append(f"{name.replace('*', arch)}: not compiled")
+    return found
+
+
+# ----------------------------------------------------------------------------- the roofline
+
+
+def _roofline(bytes_moved: float, flops: float, precision: str) -> dict:
+    """Time bounds on each device: bytes / bandwidth, FLOPs / peak, the larger of the two."""
+    out = {}
+    for name, d in DEVICES.items():
+        t_mem, t_math = bytes_moved / d["bandwidth"], flops / d["flops"][precision]
+        out[name] = dict(time_us=round(max(t_mem, t_math) * 1e6, 2),
+                         bound="memory" if t_mem >= t_math else "compute")
+    return out
+
+
+def dequant_roofline() -> list[dict]:
+    """bench_dequant's full shapes: read n/2 packed bytes and 4n/64 absmax, write n outputs."""
+    rows = []
+    for shape in ((4096, 4096), (4096, 14336), (14336, 4096)):
+        n = shape[0] * shape[1]
+        for dtype, size in (("bf16", 2), ("fp32", 4)):
+            moved = n / 2 + 4 * n / 64 + n * size
+            rows.append(dict(bench="bench_dequant", shape=list(shape), dtype=dtype,
+                             bytes=int(moved), flops=n, device=_roofline(moved, n, "fp32")))
+    return rows
+
+
+def _routing_counts(T: int, k: int, E: int) -> torch.Tensor:
+    """Rows per expert of a uniform top-k routing of T tokens (seeded): [E]."""
+    g = torch.Generator().manual_seed(0)
+    experts = torch.rand(T, E, generator=g).topk(k, dim=1).indices
+    return torch.bincount(experts.reshape(-1), minlength=E)
+
+
+def tiling(counts: torch.Tensor, block_m: int) -> dict:
+    """Row tiles of the sorted rows, cut per expert or in fixed spans of block_m rows:
+    tiles (programs per column block), expert K-loops in all and in the longest tile."""
+    nonzero = counts[counts > 0]
+    per_expert = int(((nonzero + block_m - 1) // block_m).sum())
+    ends = torch.cumsum(counts, 0)
+    M = int(ends[-1])
+    spans = []
+    for start in range(0, M, block_m):
+        last = min(start + block_m, M) - 1
+        first_e = int(torch.searchsorted(ends, torch.tensor(start), right=True))
+        last_e = int(torch.searchsorted(ends, torch.tensor(last), right=True))
+        spans.append(last_e - first_e + 1)
+    return dict(spanning=dict(tiles=len(spans), k_loops=sum(spans), longest=max(spans)),
+                per_expert=dict(tiles=per_expert, k_loops=per_expert, longest=1))
+
+
+def moe_roofline(block_m: int = 64, block_n: int = 64) -> list[dict]:
+    """bench_moe's shapes (4096 tokens, and 256 as in decoding), bf16 forward of the expert
+    linear: bytes (X, the routed experts' W, Y), FLOPs 2·M·K·N; and for both tilings the
+    issued work (every K loop is a full block_m-row product) and a predicted time: the
+    largest of the memory time, the issued FLOPs at peak, and the longest program's K loops
+    in series on one SM (1/sms of the peak)."""
+    rows = []
+    models = {"mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768),
+              "olmoe-1b-7b": (64, 8, 2048, 1024)}
+    for model, (E, k, K, N) in models.items():
+        for T in (4096, 256):
+            counts = _routing_counts(T, k, E)
+            M, size = T * k, 2
+            used = int((counts > 0).sum())
+            moved = (T * K + used * K * N + M * N) * size
+            flops = 2 * M * K * N
+            row = dict(bench="bench_moe", model=model, tokens=T, E=E, k=k, K=K, N=N,
+                       dtype="bf16", bytes=moved, flops=flops,
+                       device=_roofline(moved, flops, "bf16"), tiling={})
+            for name, t in tiling(counts, block_m).items():
+                issued = t["k_loops"] * 2 * block_m * K * N
+                predicted = {}
+                for dev, d in DEVICES.items():
+                    # One SM runs the longest program's K loops at 1/sms of the peak.
+                    per_sm = d["flops"]["bf16"] / d["sms"]
+                    serial = t["longest"] * 2 * block_m * K * block_n / per_sm
+                    bound = max(moved / d["bandwidth"], issued / d["flops"]["bf16"], serial)
+                    predicted[dev] = round(bound * 1e6, 2)
+                # W tiles are re-read once per K loop, mostly from L2 (tiles of one expert
+                # run side by side), so DRAM bytes stay `moved`; the L2 traffic grows.
+                row["tiling"][name] = dict(t, issued_flops=issued,
+                                           w_tile_bytes=t["k_loops"] * K * N * size,
+                                           predicted_us=predicted)
+            rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _widths(d: dict) -> str:
+    return " ".join(f"{n}x{bits}" for bits, n in d.items()) or "-"
+
+
+def table(records: list[dict]) -> str:
+    """The records as a fixed-width text table."""
+    head = (f"{'kernel':16} {'variant':28} {'dtype':5} {'config':44} {'arch':5} {'regs':>4} "
+            f"{'spill':>5} {'smem':>6} {'occ':>4} {'TC':>3}  loads (count x bits) | stores")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        if "error" in r:
+            lines.append(f"{r['kernel']:16} {r['dtype']:5} {r['arch']:5} ERROR {r['error'][:80]}")
+            continue
+        variant = ",".join(f"{k}={v}" for k, v in r["config"].items()
+                           if not k.startswith("BLOCK") and not k.startswith("num_")
+                           and k not in ("BYTES",)) + ("" if r["sizes"] == "aligned" else " odd")
+        config = " ".join(f"{k.removeprefix('BLOCK_')}={v}" for k, v in r["config"].items()
+                          if k.startswith("BLOCK") or k.startswith("num_") or k == "BYTES")
+        config = config.replace("num_warps", "w").replace("num_stages", "s")
+        lines.append(f"{r['kernel']:16} {variant[:28]:28} {r['dtype']:5} {config[:44]:44} "
+                     f"{r['arch']:5} {r['registers']:>4} {r['spill_bytes']:>5} "
+                     f"{r['shared_bytes']:>6} {r['occupancy']:>4.2f} "
+                     f"{r['tensor_core_instructions']:>3}  {_widths(r['global_loads'])} | "
+                     f"{_widths(r['global_stores'])}")
+    return "\n".join(lines)
+
+
+def roofline_table(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        what = (f"dequant {r['shape'][0]}x{r['shape'][1]} {r['dtype']}" if r["bench"] ==
+                "bench_dequant" else f"moe {r['model']} T={r['tokens']} {r['dtype']}")
+        times = "  ".join(f"{d}: {v['time_us']:.1f} us ({v['bound']})"
+                          for d, v in r["device"].items())
+        lines.append(f"{what:36} {r['bytes'] / 1e6:9.1f} MB {r['flops'] / 1e9:9.1f} GFLOP  "
+                     f"{times}")
+        for name, t in r.get("tiling", {}).items():
+            pred = "  ".join(f"{d}: {v:.1f} us" for d, v in t["predicted_us"].items())
+            lines.append(f"    tiles {name:10} {t['tiles']:5} tiles, {t['k_loops']:5} K loops, "
+                         f"longest {t['longest']:3}  predicted {pred}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="the JSON report")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
+    p.add_argument("--arch", default=",".join(ARCHS), help="comma-separated subset of "
+                   + ", ".join(ARCHS))
+    p.add_argument("--kernels", default="", help="comma-separated kernel names (default: all)")
+    args = p.parse_args(argv)
+    args.arch = [a for a in args.arch.split(",") if a]
+    if set(args.arch) - set(ARCHS):
+        p.error(f"--arch: choose from {ARCHS}")
+    args.kernels = {k for k in args.kernels.split(",") if k} or None
+    return args
+
+
+def main(argv=None) -> int:
+    # Compiled kernels, not the interpreter's: decided before anything imports triton (the
+    # worker processes are forked from this one and inherit it).
+    os.environ["TRITON_INTERPRET"] = "0"
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    from tqdm import tqdm
+
+    from labkit.atomic import atomic_write_text
+
+    args = parse_args(argv)
+    todo = jobs(args.kernels, args.arch)
+    start = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=FORK) as pool:
+        records = list(tqdm(pool.map(run_job, todo), total=len(todo), desc="compiling",
+                            file=sys.stderr))
+    seconds = time.perf_counter() - start
+    rooflines = dequant_roofline() + moe_roofline()
+    import triton
+
+    roofline = dict(triton=triton.__version__, devices=DEVICES, shapes=rooflines)
+    out = Path(args.out)
+    print(table(records))
+    print()
+    print(roofline_table(rooflines))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(records, indent=1) + "\n")
+    atomic_write_text(out.with_name(ROOFLINE_NAME), json.dumps(roofline, indent=1) + "\n")
+    print(f"\n{len(records)} compilations (triton {triton.__version__}) in {seconds:.0f} s; "
+          f"wrote {out} and {out.with_name(ROOFLINE_NAME)}")
+    found = problems(records, args.arch)
+    for line in found:
+        print(f"PROBLEM {line}")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

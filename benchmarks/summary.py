@@ -1,0 +1,180 @@
+"""README.md's GPU benchmark blocks, made from the results `make bench-gpu` writes.
+
+`python -m labkit readme` puts what `readme(part, results)` returns in each block opened by
+`labkit.readme.gpu_marker(part)`, for each part in PARTS. `results` holds every result under
+benchmarks/results/gpu/ as (path, verified manifest), newest first; a block shows the newest,
+and with none it says that the benchmark has not been run on a GPU and how to run it.
+bench_gpu.py computes every ratio (the manifest's metrics); this file only words them. Only
+the README reads it.
+"""
+
+from __future__ import annotations
+
+from labkit.readme import paragraph, table
+
+PARTS = ("dequant", "moe")
+HOW = ("`make bench-gpu` on a CUDA machine writes `benchmarks/results/gpu/<device>.json` (the "
+       "GPU tests and both benchmarks, measured in one run), and `make readme` puts its "
+       "ratios here")
+
+
+def not_run(part: str) -> str:
+    if part == "moe":
+        return paragraph("Not yet run on a GPU: `make bench-gpu` measures it in the same run as "
+                         "the dequant benchmark above, into the same result file.")
+    return paragraph(f"Not yet run on a GPU: `benchmarks/results/gpu/` holds no result. {HOW}.")
+
+
+def source(path: str, manifest: dict) -> str:
+    """Which run the numbers come from: its file, commit and date."""
+    git = manifest["git"]
+    dirty = " with uncommitted changes" if git["dirty"] else ""
+    return (f"[{path.rpartition('/')[2]}]({path}), commit `{git['commit'][:7]}`{dirty}, "
+            f"{manifest.get('recorded_at', 'undated')[:10]}")
+
+
+def tests_clause(tests: dict) -> str:
+    failed = tests["failed"] + tests["errors"]
+    return (f"the GPU tests in the same run: {tests['passed']} passed, "
+            f"{'**' + str(failed) + ' failed**' if failed else '0 failed'}, "
+            f"{tests['skipped']} skipped")
+
+
+def met(counts: list[int], what: str) -> str:
+    return f"met at {counts[0]} of {counts[1]} {what}" if counts[1] else f"no {what} measured"
+
+
+def bnb_cells(shape: dict) -> list[str]:
+    """bitsandbytes' GB/s and Triton's speed over it, or dashes where it did not run."""
+    if shape["triton_vs_bitsandbytes"] is None:
+        return ["—", "—"]
+    return [f"{shape['gbps']['bitsandbytes']:,.0f}", f"{shape['triton_vs_bitsandbytes']:.2f}×"]
+
+
+def dequant(results: list[tuple[str, dict]]) -> str:
+    path, manifest = results[0]
+    m = manifest["metrics"]
+    d = m["dequant"]
+    others = ", ".join(f"[{p.rpartition('/')[2]}]({p})" for p, _ in results[1:])
+    intro = paragraph(
+        f"Measured by `make bench-gpu` on {m['device_name']} ({source(path, manifest)}; "
+        f"{d['dtype']} out, blocksize {d['blocksize']}, median of {d['repeats']}; "
+        f"{tests_clause(m['gpu_tests'])}){f'; other GPUs: {others}' if others else ''}. "
+        "Each method's GB/s, and Triton's as a fraction of a plain copy's and against "
+        "bitsandbytes, all from that one run:")
+    rows = [["×".join(map(str, s["shape"])), f"{s['gbps']['triton']:,.0f}",
+             f"{s['gbps']['copy']:,.0f}", f"{s['triton_of_copy']:.2f}", *bnb_cells(s)]
+            for s in d["shapes"]]
+    grid = table(["shape", "Triton GB/s", "copy GB/s", "Triton / copy", "bitsandbytes GB/s",
+                  "Triton / bitsandbytes"], rows)
+    skipped = next((s["bitsandbytes_skipped"] for s in d["shapes"] if s["bitsandbytes_skipped"]),
+                   None)
+    targets = paragraph(
+        f"Targets: Triton ≥ {d['targets']['triton_of_copy']:.2f} of the copy "
+        f"({met(d['met']['triton_of_copy'], 'shapes')}) and ≥ "
+        f"{d['targets']['triton_vs_bitsandbytes']:.2f}× bitsandbytes "
+        f"({met(d['met']['triton_vs_bitsandbytes'], 'shapes')})"
+        + (f"; bitsandbytes did not run: {skipped}" if skipped else "") + ".")
+    return f"{intro}\n\n{grid}\n\n{targets}\n"
+
+
+def moe(results: list[tuple[str, dict]]) -> str:
+    path, manifest = results[0]
+    m = manifest["metrics"]["moe"]
+    shapes = "the models' own shapes" if m["scale"] == 1 else f"d_model and d_ff / {m['scale']}"
+    intro = paragraph(
+        f"Measured in the same run ({source(path, manifest)}; {m['dtype']}, {m['tokens']} "
+        f"tokens, {shapes}, expert LoRA of rank {m['lora_rank']}, median of {m['repeats']}). "
+        "Speed-up is the per-expert loop's time over the method's (same pass, both with LoRA "
+        "or both without); LoRA overhead is what LoRA adds to the method's own fwd+bwd time:")
+    rows = [[f"{r['model']}", f"{r['E']}, {r['k']}", f"{r['K']} × {r['N']}",
+             f"{r['vs_loop']['triton']['fwd']:.2f}×", f"{r['vs_loop']['triton']['fwd+bwd']:.2f}×",
+             f"{r['vs_loop_lora']['triton']['fwd+bwd']:.2f}×",
+             f"{r['vs_loop']['torch_sorted']['fwd+bwd']:.2f}×",
+             f"{r['lora_overhead']['triton']['fwd+bwd']:+.0%}",
+             f"{r['lora_overhead']['triton_split']['fwd+bwd']:+.0%}"]
+            for r in m["models"]]
+    grid = table(["model", "E, top-k", "K × N", "Triton fwd", "Triton fwd+bwd",
+                  "Triton fwd+bwd, LoRA", "PyTorch sorted fwd+bwd", "LoRA overhead, fused",
+                  "LoRA overhead, split"], rows)
+    target, counts = m["targets"], m["met"]
+    targets = paragraph(
+        f"Targets: Triton fwd+bwd ≥ {target['triton_vs_loop_fwd_bwd']:g}× the loop at "
+        f"many-expert shapes (E ≥ {m['many_experts']}; "
+        f"{met(counts['triton_vs_loop_fwd_bwd'], 'models')}), and fused LoRA overhead ≤ "
+        f"{target['triton_lora_overhead']:.0%} ({met(counts['triton_lora_overhead'], 'models')}).")
+    return f"{intro}\n\n{grid}\n\n{targets}\n"
+
+
+def readme(part: str, results: list[tuple[str, dict]]) -> str:
+    if not results:
+        return not_run(part) + "\n"
+    return {"dequant": dequant, "moe": moe}[part](results)
+
+
+# ---------------------------------------------------------------------------------------------
+# the compile report (benchmarks/results/compile_report.json, roofline.json)
+
+
+def _span(values: list, fmt: str = "{}") -> str:
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def _widths(records: list[dict], key: str) -> str:
+    """The access widths any of these records uses, narrowest first, in bits."""
+    bits = sorted({int(b) for r in records for b in r[key]})
+    return ", ".join(map(str, bits)) or "—"
+
+
+def compile_readme(records: list[dict], roofline: dict) -> str:
+    """One row per kernel and architecture over every configuration compiled at aligned sizes,
+    then the roofline of the benchmark shapes and the effect of cutting tiles per expert."""
+    compiled = [r for r in records if "error" not in r]
+    rows = []
+    for kernel in dict.fromkeys(r["kernel"] for r in compiled):
+        for arch in ("sm_80", "sm_90"):
+            group = [r for r in compiled if r["kernel"] == kernel and r["arch"] == arch
+                     and r["sizes"] == "aligned"]
+            half = [r["tensor_core_instructions"] for r in group if r["dtype"] in ("fp16", "bf16")]
+            rows.append([f"`{kernel}`", arch, str(len(group)),
+                         _span([r["registers"] for r in group]),
+                         str(max(r["spill_bytes"] for r in group)),
+                         _span([r["occupancy"] for r in group], "{:.2f}"),
+                         _widths(group, "global_loads"), _widths(group, "global_stores"),
+                         _span(half) if any(half) else "—"])
+    odd = [r for r in compiled if r["sizes"] == "odd"]
+    kernels = table(["kernel", "arch", "configs", "registers", "max spill B", "occupancy",
+                     "load bits", "store bits", "tensor-core instr., 16-bit"], rows)
+    intro = paragraph(
+        f"{len(records)} compilations with triton {roofline['triton']}: every configuration "
+        "each launcher can pick (the MoE kernels' autotune candidates; float32 exact and "
+        "TF32, fp16, bf16), at the benchmarks' sizes, for A100 (sm_80) and H100 (sm_90). "
+        "Per kernel and architecture, over its configurations:")
+    worst = max((r["spill_bytes"] for r in odd), default=0)
+    after = paragraph(
+        f"At sizes that are not multiples of 16 ({len(odd)} more compilations: the launchers "
+        f"then pick the \"unaligned\" tiles) the largest spill is {worst} bytes, and the data "
+        "moves one element per instruction: no wider access can be proven aligned there.")
+    lines = []
+    for r in roofline["shapes"]:
+        what = (f"dequant {r['shape'][0]}×{r['shape'][1]}, {r['dtype']} out"
+                if r["bench"] == "bench_dequant"
+                else f"MoE {r['model']}, {r['tokens']} tokens, {r['dtype']}")
+        cells = [what, f"{r['bytes'] / 1e6:,.0f}", f"{r['flops'] / 1e9:,.1f}"]
+        for device in roofline["devices"]:
+            d = r["device"][device]
+            cells.append(f"{d['time_us']:,.1f} ({d['bound']})")
+        tiles = r.get("tiling")
+        cells.append("—" if not tiles else
+                     f"{tiles['spanning']['k_loops']} → {tiles['per_expert']['k_loops']}")
+        lines.append(cells)
+    devices = list(roofline["devices"])
+    rooftable = table(["shape", "MB moved", "GFLOP", *(f"{d} µs" for d in devices),
+                       "K loops: tiles spanning experts → per expert"], lines)
+    roof = paragraph(
+        "The time neither bandwidth nor arithmetic allows the kernel to beat at each "
+        "benchmark shape (datasheet peaks; bytes the kernel must move, FLOPs it must do), and "
+        "how many tile K loops the dispatch issues with row tiles that span experts (as "
+        "before) and cut per expert (now):")
+    return f"{intro}\n\n{kernels}\n\n{after}\n\n{roof}\n\n{rooftable}\n"

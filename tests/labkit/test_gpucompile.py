@@ -1,0 +1,152 @@
+"""labkit.gpucompile: compile for sm_80/sm_90 on a CPU and read what ptxas made.
+
+The SASS parsing and the occupancy arithmetic against hand counts; the whole path on small
+kernels whose machine code is known to differ: aligned vs unaligned sizes (vector width),
+bf16 vs exact float32 vs TF32 dots (tensor cores), a tile too large for the register file
+(spills). Runs in this process, whose kernels are interpreted: the inspector recompiles them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit.gpucompile import (
+    ARCHS,
+    compile_kernel,
+    inspect_kernel,
+    like,
+    memory_widths,
+    occupancy,
+    read_cubin,
+)
+from miniquant.triton_env import tl, triton
+
+SASS = """
+        /*0040*/                   LDG.E.U8 R4, desc[UR6][R2.64] ;
+        /*0050*/                   LDG.E.U8 R5, desc[UR6][R2.64+0x1] ;
+        /*0060*/                   LDG.E.64 R6, desc[UR6][R8.64] ;
+        /*0070*/                   LDG.E.128.CONSTANT R12, desc[UR6][R10.64] ;
+        /*0080*/                   LDG.E R3, desc[UR6][R2.64] ;
+        /*0090*/                   LDGSTS.E.BYPASS.LTC128B.128 [R5], desc[UR6][R2.64] ;
+        /*00a0*/                   STG.E.U16 desc[UR6][R2.64], R7 ;
+        /*00b0*/                   STG.E.128 desc[UR6][R2.64], R8 ;
+        /*00c0*/                   STG.E.128 desc[UR6][R2.64+0x10], R12 ;
+        /*00d0*/                   LDGDEPBAR ;
+        /*00e0*/                   HMMA.16816.F32.BF16 R20, R4, R8, R20 ;
+"""
+
+
+def test_memory_widths_against_hand_counts():
+    assert memory_widths(SASS, "LDG") == {"8": 2, "32": 1, "64": 1, "128": 1}
+    assert memory_widths(SASS, "LDGSTS") == {"128": 1}
+    assert memory_widths(SASS, "STG") == {"16": 1, "128": 2}
+    assert memory_widths("", "LDG") == {}
+
+
+@pytest.mark.parametrize("arch, regs, shared, warps, want", [
+    ("sm_90", 32, 0, 4, 1.0),            # 64 warps fit: the warp limit
+    ("sm_90", 255, 0, 4, 8 / 64),         # 256 regs · 32 threads = 8 KiB a warp: 8 warps
+    ("sm_80", 128, 0, 8, 16 / 64),        # 4 KiB a warp: 16 warps = 2 blocks of 8
+    ("sm_80", 40, 100 * 1024, 4, 4 / 64),  # shared: one block of 101 KiB in 164 KiB
+    ("sm_90", 40, 100 * 1024, 4, 8 / 64),  # ... two in 228 KiB
+    ("sm_90", 16, 0, 1, 32 / 64),         # the limit of 32 blocks an SM
+])
+def test_occupancy_known_answers(arch, regs, shared, warps, want):
+    assert occupancy(arch, regs, shared, warps) == pytest.approx(want)
+
+
+@triton.jit
+def _scaled_copy(src, dst, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(src + offs, mask=offs < n, other=0.0)
+    tl.store(dst + offs, x * scale, mask=offs < n)
+
+
+@triton.jit
+def _matmul(a, b, c, M, N, K, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)   # builtins only: see triton_dequant
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(a + m[:, None] * K + (k0 + kk)[None, :],
+                    mask=(m[:, None] < M) & ((k0 + kk)[None, :] < K), other=0.0)
+        y = tl.load(b + (k0 + kk)[:, None] * N + n[None, :],
+                    mask=((k0 + kk)[:, None] < K) & (n[None, :] < N), other=0.0)
+        acc += tl.dot(x, y, input_precision=PRECISION)
+    tl.store(c + m[:, None] * N + n[None, :], acc.to(c.dtype.element_ty),
+             mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+def _copy(n, arch="sm_90", dtype=torch.float32):
+    return inspect_kernel(_scaled_copy, (like(dtype), like(dtype), n, 2.0),
+                          dict(BLOCK=1024, num_warps=4), arch)
+
+
+def _mm(dtype, precision="ieee", blocks=(64, 64, 32), warps=4, arch="sm_90", size=1024):
+    t = like(dtype)
+    BM, BN, BK = blocks
+    return inspect_kernel(_matmul, (t, t, t, size, size, size),
+                          dict(PRECISION=precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                               num_warps=warps, num_stages=3), arch)
+
+
+def test_the_interpreted_kernel_still_runs_and_compiles():
+    """The inspector rebuilt the kernel from its source; the interpreted one is untouched."""
+    src, dst = torch.arange(10.0), torch.empty(10)
+    _scaled_copy[(1,)](src, dst, 10, 2.0, BLOCK=16)
+    assert torch.equal(dst, 2 * src)
+    compiled = compile_kernel(_scaled_copy, (src, dst, 10, 2.0), dict(BLOCK=16), "sm_80")
+    assert "cubin" in compiled.asm and ".target sm_80" in compiled.asm["ptx"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_multiple_of_16_gets_128_bit_accesses_and_an_odd_size_does_not(arch):
+    """n % 16 == 0 is specialized at launch: the mask is constant over 4 floats."""
+    aligned, odd = _copy(4096, arch), _copy(4095, arch)
+    assert aligned.global_loads == {"128": 2} and aligned.global_stores == {"128": 2}
+    assert set(odd.global_loads) == {"32"} and set(odd.global_stores) == {"32"}
+    assert aligned.spill_bytes == odd.spill_bytes == 0 and aligned.registers <= 64
+
+
+def test_an_unaligned_pointer_loses_the_vectors():
+    report = inspect_kernel(_scaled_copy, (like(torch.float32, aligned=False),
+                                           like(torch.float32), 4096, 2.0),
+                            dict(BLOCK=1024, num_warps=4), "sm_90")
+    assert report.global_loads == {"32": 8} and report.global_stores == {"128": 2}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tensor_cores_for_bf16_and_tf32_not_for_exact_float32(arch):
+    assert _mm(torch.bfloat16, arch=arch).tensor_core_instructions > 0
+    assert _mm(torch.float16, arch=arch).tensor_core_instructions > 0
+    assert _mm(torch.float32, "tf32", arch=arch).tensor_core_instructions > 0
+    assert _mm(torch.float32, "ieee", arch=arch).tensor_core_instructions == 0
+
+
+def test_a_float32_tile_too_large_for_4_warps_spills_and_8_warps_do_not():
+    """An exact float32 dot runs on the FMA units, each thread holding its strip of both
+    operands: 64×64×64 over 4 warps overflows sm_80's 255 registers; 8 warps halve it."""
+    four = _mm(torch.float32, blocks=(64, 64, 64), warps=4, arch="sm_80")
+    eight = _mm(torch.float32, blocks=(64, 64, 64), warps=8, arch="sm_80")
+    assert four.registers == 255 and four.spill_bytes > 0 and four.local_instructions > 0
+    assert eight.spill_bytes == 0 and eight.local_instructions == 0
+
+
+def test_read_cubin_adds_the_launch_shared_memory():
+    compiled = compile_kernel(_matmul, (like(torch.bfloat16),) * 3 + (1024,) * 3,
+                              dict(PRECISION="ieee", BLOCK_M=64, BLOCK_N=64, BLOCK_K=32,
+                                   num_warps=4, num_stages=3), "sm_80")
+    assert compiled.metadata.shared > 0
+    plain = read_cubin(compiled.asm["cubin"], "sm_80", 4)
+    full = read_cubin(compiled.asm["cubin"], "sm_80", 4, compiled.metadata.shared)
+    assert full["shared_bytes"] == plain["shared_bytes"] + compiled.metadata.shared
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="arch must be one of"):
+        _copy(4096, arch="sm_75")
+    with pytest.raises(ValueError, match="kernel must be a @triton.jit function"):
+        compile_kernel(lambda x: x, (1,), {}, "sm_90")
