@@ -42,13 +42,15 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "compile_report.json"
 ROOFLINE_NAME = "roofline.json"       # written beside --out
 FORK = multiprocessing.get_context("fork")   # workers inherit TRITON_INTERPRET=0 (see main)
 
-# Datasheet peaks, dense (no structured sparsity). H100: "NVIDIA H100 Tensor Core GPU"
-# datasheet, SXM5 column (HBM3 3.35 TB/s; FP32 67 TFLOP/s; TF32 494.7, BF16/FP16 989.4
-# TFLOP/s, given there as 989/1,979 with sparsity halved). A100: "NVIDIA A100 Tensor Core
-# GPU" datasheet, 80GB SXM column (HBM2e 2,039 GB/s; FP32 19.5; TF32 156; BF16/FP16 312).
+# Datasheet peaks, dense (no structured sparsity), as Lab 13 uses them. H100: "NVIDIA H100
+# Tensor Core GPU" datasheet, SXM5 column: HBM3 3.35 TB/s; FP32 67 TFLOP/s; TF32 and
+# BF16/FP16 tensor cores 989 and 1,979 TFLOP/s *with* sparsity: 494.5 and 989 dense (NVIDIA
+# quotes 989 dense BF16; half of 1,979 is 989.5). A100:
+# "NVIDIA A100 Tensor Core GPU" datasheet, 80GB SXM column: HBM2e 2,039 GB/s; FP32 19.5;
+# TF32 156; BF16/FP16 312 TFLOP/s (dense). SM counts: 132 (H100 SXM5), 108 (A100).
 DEVICES = {
     "H100 SXM": dict(arch="sm_90", sms=132, bandwidth=3.35e12,
-                     flops=dict(fp32=67e12, tf32=494.7e12, fp16=989.4e12, bf16=989.4e12)),
+                     flops=dict(fp32=67e12, tf32=494.5e12, fp16=989e12, bf16=989e12)),
     "A100 SXM 80GB": dict(arch="sm_80", sms=108, bandwidth=2.039e12,
                           flops=dict(fp32=19.5e12, tf32=156e12, fp16=312e12, bf16=312e12)),
 }

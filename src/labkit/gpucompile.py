@@ -23,10 +23,14 @@ stand-ins (`like(torch.bfloat16)`): only the dtype and alignment of a pointer ma
 
 Works in a process that runs kernels in the interpreter too: an interpreted kernel is
 compiled from its Python source (`.fn`), so a notebook can compile the kernel it just ran.
+The @triton.jit helpers it calls (`tl.zeros`, `tl.sum`, `tl.cdiv`, a notebook's own) were
+interpreted too when triton was imported that way; while it compiles, `compile_kernel` puts
+compiled twins of them in their place, and the interpreted ones back afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import tempfile
@@ -98,6 +102,37 @@ def _jit(kernel):
     return JITFunction(fn)
 
 
+@contextlib.contextmanager
+def _compiled_helpers(fn):
+    """While the body runs, every interpreted @triton.jit function `fn` can reach (through its
+    globals, triton.language's modules, and theirs in turn) is a compiled JITFunction: the code
+    generator can only inline those, and calling an interpreted one from it leaves
+    triton.language patched for the interpreter, which breaks every later compile."""
+    import sys
+
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    spaces = [vars(m) for name, m in list(sys.modules.items())
+              if m is not None and name.startswith("triton.language")] + [fn.__globals__]
+    swapped, seen = [], set()
+    while spaces:
+        space = spaces.pop()
+        if id(space) in seen:
+            continue
+        seen.add(id(space))
+        for name, value in list(space.items()):
+            if isinstance(value, InterpretedFunction):
+                swapped.append((space, name, value))
+                space[name] = JITFunction(value.fn, **value.kwargs)
+                spaces.append(value.fn.__globals__)
+    try:
+        yield
+    finally:
+        for space, name, value in reversed(swapped):
+            space[name] = value
+
+
 def _arch_number(arch: str) -> int:
     if arch not in SM_LIMITS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -123,7 +158,8 @@ def compile_kernel(kernel, args: tuple, kwargs: dict, arch: str = "sm_90"):
     options, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound,
                                                            specialization, options)
     source = ASTSource(jit, signature, constexprs, attrs)
-    return triton.compile(source, target=target, options=options.__dict__)
+    with _compiled_helpers(jit.fn):
+        return triton.compile(source, target=target, options=options.__dict__)
 
 
 def _cuobjdump(cubin: bytes, *flags: str) -> str:

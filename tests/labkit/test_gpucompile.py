@@ -8,6 +8,11 @@ bf16 vs exact float32 vs TF32 dots (tensor cores), a tile too large for the regi
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -150,3 +155,45 @@ def test_bad_arguments_are_named():
         _copy(4096, arch="sm_75")
     with pytest.raises(ValueError, match="kernel must be a @triton.jit function"):
         compile_kernel(lambda x: x, (1,), {}, "sm_90")
+
+
+
+def test_a_kernel_calling_jit_helpers_compiles_and_still_runs_interpreted(tmp_path):
+    """A notebook's process: TRITON_INTERPRET=1 before triton, so tl.sum and tl.zeros (and
+    any @triton.jit helper) are interpreted. Compiled twins stand in while the kernel
+    compiles, and everything is as before afterwards (later compiles included)."""
+    code = textwrap.dedent("""
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"
+        import torch, triton, triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+        from labkit.gpucompile import inspect_kernel, like
+
+        @triton.jit
+        def twice(v):
+            return 2 * v
+
+        @triton.jit
+        def row_sums(x, out, n, BLOCK: tl.constexpr):
+            cols = tl.arange(0, BLOCK)
+            row = tl.load(x + tl.program_id(0) * n + cols, mask=cols < n, other=0.0)
+            total = tl.sum(twice(row) + tl.zeros((BLOCK,), tl.float32), axis=0)
+            tl.store(out + tl.program_id(0), total)
+
+        assert isinstance(tl.sum, InterpretedFunction)
+        f32 = like(torch.float32)
+        for arch in ("sm_80", "sm_90"):
+            report = inspect_kernel(row_sums, (f32, f32, 64), dict(BLOCK=64, num_warps=1), arch)
+            assert report.spill_bytes == 0 and report.global_stores, report
+        assert isinstance(tl.sum, InterpretedFunction) and isinstance(twice, InterpretedFunction)
+        x, out = torch.arange(12.0).reshape(3, 4), torch.empty(3)
+        row_sums[(3,)](x, out, 4, BLOCK=8)
+        assert torch.equal(out, 2 * x.sum(1)), out
+        print("ok")
+    """)
+    script = tmp_path / "notebook.py"            # Triton reads a kernel's source from a file
+    script.write_text(code)
+    env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]

@@ -1,0 +1,1130 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lab 13 — What the GPU compiler made of your kernel
+#
+# In Labs 03, 08, 09 and 12 you wrote Triton kernels and ran them in the interpreter: that
+# proves they compute the right numbers, and says nothing about how fast they would be. Speed
+# is decided by what the compiler makes of the kernel for one particular GPU: how many
+# **registers** each thread needs (and whether some had to **spill** to memory), how **wide**
+# each load and store is, whether the matrix products run on the **tensor cores**. You can read
+# all of that without a GPU. The `triton` wheel carries NVIDIA's own back end (`ptxas`, which
+# turns PTX into machine code, and `cuobjdump`, which prints it), so your laptop can compile a
+# kernel for an H100 exactly as a launch on an H100 would, and show you the machine code.
+#
+# | # | you write | checked against |
+# |---|---|---|
+# | 1 | `read_sass(sass)`: global loads and stores by width, spill instructions, tensor-core instructions | the SASS of real cubins, instruction by instruction |
+# | 2 | `read_usage(text)` and `my_occupancy(registers, shared_bytes, num_warps, arch)` | `cuobjdump --dump-resource-usage`; the occupancy rules |
+# | 3 | `largest_tile_without_spills(dtype, arch, candidates)` | the compiler, at other dtypes and GPUs |
+# | 4 | `dot_instruction(dtype, precision, arch)`: HGMMA, HMMA or FFMA? | the compiler |
+# | 5 | `transpose_kernel`: correct, **and** every global load and store 128 bits wide on an H100 | the interpreter, then the compiler |
+# | 6 | `matmul_cost(...)` and `roofline_time(...)`: the time a kernel cannot beat | hand-computed answers from the datasheets |
+#
+# **No GPU needed.** As in the other kernel labs, the setup cell sets `TRITON_INTERPRET=1`
+# before `import triton` when there is no CUDA GPU, so your kernels *run* in the interpreter.
+# `labkit.gpucompile` *compiles* them as well: `compile_kernel(kernel, args, kwargs, arch)`
+# does what `kernel[grid](*args, **kwargs)` does on a GPU of architecture `arch`, `"sm_90"`
+# (Hopper: H100) or `"sm_80"` (Ampere: A100), and returns Triton's compiled kernel with its
+# PTX and its cubin. Each compile takes half a second to two seconds on a laptop CPU.
+#
+# **How to work.** Run the cells from top to bottom; replace each `raise NotImplementedError()`
+# with your code; run the test cell below it and read its message if it fails: it says what
+# was expected and what came. Grading runs more (hidden) checks of the same specification —
+# the SASS of other kernels and GPUs, other dtypes and tile lists, your kernel at other sizes —
+# and checks that Exercises 1 and 2 do their own reading: `labkit.gpucompile`'s readers
+# (`read_cubin`, `memory_widths`, `occupancy`, `inspect_kernel`) raise if your code reaches them
+# there. From Exercise 3 on, `inspect_kernel` is yours to use as a tool. The whole notebook
+# runs in under a minute on a laptop CPU, nearly all of it in the compiler; its last cell
+# prints how long it took.
+
+# %%
+import os
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# The interpreter must be chosen before triton is imported (see Lab 03): @triton.jit decides
+# at decoration time whether a function is compiled or interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Keep Triton's default (fused multiply-adds) and silence its notice that the default changes.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.compiler.errors import CompilationError  # noqa: E402
+
+from labkit import gpucompile  # noqa: E402
+from labkit.course import harness  # noqa: E402
+from labkit.gpucompile import compile_kernel, inspect_kernel, like  # noqa: E402
+
+INTERPRET, DEVICE = harness.triton_setup()   # one CPU thread, seed 0, and where kernels run
+STARTED = time.perf_counter()
+
+# %% [markdown]
+# ## Part A — from a kernel to machine code, on a laptop
+#
+# A Triton kernel goes down a chain of languages, each one closer to the hardware:
+#
+# ```
+# Python (@triton.jit) -> Triton IR -> Triton GPU IR (layouts: which thread holds what)
+#     -> LLVM IR -> PTX (NVIDIA's virtual ISA) --ptxas--> cubin: SASS, the GPU's machine code
+# ```
+#
+# Registers, spills and the real instructions only exist after `ptxas`, so that is where we
+# look. `compile_kernel` takes exactly what a launch takes, minus the grid: the arguments and
+# the constexprs and options (`num_warps`). It does not need the tensors' data, only what
+# a launch **specializes** on: each tensor's dtype and whether its address is 16-byte aligned,
+# and each integer's value class — equal to 1 (then a constant), a multiple of 16, or
+# anything else. So a stand-in `like(torch.float32)` can play a 64 MiB tensor.
+#
+# Here is the simplest kernel there is, `out = alpha · x`, run in the interpreter to check it,
+# then compiled for an H100 as it would be launched on 4 096 elements.
+
+# %%
+@triton.jit
+def scale_kernel(x_ptr, out_ptr, alpha, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, alpha * x, mask=mask)
+
+
+_x = torch.randn(3000, device=DEVICE)
+_out = torch.empty_like(_x)
+scale_kernel[(triton.cdiv(3000, 1024),)](_x, _out, 2.0, 3000, BLOCK=1024)
+print("interpreter: out == 2·x:", torch.equal(_out, 2.0 * _x))
+
+F32 = like(torch.float32)
+compiled = compile_kernel(scale_kernel, (F32, F32, 2.0, 4096), dict(BLOCK=1024), "sm_90")
+print("what the compiler kept:", sorted(compiled.asm))
+print("\nthe PTX loads and stores:")
+for line in compiled.asm["ptx"].splitlines():
+    if "ld.global" in line or "st.global" in line:
+        print("   ", line.strip())
+
+# %% [markdown]
+# `ld.global.v4.b32` is **one** instruction that loads four 32-bit values: 16 bytes, 128 bits.
+# The PTX is not yet machine code, though. `ptxas` made the cubin; `cuobjdump -sass` prints its
+# instructions, and `cuobjdump --dump-resource-usage` what each thread needs. Both programs
+# sit in the triton wheel, next to `ptxas`:
+
+# %%
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def cuobjdump(cubin: bytes, *flags: str) -> str:
+    """What NVIDIA's cuobjdump prints for a cubin: `-sass` (the machine code) or
+    `--dump-resource-usage` (registers, stack, shared memory per thread and block)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([str(CUOBJDUMP), *flags, str(path)], capture_output=True,
+                              text=True, check=True, timeout=60).stdout
+
+
+def sass_of(kernel, args, kwargs, arch="sm_90") -> str:
+    """The SASS of `kernel` compiled as `kernel[grid](*args, **kwargs)` on a GPU of `arch`."""
+    return cuobjdump(compile_kernel(kernel, args, kwargs, arch).asm["cubin"], "-sass")
+
+
+def tally(sass: str, *opcodes: str) -> dict[str, int]:
+    """{opcode with its modifiers: count} of the instructions whose opcode is in `opcodes`."""
+    found = {}
+    for line in sass.splitlines():
+        words = line.split("*/", 1)[-1].split(";")[0].split()
+        if words and words[0].startswith("@"):            # a guard: @P0, @!P1, @!PT ...
+            words = words[1:]
+        if words and words[0].split(".")[0] in opcodes:
+            found[words[0]] = found.get(words[0], 0) + 1
+    return found
+
+
+def show(sass: str, *opcodes: str) -> None:
+    """Print the instructions (guard, opcode, operands) whose opcode is in `opcodes`."""
+    for line in sass.splitlines():
+        code = line.split("*/", 1)[-1].split(";")[0].strip()
+        words = code.split()
+        if words and words[words[0].startswith("@")].split(".")[0] in opcodes:
+            print("   ", code)
+
+
+sass = cuobjdump(compiled.asm["cubin"], "-sass")
+print("\n".join(sass.splitlines()[:12]))
+print("   ...\nits global loads and stores, n = 4096:")
+show(sass, "LDG", "STG")
+print(cuobjdump(compiled.asm["cubin"], "--dump-resource-usage").strip())
+
+# %% [markdown]
+# How to read a SASS line:
+#
+# ```
+#         /*0130*/              @!P0 LDG.E.128 R4, desc[UR4][R2.64] ;     /* 0x0000000402048981 */
+#         address               guard opcode.modifiers  operands            encoding
+# ```
+#
+# * The **guard** `@P0` / `@!P0` (a predicate register, `PT` is always true, `UP0` a uniform
+#   one) makes the instruction conditional: that is how a mask becomes machine code.
+# * The **opcode** comes first, its **modifiers** after dots. `LDG` loads from global memory,
+#   `STG` stores to it; the width is a modifier: none = 32 bits, `.64`, `.128`, and `.U8`,
+#   `.S8`, `.U16`, `.S16` for 8- and 16-bit values (unsigned or sign-extended). `.E` says the
+#   address is 64-bit, `.CONSTANT`, `.EF`, `.LTC128B`, ... are caching hints.
+# * `LDGSTS` (sm_80 and later) copies global memory straight into shared memory,
+#   asynchronously: a pipelined loop's loads (`num_stages`) become these; they count as global
+#   loads. `LDGDEPBAR` and `DEPBAR` only wait for them: **not** loads.
+# * `LDS`/`STS`/`LDSM` touch shared memory, `LDC`/`ULDC` the constant bank (where the kernel's
+#   arguments live): neither is global memory.
+# * `LDL`/`STL` move data between registers and **local** memory: a per-thread stack in DRAM
+#   (cached). In Triton code they mean that `ptxas` ran out of registers and **spilled**.
+# * `HMMA` (mma.sync, sm_80 and later) and `HGMMA` (the warpgroup `wgmma` of sm_90) are the
+#   **tensor cores**; `FFMA` is one fused float32 multiply-add on the ordinary cores.
+#
+# Each thread of the `n = 4096` kernel above does two 128-bit loads and two 128-bit stores:
+# 1 024 elements per program over 4 warps × 32 threads = 8 floats a thread, 32 bytes, loaded
+# 16 bytes at a time. Change one thing at a time and the widths move:
+
+# %%
+U8, F16 = like(torch.uint8), like(torch.float16)
+_cases = [("float32, n = 4096, BLOCK = 1024", F32, 4096, 1024),
+          ("float32, n = 1000 (not a multiple of 16)", F32, 1000, 1024),
+          ("float32, n = 4096, BLOCK = 256", F32, 4096, 256),
+          ("float16, n = 4096, BLOCK = 1024", F16, 4096, 1024),
+          ("float16, x = t[1:] (2 bytes past 16-byte alignment)",
+           like(torch.float16, aligned=False), 4096, 1024),
+          ("uint8,   n = 4096, BLOCK = 1024", U8, 4096, 1024),
+          ("uint8,   n = 4096, BLOCK = 2048", U8, 4096, 2048)]
+print(f"{'scale_kernel on sm_90, 4 warps':<54} global loads, stores")
+for _what, _t, _n, _block in _cases:
+    _sass = sass_of(scale_kernel, (_t, _t, 2.0, _n), dict(BLOCK=_block))
+    _counts = {**tally(_sass, "LDG"), **tally(_sass, "STG")}
+    print(f"{_what:<54} " + ", ".join(f"{c} × {op}" for op, c in _counts.items()))
+
+# %% [markdown]
+# The rule behind the table: a thread loads its contiguous run of elements in as few
+# instructions as possible, at most 16 bytes each, **if** the compiler can prove that 16
+# bytes are contiguous, aligned and either all in or all out of the mask.
+#
+# * `n = 1000`: the mask `offs < n` may cut a vector anywhere, so every element is loaded
+#   alone (32 bits). `n = 4096` arrives **specialized** as a multiple of 16 (Triton checks
+#   every integer argument at launch), and the mask is known constant over runs of 16.
+# * `BLOCK = 256` over 128 threads is 2 floats a thread: 64-bit loads. `uint8` at `BLOCK =
+#   1024`: 8 bytes a thread, 64 bits; `BLOCK = 2048` gives 16 bytes, 128 bits.
+# * A view such as `t[1:]` starts 2 bytes past an aligned address: no vector load can start
+#   there, and the whole kernel falls back to 16-bit loads.
+#
+# On a GPU the width matters because every instruction costs an issue slot and a pass through
+# the load/store unit: four 32-bit loads move what one 128-bit load moves, with four times the
+# instructions. Memory-bound kernels (copy, dequantization, element-wise ops) reach the DRAM
+# bandwidth only with wide, coalesced accesses.
+
+# %% [markdown]
+# A matrix product looks different. Here is the plain tiled matmul, the core of Lab 08's
+# kernel without the gather and the scatter: each program accumulates a `BLOCK_M × BLOCK_N`
+# tile of `C` over a loop on `K`. `PRECISION` is `tl.dot`'s `input_precision`: `"ieee"`
+# multiplies float32 exactly, `"tf32"` lets the tensor cores round float32 inputs to TF32
+# (10 bits of mantissa). It runs in the interpreter, so check it first; then compile it in
+# float16 for an A100 and count its memory and math instructions.
+
+# %%
+@triton.jit
+def matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_bk, stride_cm,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """C[M, N] = A[M, K] @ B[K, N], all row-major with unit column stride."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)                   # [BM]
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
+    rk = tl.arange(0, BLOCK_K)                                                # [BK]
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)                        # [BM, BN]
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptr + rm[:, None] * stride_am + (k0 + rk)[None, :],
+                    mask=(rm[:, None] < M) & ((k0 + rk)[None, :] < K), other=0.0)   # [BM, BK]
+        b = tl.load(b_ptr + (k0 + rk)[:, None] * stride_bk + rn[None, :],
+                    mask=((k0 + rk)[:, None] < K) & (rn[None, :] < N), other=0.0)   # [BK, BN]
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def matmul_launch(dtype, tile, precision="ieee", size=4096):
+    """(args, kwargs) of matmul_kernel for [size, size] @ [size, size] in `dtype`, with
+    tile = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), as a launch passes them."""
+    block_m, block_n, block_k, warps = tile
+    t = like(dtype)
+    return ((t, t, t, size, size, size, size, size, size),
+            dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+                 num_warps=warps, num_stages=3))
+
+
+_a, _b = harness.randn(40, 56, seed=1).to(DEVICE), harness.randn(56, 48, seed=2).to(DEVICE)
+_c = torch.empty(40, 48, device=DEVICE)
+matmul_kernel[(3, 3)](_a, _b, _c, 40, 48, 56, 56, 48, 48, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16,
+                      PRECISION="ieee")
+print("interpreter: max |C - A @ B| =", (_c - _a @ _b).abs().max().item())
+
+_sass = sass_of(matmul_kernel, *matmul_launch(torch.float16, (64, 64, 32, 4)), "sm_80")
+print("matmul_kernel, float16, 64×64×32 tiles, 4 warps, sm_80:")
+print("   ", tally(_sass, "LDG", "LDGSTS", "LDGDEPBAR", "STG", "LDS", "LDSM", "STS", "HMMA"))
+
+# %% [markdown]
+# No `LDG` at all: with `num_stages=3` the loop is **pipelined**, its tiles of `A` and `B`
+# copied asynchronously into shared memory by `LDGSTS` while earlier tiles are multiplied;
+# `LDGDEPBAR` closes each batch of copies and `DEPBAR` waits for one. `LDSM` moves the tiles from
+# shared memory into registers for the `HMMA`s, the tensor-core instructions; the result
+# leaves in 128-bit `STG`s.
+#
+# ## Exercise 1 — read SASS: load and store widths, spills, tensor cores
+#
+# Write `read_sass(sass)` for the text `cuobjdump -sass` prints. Return a dict:
+#
+# * `"loads"`: `{bits: count}` of the global loads, the `LDG` and `LDGSTS` instructions, by
+#   width in bits (`int` keys; no entries with a count of 0);
+# * `"stores"`: the same for the global stores, `STG`;
+# * `"local"`: the number of `LDL` and `STL` instructions (spill traffic in the code);
+# * `"tensor_core"`: the number of `HMMA` and `HGMMA` instructions.
+#
+# The width is the first modifier among `U8`, `S8` (8), `U16`, `S16` (16), `64`, `128`; none
+# of these means 32. Count an instruction by its **opcode**, the first word after the address
+# and the optional guard, never by a substring of the line: `LDGDEPBAR` and `LDGSTS` both
+# start with `LDG`, `ULDC.64` ends like a 64-bit load and is none. Count every instruction,
+# guarded or not (`@!PT` never runs, but it is in the code).
+#
+# `labkit.gpucompile` has a reader of its own; while the tests run yours it raises if
+# reached. Python's `re` and `collections` are yours.
+
+# %% nbgrader={"grade": false, "grade_id": "read_sass", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def read_sass(sass: str) -> dict:
+    """{"loads": {bits: n}, "stores": {bits: n}, "local": n, "tensor_core": n} of SASS text."""
+    ### BEGIN SOLUTION
+    instruction = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_]*)"
+                             r"((?:\.\w+)*)", re.MULTILINE)
+    width = {"U8": 8, "S8": 8, "U16": 16, "S16": 16, "64": 64, "128": 128}
+    loads, stores = {}, {}
+    local = tensor_core = 0
+    for m in instruction.finditer(sass):
+        opcode, modifiers = m.group(1), m.group(2).split(".")[1:]
+        bits = next((width[mod] for mod in modifiers if mod in width), 32)
+        if opcode in ("LDG", "LDGSTS"):
+            loads[bits] = loads.get(bits, 0) + 1
+        elif opcode == "STG":
+            stores[bits] = stores.get(bits, 0) + 1
+        elif opcode in ("LDL", "STL"):
+            local += 1
+        elif opcode in ("HMMA", "HGMMA"):
+            tensor_core += 1
+    return {"loads": loads, "stores": stores, "local": local, "tensor_core": tensor_core}
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_read_sass", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# labkit.gpucompile's own readers raise while your readers (Exercises 1 and 2) run.
+_READERS = [(gpucompile, "read_cubin"), (gpucompile, "memory_widths"),
+            (gpucompile, "occupancy"), (gpucompile, "inspect_kernel")]
+_WIDTH = {"U8": 8, "S8": 8, "U16": 16, "S16": 16, "64": 64, "128": 128}
+
+
+def _no_reader():
+    return harness.forbid(_READERS, globals(),
+                          why="Exercises 1 and 2 read the compiler's output themselves")
+
+
+def _instructions(sass):
+    """(opcode, modifiers) of every instruction of cuobjdump -sass text, token by token."""
+    found = []
+    for line in sass.splitlines():
+        words = line.split()
+        if len(words) < 2 or not re.fullmatch(r"/\*[0-9a-f]+\*/", words[0]):
+            continue
+        words = words[1:]
+        if words[0].startswith("@"):
+            words = words[1:]
+        opcode, *modifiers = words[0].rstrip(";").split(".")
+        found.append((opcode, modifiers))
+    return found
+
+
+def _expected_reading(sass):
+    """The reading of `sass` that read_sass must return."""
+    want = {"loads": {}, "stores": {}, "local": 0, "tensor_core": 0}
+    for opcode, modifiers in _instructions(sass):
+        bits = next((_WIDTH[m] for m in modifiers if m in _WIDTH), 32)
+        kind = {"LDG": "loads", "LDGSTS": "loads", "STG": "stores"}.get(opcode)
+        if kind:
+            want[kind][bits] = want[kind].get(bits, 0) + 1
+        want["local"] += opcode in ("LDL", "STL")
+        want["tensor_core"] += opcode in ("HMMA", "HGMMA")
+    return want
+
+
+def _normalised(reading, what):
+    assert isinstance(reading, dict) and set(reading) >= {"loads", "stores", "local",
+                                                          "tensor_core"}, \
+        f"read_sass({what}) must return a dict with keys loads, stores, local, tensor_core; " \
+        f"got {reading!r:.200}"
+    out = dict(reading)
+    for key in ("loads", "stores"):
+        out[key] = {int(k): v for k, v in reading[key].items() if v}
+    return out
+
+
+def _check_sass(sass, what):
+    with _no_reader():
+        got = _normalised(read_sass(sass), what)
+    want = _expected_reading(sass)
+    for key in ("loads", "stores", "local", "tensor_core"):
+        assert got[key] == want[key], \
+            f"read_sass of {what}: {key} expected {want[key]}, got {got[key]}"
+    return got
+
+
+_SNIPPET = """
+        code for sm_90a
+                Function : demo
+        .headerflags    @"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   LDC R1, c[0x0][0x28] ;          /* 0x00000a00ff017b82 */
+                                                                   /* 0x000fe20000000800 */
+        /*0010*/                   ULDC.64 UR4, c[0x0][0x208] ;    /* 0x0000820000047ab9 */
+        /*0020*/              @!P0 LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0030*/                   LDG.E R8, desc[UR4][R2.64+0x800] ;
+        /*0040*/               @P1 LDG.E.U8 R9, desc[UR4][R6.64] ;
+        /*0050*/                   LDGSTS.E.BYPASS.LTC128B.128 [R10], desc[UR4][R12.64] ;
+        /*0060*/                   LDGDEPBAR ;
+        /*0070*/                   DEPBAR.LE SB0, 0x1 ;
+        /*0080*/                   LDS.128 R12, [R10] ;
+        /*0090*/                   STL.64 [R1+0x8], R12 ;
+        /*00a0*/                   LDL.LU R13, [R1+0x8] ;
+        /*00b0*/                   HMMA.16816.F32.BF16 R16, R12, R14, R16 ;
+        /*00c0*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8].tnspB, R24 ;
+        /*00d0*/                   FFMA R0, R1, R2, R0 ;
+        /*00e0*/              @!P0 STG.E.U16 desc[UR4][R2.64], R0 ;
+        /*00f0*/                   STG.E.128 desc[UR4][R2.64], R4 ;
+        /*0100*/                   STG.E desc[UR4][R2.64+0x10], R8 ;
+        /*0110*/                   EXIT ;
+"""
+_got = _check_sass(_SNIPPET, "the snippet in this cell")
+assert _got["loads"] == {128: 2, 32: 1, 8: 1}, _got   # by hand: LDG.128, LDG, LDG.U8, LDGSTS.128
+assert _got["stores"] == {16: 1, 128: 1, 32: 1} and _got["local"] == 2, _got
+_check_sass(sass_of(scale_kernel, (F32, F32, 2.0, 4096), dict(BLOCK=1024)),
+            "scale_kernel, float32, n = 4096, sm_90")
+_check_sass(sass_of(scale_kernel, (F32, F32, 2.0, 1000), dict(BLOCK=1024)),
+            "scale_kernel, float32, n = 1000, sm_90")
+_check_sass(sass_of(matmul_kernel, *matmul_launch(torch.float16, (64, 64, 32, 4)), "sm_80"),
+            "matmul_kernel, float16, 64×64×32, sm_80 (LDGSTS, LDGDEPBAR, HMMA)")
+print("read_sass reads the snippet, scale_kernel's and matmul_kernel's SASS instruction by "
+      "instruction")
+
+### BEGIN HIDDEN TESTS
+for _t, _n, _block in ((like(torch.float32), 4096, 256), (like(torch.float16), 4096, 1024),
+                       (like(torch.float16, aligned=False), 4096, 1024),
+                       (like(torch.uint8), 4096, 1024), (like(torch.uint8), 4096, 2048)):
+    _check_sass(sass_of(scale_kernel, (_t, _t, 2.0, _n), dict(BLOCK=_block)),
+                f"scale_kernel, {_t.dtype}, n = {_n}, BLOCK = {_block}, sm_90"
+                + ("" if _t.data_ptr() == 0 else ", unaligned"))
+for _t, _n in ((like(torch.int8), 1000), (like(torch.int64), 4096)):
+    _check_sass(sass_of(scale_kernel, (_t, _t, 2.0, _n), dict(BLOCK=512), "sm_80"),
+                f"scale_kernel, {_t.dtype}, n = {_n}, sm_80")
+_check_sass(sass_of(matmul_kernel, *matmul_launch(torch.bfloat16, (64, 64, 32, 4)), "sm_90"),
+            "matmul_kernel, bfloat16, 64×64×32, sm_90 (HGMMA)")
+_got = _check_sass(sass_of(matmul_kernel, *matmul_launch(torch.float32, (128, 128, 32, 4)),
+                           "sm_80"), "matmul_kernel, float32, 128×128×32, 4 warps, sm_80 (LDL, STL)")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Part B — registers, spills and occupancy
+#
+# A streaming multiprocessor (SM) runs many warps at once and switches to another whenever
+# one waits for memory: that is how a GPU hides DRAM latency. How many can be resident at
+# once is limited by what each block takes of the SM's fixed budget (the same on sm_80 and
+# sm_90, apart from shared memory):
+#
+# | per SM | sm_80 (A100) | sm_90 (H100) |
+# |---|---|---|
+# | 32-bit registers | 65 536 | 65 536 |
+# | resident warps | 64 | 64 |
+# | resident blocks | 32 | 32 |
+# | shared memory for blocks | 164 KiB | 228 KiB |
+# | shared memory the driver reserves per block | 1 KiB | 1 KiB |
+#
+# (CUDA C++ Programming Guide, "Compute Capabilities" table.) Registers are handed out per
+# warp in units of 256: a thread asking for `r` registers makes its warp take `r·32` rounded up
+# to a multiple of 256. A thread may use at most 255 registers; when `ptxas` needs more it
+# **spills**: it stores values to the thread's stack in local memory (`STL`) and loads them back
+# (`LDL`). `cuobjdump --dump-resource-usage` prints `REG` (registers per thread) and `STACK`
+# (bytes of stack per thread, which in Triton code is spill space; `LOCAL` counts too, but
+# Triton leaves it 0). Triton's shared memory is not in the cubin: the launch asks for it,
+# `compiled.metadata.shared` bytes per block.
+#
+# **Occupancy** is the share of the SM's 64 warp slots the kernel can fill:
+#
+# ```
+# blocks per SM = min(32,                                   # block slots
+#                     64 // num_warps,                      # warp slots
+#                     (65536 // regs_per_warp) // num_warps,  # registers, whole warps
+#                     shared_per_SM // (shared_bytes + 1024))  # shared memory (if it uses any)
+# occupancy     = blocks per SM · num_warps / 64
+# ```
+#
+# ## Exercise 2 — read the resource usage, compute the occupancy
+#
+# * `read_usage(text)`: from `cuobjdump --dump-resource-usage` output (one kernel), return
+#   `{"registers": REG, "spill_bytes": STACK + LOCAL}` as ints.
+# * `my_occupancy(registers, shared_bytes, num_warps, arch="sm_90")`: the formula above, a
+#   float in `[0, 1]`; 0 when one block does not fit. Use `SM_LIMITS` below; do the arithmetic
+#   yourself (`labkit.gpucompile.occupancy` raises while the tests run your code).
+
+# %%
+SM_LIMITS = {   # per SM; shared memory in bytes usable by blocks, and the driver's per block
+    "sm_80": dict(registers=65536, warps=64, blocks=32, shared=164 * 1024, reserved=1024),
+    "sm_90": dict(registers=65536, warps=64, blocks=32, shared=228 * 1024, reserved=1024),
+}
+print(cuobjdump(compiled.asm["cubin"], "--dump-resource-usage"))
+
+
+# %% nbgrader={"grade": false, "grade_id": "occupancy", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def read_usage(text: str) -> dict:
+    """{"registers": REG, "spill_bytes": STACK + LOCAL} of cuobjdump --dump-resource-usage."""
+    ### BEGIN SOLUTION
+    fields = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text)}
+    return {"registers": fields["REG"],
+            "spill_bytes": fields.get("STACK", 0) + fields.get("LOCAL", 0)}
+    ### END SOLUTION
+
+
+def my_occupancy(registers: int, shared_bytes: int, num_warps: int, arch: str = "sm_90"
+                 ) -> float:
+    """Resident warps per SM / 64, limited by blocks, warps, registers and shared memory."""
+    ### BEGIN SOLUTION
+    lim = SM_LIMITS[arch]
+    regs_per_warp = -(-registers * 32 // 256) * 256
+    blocks = min(lim["blocks"], lim["warps"] // num_warps,
+                 lim["registers"] // regs_per_warp // num_warps)
+    if shared_bytes:
+        blocks = min(blocks, lim["shared"] // (shared_bytes + lim["reserved"]))
+    return blocks * num_warps / lim["warps"]
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_occupancy", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _check_usage(kernel, args, kwargs, arch, what):
+    cubin = compile_kernel(kernel, args, kwargs, arch).asm["cubin"]
+    want = gpucompile.read_cubin(cubin, arch, kwargs.get("num_warps", 4))
+    with _no_reader():
+        got = read_usage(cuobjdump(cubin, "--dump-resource-usage"))
+    for key in ("registers", "spill_bytes"):
+        assert got.get(key) == want[key], \
+            f"read_usage of {what}: {key} expected {want[key]}, got {got.get(key)}"
+
+
+def _check_occupancy(registers, shared, warps, arch, want=None):
+    if want is None:
+        want = gpucompile.occupancy(arch, registers, shared, warps)
+    with _no_reader():
+        got = my_occupancy(registers, shared, warps, arch)
+    assert isinstance(got, float | int) and abs(got - want) < 1e-9, \
+        f"my_occupancy(registers={registers}, shared_bytes={shared}, num_warps={warps}, " \
+        f"arch={arch!r}): expected {want}, got {got}"
+
+
+with _no_reader():
+    _u = read_usage("Resource usage:\n Common:\n  GLOBAL:0\n Function k:\n  REG:255 STACK:528 "
+                    "SHARED:0 LOCAL:8 CONSTANT[0]:416 TEXTURE:0 SURFACE:0 SAMPLER:0\n")
+assert _u == {"registers": 255, "spill_bytes": 536}, \
+    f"read_usage of 'REG:255 STACK:528 ... LOCAL:8': expected registers 255, spill_bytes 536, got {_u}"
+_check_usage(scale_kernel, (F32, F32, 2.0, 4096), dict(BLOCK=1024), "sm_90", "scale_kernel")
+# worked by hand: 18 registers -> 768 per warp -> 85 warps -> 21 blocks of 4; warp slots: 16
+_check_occupancy(18, 0, 4, "sm_90", want=1.0)
+# 96 registers: 3072 per warp -> 21 warps -> 5 blocks; shared 16 KiB: 167936 // 17408 = 9
+_check_occupancy(96, 16384, 4, "sm_80", want=0.3125)
+# 255 registers: 8160 -> 8192 per warp -> 8 warps -> 2 blocks of 4 warps
+_check_occupancy(255, 0, 4, "sm_90", want=0.125)
+print("read_usage reads REG and STACK; my_occupancy agrees with the hand-worked cases")
+
+### BEGIN HIDDEN TESTS
+_check_occupancy(16, 0, 1, "sm_90", want=0.5)               # the 32-block limit
+_check_occupancy(58, 148480, 8, "sm_90", want=0.125)        # shared memory: one block
+_check_occupancy(40, 200_000, 4, "sm_80", want=0.0)         # does not fit in 164 KiB
+for _arch in ("sm_80", "sm_90"):
+    for _regs in (16, 24, 32, 40, 56, 64, 72, 96, 128, 168, 200, 232, 255):
+        for _warps in (1, 2, 4, 8, 16):
+            for _shared in (0, 1000, 16384, 50176, 99328, 148480):
+                _check_occupancy(_regs, _shared, _warps, _arch)
+_check_usage(scale_kernel, (F16, F16, 2.0, 1000), dict(BLOCK=2048, num_warps=8), "sm_80",
+             "scale_kernel, float16, n = 1000, sm_80")
+_check_usage(matmul_kernel, *matmul_launch(torch.float32, (128, 128, 32, 4)), "sm_80",
+             "matmul_kernel, float32, 128×128×32, 4 warps (it spills)")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### A tile's cost in registers
+#
+# Registers matter most in a matrix product: each program holds its `BLOCK_M × BLOCK_N`
+# accumulator in registers, spread over its threads. Here is `matmul_kernel` for an A100 in
+# float32 (`"ieee"`, no tensor cores), at growing tiles. `inspect_kernel` compiles and reads
+# in one call (the reading you just wrote, and a few more numbers); from here on it is your
+# tool too. The last column is each compile's time: Triton keeps what it compiled in its cache
+# (`~/.triton/cache`), so running the cell again is almost instant.
+
+# %%
+FP32_TILES = [(64, 64, 32, 4), (64, 64, 32, 8), (128, 64, 32, 4), (128, 128, 32, 4),
+              (128, 128, 32, 8)]
+sweep = {}
+print(f"{'BLOCK_M×N×K, warps':<20}{'registers':>10}{'spill B':>9}{'LDL/STL':>9}"
+      f"{'shared B':>10}{'occupancy':>11}{'compile s':>11}")
+for _tile in FP32_TILES:
+    _r = inspect_kernel(matmul_kernel, *matmul_launch(torch.float32, _tile), "sm_80")
+    sweep[_tile] = _r
+    print(f"{'{}×{}×{}, {}'.format(*_tile):<20}{_r.registers:>10}{_r.spill_bytes:>9}"
+          f"{_r.local_instructions:>9}{_r.shared_bytes:>10}{_r.occupancy:>11.3f}"
+          f"{_r.compile_s:>11.2f}")
+
+# %% [markdown]
+# Read the table row by row:
+#
+# * A `64 × 64` float32 accumulator is 4 096 values; over 4 warps (128 threads) that is 32
+#   registers a thread for the accumulator alone, and the operands, addresses and loop state
+#   come on top. With 8 warps the same tile is spread over twice the threads, and each needs
+#   far fewer registers.
+# * Double the tile to `128 × 64` or `128 × 128` with 4 warps and the accumulator no longer
+#   fits: 255 registers, and a stack of spilled values behind them — a handful of `LDL`/`STL`
+#   instructions for `128 × 64`, hundreds for `128 × 128`, many of them inside the `K` loop.
+#   A spill costs a round trip through the L1 cache (DRAM if it misses) for a value that a
+#   register would hold for free, and inside the loop it costs that at every iteration.
+# * With 8 warps `128 × 128` fits again. Occupancy is 0.125 either way (8 of the 64 warp
+#   slots): big tiles buy data reuse — each element loaded from memory feeds `BLOCK_N` or
+#   `BLOCK_M` multiply-adds — and pay in resident warps.
+#
+# ## Exercise 3 — the largest tile that does not spill
+#
+# Write `largest_tile_without_spills(dtype, arch, candidates)`: compile `matmul_kernel` for
+# each candidate `(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)` as `matmul_launch(dtype, tile)`
+# launches it, on `arch`, and return the candidate with the largest tile area `BLOCK_M ·
+# BLOCK_N` among those whose spill is 0 bytes (on a tie, the earlier in the list); `None` when
+# every candidate spills. `inspect_kernel` will do; `compile_kernel` and your `read_usage` do
+# it faster (`cuobjdump --dump-resource-usage` is instant, the SASS of a spilling kernel is a
+# megabyte of text).
+
+# %% nbgrader={"grade": false, "grade_id": "largest_tile", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def largest_tile_without_spills(dtype: torch.dtype, arch: str, candidates: list[tuple]
+                                ) -> tuple | None:
+    """The candidate (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of largest BLOCK_M·BLOCK_N whose
+    compiled matmul_kernel spills nothing; None if all spill."""
+    ### BEGIN SOLUTION
+    best = None
+    for tile in candidates:
+        cubin = compile_kernel(matmul_kernel, *matmul_launch(dtype, tile), arch).asm["cubin"]
+        spill = read_usage(cuobjdump(cubin, "--dump-resource-usage"))["spill_bytes"]
+        if spill == 0 and (best is None or tile[0] * tile[1] > best[0] * best[1]):
+            best = tile
+    return best
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_largest_tile", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _spill_bytes(kernel, args, kwargs, arch):
+    """STACK + LOCAL bytes per thread of the compiled kernel, as cuobjdump reports them."""
+    usage = cuobjdump(compile_kernel(kernel, args, kwargs, arch).asm["cubin"],
+                      "--dump-resource-usage")
+    return sum(int(v) for v in re.findall(r"\b(?:STACK|LOCAL):(\d+)", usage))
+
+
+def _check_tile(dtype, arch, candidates):
+    spill = {t: _spill_bytes(matmul_kernel, *matmul_launch(dtype, t), arch) for t in candidates}
+    fits = [t for t in candidates if spill[t] == 0]
+    want = max(fits, key=lambda t: t[0] * t[1], default=None)     # max keeps the first
+    got = largest_tile_without_spills(dtype, arch, list(candidates))
+    got = None if got is None else tuple(got)
+    spills = ", ".join(f"{t}: {spill[t]} B" for t in candidates)
+    assert got == want, \
+        f"largest_tile_without_spills({dtype}, {arch!r}, {list(candidates)}): expected " \
+        f"{want}, got {got} (the compiler's spills: {spills})"
+
+
+_check_tile(torch.float32, "sm_80", [(64, 64, 32, 4), (128, 64, 32, 4), (128, 128, 32, 4),
+                                     (128, 128, 32, 8)])
+_check_tile(torch.float32, "sm_80", [(64, 64, 32, 8), (64, 64, 32, 4)])      # a tie: the first
+print("largest_tile_without_spills picks what the compiler allows")
+
+### BEGIN HIDDEN TESTS
+_check_tile(torch.float32, "sm_80", [(128, 128, 32, 4), (128, 64, 32, 4)])   # all spill: None
+_check_tile(torch.float16, "sm_90", [(128, 128, 64, 4), (128, 256, 64, 4), (256, 128, 64, 8)])
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Part C — tensor cores
+#
+# A tensor core multiplies small matrix tiles in one instruction: on an A100 an `HMMA.16816`
+# is a `16 × 8 × 16` product-accumulate per warp; on an H100 an `HGMMA.64x64x16` is a
+# `64 × 64 × 16` one per **warpgroup** of 4 warps, reading its operands straight from shared
+# memory. That is where the datasheets' large numbers come from: an H100 SXM does about 989
+# TFLOP/s of dense bfloat16 on its tensor cores and 67 TFLOP/s of float32 on its ordinary
+# cores. Whether your `tl.dot` gets them is decided at compile time, by the operand types
+# and `input_precision`, and the SASS says which it got.
+#
+# ## Exercise 4 — which instruction does the multiply-adds?
+#
+# Write `dot_instruction(dtype, precision, arch, tile=(64, 64, 32, 4))`: compile
+# `matmul_kernel` as `matmul_launch(dtype, tile, precision)` launches it on `arch` and return
+# `"HGMMA"` if its SASS has an `HGMMA` instruction, else `"HMMA"` if it has an `HMMA`, else
+# `"FFMA"` (the dot was done with float32 fused multiply-adds). Use `sass_of` and look at the
+# opcodes; the table below prints your answers for the float types and both GPUs.
+
+# %% nbgrader={"grade": false, "grade_id": "dot_instruction", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def dot_instruction(dtype: torch.dtype, precision: str, arch: str,
+                    tile: tuple = (64, 64, 32, 4)) -> str:
+    """What matmul_kernel's tl.dot became on `arch`: "HGMMA", "HMMA" or "FFMA"."""
+    ### BEGIN SOLUTION
+    sass = sass_of(matmul_kernel, *matmul_launch(dtype, tile, precision), arch)
+    opcodes = set(re.findall(r"\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_]*)", sass))
+    return next((op for op in ("HGMMA", "HMMA") if op in opcodes), "FFMA")
+    ### END SOLUTION
+
+
+# %%
+DOT_CASES = [(torch.float16, "ieee"), (torch.bfloat16, "ieee"), (torch.float32, "ieee"),
+             (torch.float32, "tf32")]
+try:
+    print(f"{'operands, input_precision':<28}{'sm_80 (A100)':>14}{'sm_90 (H100)':>14}")
+    for _dtype, _prec in DOT_CASES:
+        print(f"{str(_dtype)[6:] + ', ' + _prec:<28}"
+              + "".join(f"{dot_instruction(_dtype, _prec, _arch):>14}" for _arch in ("sm_80", "sm_90")))
+except NotImplementedError:
+    print("(finish Exercise 4 to fill the table)")
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_dot_instruction", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _check_dot(dtype, precision, arch, tile=(64, 64, 32, 4)):
+    opcodes = {op for op, _ in _instructions(sass_of(matmul_kernel,
+                                                     *matmul_launch(dtype, tile, precision),
+                                                     arch))}
+    want = "HGMMA" if "HGMMA" in opcodes else "HMMA" if "HMMA" in opcodes else "FFMA"
+    assert want != "FFMA" or "FFMA" in opcodes, "the matmul has neither tensor cores nor FFMA?"
+    got = dot_instruction(dtype, precision, arch, tile)
+    assert got == want, \
+        f"dot_instruction({dtype}, {precision!r}, {arch!r}, tile={tile}): the compiled SASS " \
+        f"has {'an ' + want if want != 'FFMA' else 'no tensor-core'} instruction, so expected " \
+        f"{want!r}; got {got!r}"
+
+
+for _dtype, _prec in DOT_CASES[:2]:
+    _check_dot(_dtype, _prec, "sm_90")
+print("dot_instruction reads the float16 and bfloat16 cases right on sm_90")
+
+### BEGIN HIDDEN TESTS
+for _dtype, _prec in DOT_CASES:
+    _check_dot(_dtype, _prec, "sm_80")
+for _dtype, _prec in DOT_CASES[2:]:
+    _check_dot(_dtype, _prec, "sm_90")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# Four things to take from the table:
+#
+# * Half-precision operands (`float16`, `bfloat16`) always go to the tensor cores, and the
+#   instruction depends on the GPU: `HMMA` on an A100, `HGMMA` on an H100. The same Triton
+#   source gets the better instruction on the newer GPU without a change.
+# * `float32` with `"ieee"` gets **no** tensor cores: every multiply-add is an `FFMA`, and
+#   the ceiling is the float32 one (67 TFLOP/s on an H100, 19.5 on an A100).
+# * `float32` with `"tf32"` does reach the tensor cores (at TF32's rounding). `minimoe`'s
+#   kernels take this as their `PRECISION` argument, and PyTorch's
+#   `torch.backends.cuda.matmul.allow_tf32` is the same switch for `torch.matmul`.
+# * On an H100, the `HGMMA` count is small (a few per loop iteration) because each one is a
+#   `64 × N × 16` product; an `HMMA` is `16 × 8 × 16`, so the A100 code has many more.
+#
+# ## Part D — your own kernel, 128 bits wide
+#
+# A transpose is the classic memory-access problem: `out[n, m] = x[m, n]`. One row of `x` is
+# contiguous in memory, but it becomes a **column** of `out`. The obvious kernel — one program
+# per row, reading along it and writing down a column — reads wide and writes one element at a
+# time, each store `stride_om` elements from the last:
+
+# %%
+@triton.jit
+def transpose_rows_kernel(x_ptr, out_ptr, M, N, stride_xm, stride_om, BLOCK_N: tl.constexpr):
+    """out[n, m] = x[m, n]: one program per row m of x, BLOCK_N columns at a time."""
+    m = tl.program_id(0)
+    rn = tl.arange(0, BLOCK_N)
+    for n0 in range(0, N, BLOCK_N):
+        x = tl.load(x_ptr + m * stride_xm + n0 + rn, mask=n0 + rn < N)
+        tl.store(out_ptr + (n0 + rn) * stride_om + m, x, mask=n0 + rn < N)
+
+
+def transpose_launch(dtype, M, N, stride_xm=None, stride_om=None, blocks=(64, 64), warps=4):
+    """(args, kwargs) of a transpose of x [M, N] into out [N, M] for transpose_kernel."""
+    t = like(dtype)
+    return ((t, t, M, N, stride_xm or N, stride_om or M),
+            dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], num_warps=warps))
+
+
+_x = harness.randn(37, 53).to(DEVICE)
+_out = torch.empty(53, 37, device=DEVICE)
+transpose_rows_kernel[(37,)](_x, _out, 37, 53, 53, 37, BLOCK_N=16)
+print("interpreter: correct:", torch.equal(_out, _x.T))
+_sass = sass_of(transpose_rows_kernel, (F32, F32, 4096, 4096, 4096, 4096), dict(BLOCK_N=256))
+print("transpose_rows_kernel, float32, 4096 × 4096 on sm_90:")
+show(_sass, "LDG", "STG")
+
+# %% [markdown]
+# One 64-bit load (two floats along the row) and two 32-bit stores: every float that goes
+# out is a store of its own, and the two floats of a thread land `4 096 · 4` bytes apart. Each
+# store instruction of a warp writes its 32 floats into 32 different rows: 32 separate 32-byte
+# memory sectors for 128 bytes of data, where a store along a row would fill 4.
+#
+# The fix is to work on a **2-D tile**: a program loads a `BLOCK_M × BLOCK_N` tile of `x`,
+# whose rows are contiguous, and stores it as the `BLOCK_N × BLOCK_M` tile of `out`, whose rows
+# are contiguous too. In between the data must change hands between threads (the thread that
+# loaded `x[m, n0:n0+4]` does not hold `x[m0:m0+4, n]`); Triton does that for you, through
+# shared memory, when the load and the store need different layouts.
+#
+# ## Exercise 5 — a transpose whose every global access is 128 bits
+#
+# Write `transpose_kernel(x_ptr, out_ptr, M, N, stride_xm, stride_om, BLOCK_M, BLOCK_N)`:
+#
+# * `x` is `[M, N]` with row stride `stride_xm` (elements within a row are contiguous), `out` is
+#   `[N, M]` with row stride `stride_om`; write `out[n, m] = x[m, n]` for every `m < M`,
+#   `n < N`, and nothing else (the tests surround `out` with sentinels);
+# * the grid is `(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))`: program `(i, j)` owns rows
+#   `i·BLOCK_M …` of `x` and columns `j·BLOCK_N …`;
+# * compiled for an H100 (`transpose_launch(torch.float32, 4096, 4096)`: sizes and strides
+#   multiples of 16, 4 warps, 64 × 64 tiles), **every** global load and store must be 128 bits
+#   wide. Check it with `sass_of` and your `read_sass` before you run the test.
+#
+# `tl.program_id`, `tl.arange`, `tl.load`, `tl.store`, comparisons and arithmetic are all it
+# needs (and `tl.trans` if you like).
+
+# %% nbgrader={"grade": false, "grade_id": "transpose_kernel", "locked": false, "schema_version": 3, "solution": true, "task": false}
+@triton.jit
+def transpose_kernel(x_ptr, out_ptr, M, N, stride_xm, stride_om,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[n, m] = x[m, n] for the BLOCK_M × BLOCK_N tile of x this program owns."""
+    ### BEGIN SOLUTION
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)                   # [BM] rows of x
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN] cols of x
+    mask = (rm[:, None] < M) & (rn[None, :] < N)                              # [BM, BN]
+    tile = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :], mask=mask)  # [BM, BN]
+    tl.store(out_ptr + rn[None, :] * stride_om + rm[:, None], tile, mask=mask)
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_transpose_correct", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _launch_transpose(M, N, block_m, block_n, pad_x=0, pad_out=0, seed=0):
+    """Launch transpose_kernel on x [M, N] (row stride N + pad_x) into out [N, M] (row stride
+    M + pad_out) inside a buffer of sentinels; return where it went wrong, if it did."""
+    x = harness.randn(M, N + pad_x, seed=seed).to(DEVICE)[:, :N]
+    buf = torch.full((N + 2, M + pad_out), -7.5, device=DEVICE)
+    out = buf[1:N + 1, :M]
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    transpose_kernel[grid](x, out, M, N, x.stride(0), out.stride(0), BLOCK_M=block_m,
+                           BLOCK_N=block_n)
+    where = (f"transpose_kernel[{grid}], x [{M}, {N}] (row stride {x.stride(0)}), out [{N}, "
+             f"{M}] (row stride {out.stride(0)}), BLOCK_M={block_m}, BLOCK_N={block_n}")
+    bad = (out != x.T).nonzero()
+    assert bad.numel() == 0, \
+        f"{where}: {len(bad)} of {M * N} elements wrong, first out[{bad[0, 0]}, {bad[0, 1]}] = " \
+        f"{out[bad[0, 0], bad[0, 1]].item():.4g}, expected x[{bad[0, 1]}, {bad[0, 0]}] = " \
+        f"{x[bad[0, 1], bad[0, 0]].item():.4g}"
+    outside = buf.clone()
+    outside[1:N + 1, :M] = -7.5
+    assert (outside == -7.5).all(), f"{where}: wrote outside out (mask the store)"
+
+
+_launch_transpose(37, 53, 16, 16)
+_launch_transpose(64, 32, 32, 16, pad_x=5, pad_out=3, seed=1)
+print("transpose_kernel transposes, masks its edges and follows the strides")
+
+### BEGIN HIDDEN TESTS
+_launch_transpose(1, 70, 16, 32, seed=2)
+_launch_transpose(70, 1, 32, 16, seed=3)
+_launch_transpose(5, 7, 64, 64, pad_x=1, pad_out=9, seed=4)
+_launch_transpose(100, 48, 16, 64, pad_x=16, seed=5)
+### END HIDDEN TESTS
+
+# %% nbgrader={"grade": true, "grade_id": "test_transpose_widths", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _check_wide(dtype, M, N, stride_xm=None, stride_om=None, blocks=(64, 64), warps=4,
+                arch="sm_90"):
+    args, kwargs = transpose_launch(dtype, M, N, stride_xm, stride_om, blocks, warps)
+    where = f"transpose_kernel, {dtype}, x [{M}, {N}], strides {args[4]} / {args[5]}, " \
+            f"blocks {blocks}, {warps} warps, on {arch}"
+    try:
+        sass = sass_of(transpose_kernel, args, kwargs, arch)
+    except Exception as e:
+        raise AssertionError(f"{where}: the compiler refused your kernel: "
+                             f"{type(e).__name__}: {str(e)[-500:]}") from e
+    widths = _expected_reading(sass)
+    for kind in ("loads", "stores"):
+        assert widths[kind] and set(widths[kind]) == {128}, \
+            f"{where}: every global {kind[:-1]} must be 128 bits wide; the SASS has " \
+            f"{widths[kind]} ({{bits: instructions}}). Tile in 2-D, contiguous along N for " \
+            f"the loads and along M for the stores."
+
+
+_check_wide(torch.float32, 4096, 4096)
+print("transpose_kernel compiles to 128-bit global loads and stores on an H100")
+
+### BEGIN HIDDEN TESTS
+_check_wide(torch.float16, 2048, 512, stride_xm=4096, stride_om=2048)
+_check_wide(torch.float32, 1024, 4096, blocks=(32, 64), arch="sm_80")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# What did the compiler do with your tile? The shared memory it asks for is the staging area
+# where the threads swap the tile around; and if the sizes stop being multiples of 16, the
+# compiler can no longer prove a 16-byte run in bounds, and the widths fall back:
+
+# %%
+try:
+    for _M, _N in ((4096, 4096), (4096, 1000), (1000, 4096)):
+        _args, _kw = transpose_launch(torch.float32, _M, _N)
+        _r = inspect_kernel(transpose_kernel, _args, _kw, "sm_90")
+        _w = read_sass(sass_of(transpose_kernel, _args, _kw, "sm_90"))
+        print(f"x [{_M}, {_N}]: loads {_w['loads']}, stores {_w['stores']}, "
+              f"{_r.registers} registers, {_r.shared_bytes} B of shared memory per block")
+except (NotImplementedError, CompilationError):
+    print("(finish Exercises 1 and 5 to see your kernel's widths)")
+
+# %% [markdown]
+# ## Part E — the roofline: the time a kernel cannot beat
+#
+# A kernel needs at least the time to move its bytes between DRAM and the chip, and at least
+# the time to do its arithmetic at the GPU's peak rate. Whichever is longer bounds it:
+#
+# $$t \ \ge\ \max\left(\frac{\text{bytes moved}}{\text{bandwidth}},\ \frac{\text{FLOPs}}{\text{peak FLOP/s}}\right)$$
+#
+# The ratio FLOPs / byte is the kernel's **arithmetic intensity**. Below the GPU's own ratio of
+# peak to bandwidth (the "ridge point": 989·10¹² / 3.35·10¹² ≈ 295 FLOP/byte for bfloat16 on an
+# H100) a kernel is **memory-bound**, above it **compute-bound**. The peaks, from NVIDIA's
+# datasheets (H100 Tensor Core GPU datasheet, SXM5 column; A100 Tensor Core GPU datasheet,
+# 80 GB SXM column). The datasheets print the tensor-core figures **with sparsity** (marked
+# `*`); the dense numbers below are half of those.
+#
+# | per second | H100 SXM | A100 SXM 80 GB |
+# |---|---|---|
+# | DRAM bandwidth (HBM3 / HBM2e) | 3.35 TB/s | 2.039 TB/s |
+# | bfloat16 / float16 tensor cores, dense | 989 TFLOP/s | 312 TFLOP/s |
+# | TF32 tensor cores, dense | 494.5 TFLOP/s | 156 TFLOP/s |
+# | float32, ordinary cores (FFMA) | 67 TFLOP/s | 19.5 TFLOP/s |
+#
+# The bound is ideal on purpose: it assumes that every byte crosses DRAM once (the caches do
+# the rest) and that the arithmetic units never wait. Real kernels get close to one of the two
+# lines, never past it; how close is what a profiler tells you on a GPU.
+#
+# ## Exercise 6 — predict a kernel's time
+#
+# * `matmul_cost(M, N, K, in_bytes=2, out_bytes=2)`: the `(FLOPs, bytes)` of
+#   `C[M, N] = A[M, K] @ B[K, N]` at the roofline's ideal: `2·M·N·K` FLOPs (one multiply and
+#   one add per term), `A` and `B` read once (`in_bytes` per element), `C` written once
+#   (`out_bytes`). Python ints.
+# * `roofline_time(flops, bytes_moved, gpu="H100 SXM", math="bf16")`: `(seconds, bound)` with
+#   the peaks of `PEAKS[gpu]` (`math` one of `"bf16"`, `"tf32"`, `"fp32"`), `bound` the string
+#   `"memory"` or `"compute"`, whichever time is the larger (`"compute"` on a tie).
+
+# %%
+PEAKS = {   # NVIDIA datasheets: bytes/s and dense FLOP/s (tensor-core sparse figures halved)
+    "H100 SXM": dict(bandwidth=3.35e12, bf16=989e12, tf32=494.5e12, fp32=67e12),
+    "A100 SXM": dict(bandwidth=2.039e12, bf16=312e12, tf32=156e12, fp32=19.5e12),
+}
+
+
+# %% nbgrader={"grade": false, "grade_id": "roofline", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def matmul_cost(M: int, N: int, K: int, in_bytes: int = 2, out_bytes: int = 2
+                ) -> tuple[int, int]:
+    """(FLOPs, bytes moved) of C[M, N] = A[M, K] @ B[K, N]: A, B read once, C written once."""
+    ### BEGIN SOLUTION
+    return 2 * M * N * K, (M * K + K * N) * in_bytes + M * N * out_bytes
+    ### END SOLUTION
+
+
+def roofline_time(flops: float, bytes_moved: float, gpu: str = "H100 SXM", math: str = "bf16"
+                  ) -> tuple[float, str]:
+    """(seconds, "memory" | "compute"): the larger of bytes / bandwidth and flops / peak."""
+    ### BEGIN SOLUTION
+    peak = PEAKS[gpu]
+    t_memory = bytes_moved / peak["bandwidth"]
+    t_compute = flops / peak[math]
+    return (t_compute, "compute") if t_compute >= t_memory else (t_memory, "memory")
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_roofline", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _check_cost(args, want):
+    got = matmul_cost(*args)
+    assert tuple(got) == want and all(isinstance(v, int) for v in got), \
+        f"matmul_cost{args}: expected {want} (ints), got {got}"
+
+
+def _check_time(flops, nbytes, gpu, math, want_s, want_bound):
+    got = roofline_time(flops, nbytes, gpu, math)
+    assert isinstance(got, tuple) and len(got) == 2, \
+        f"roofline_time must return (seconds, bound), got {got!r}"
+    assert abs(got[0] - want_s) <= 1e-9 * want_s and got[1] == want_bound, \
+        f"roofline_time({flops:.4g} FLOPs, {nbytes:.4g} bytes, {gpu!r}, {math!r}): expected " \
+        f"({want_s:.6g} s, {want_bound!r}), got ({got[0]:.6g} s, {got[1]!r})"
+
+
+# 4096³ in bfloat16: 2·4096³ FLOPs; 3 matrices of 4096² · 2 bytes
+_check_cost((4096, 4096, 4096), (137_438_953_472, 100_663_296))
+_check_cost((1, 14336, 4096, 2, 4), (117_440_512, 117_506_048))      # a GEMV, fp32 out
+_check_time(137_438_953_472, 100_663_296, "H100 SXM", "bf16", 137_438_953_472 / 989e12,
+            "compute")                                              # 139 µs; memory 30 µs
+_check_time(117_440_512, 117_506_048, "A100 SXM", "bf16", 117_506_048 / 2.039e12, "memory")
+print("matmul_cost and roofline_time agree with the hand-computed cases")
+
+### BEGIN HIDDEN TESTS
+_check_cost((8192, 1, 64), (1_048_576, 1_065_088))
+_check_cost((3, 5, 7, 4, 4), (210, 4 * (21 + 35 + 15)))
+_check_time(137_438_953_472, 201_326_592, "H100 SXM", "fp32", 137_438_953_472 / 67e12, "compute")
+_check_time(137_438_953_472, 201_326_592, "A100 SXM", "tf32", 137_438_953_472 / 156e12, "compute")
+_check_time(1e9, 1e9, "H100 SXM", "fp32", 1e9 / 3.35e12, "memory")
+_check_time(3.35e12 * 2, 2.0, "H100 SXM", "bf16", 3.35e12 * 2 / 989e12, "compute")
+_check_time(2 * 989e12, 2 * 3.35e12, "H100 SXM", "bf16", 2.0, "compute")   # the ridge: a tie
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Your kernels on the roofline
+#
+# Now predict, with your functions, the kernels of this course at the sizes of a real model,
+# and let the compiler say which ceiling applies to each. The `scatter2scatter` kernel (Lab 08,
+# in `minimoe`'s version) on Mixtral-8x7B's expert projection `w1` (`E = 8` experts of
+# `4096 × 14336`, top-2 routing):
+#
+# * in a training step of 4 096 tokens, every expert gets about a thousand rows: 8 192 rows of
+#   `x` gathered, all 8 weights read, 8 192 rows of output written;
+# * decoding one token, only the 2 experts it was routed to have rows, so only their weights
+#   are read, for two rows of output.
+#
+# Lab 03's dequantization of the same weight (NF4, blocksize 64, to bfloat16) has almost no
+# arithmetic: half a byte and a share of a float32 scale in, two bytes out per element.
+
+# %%
+try:
+    T, k, E, D, H = 4096, 2, 8, 4096, 14336
+
+    def _moe(rows, experts):
+        """(FLOPs, bytes) of the expert linear: rows of x in, experts' W read, rows out."""
+        return 2 * rows * D * H, 2 * (rows * D + experts * D * H + rows * H)
+
+    _n = E * D * H
+    kernels = {
+        "matmul 4096³, bf16": matmul_cost(4096, 4096, 4096),
+        "matmul 4096³, fp32 (ieee: FFMA)": matmul_cost(4096, 4096, 4096, 4, 4),
+        "scatter2scatter, 4096 tokens": _moe(T * k, E),
+        "scatter2scatter, 1 token": _moe(k, k),
+        "NF4 dequant of w1 -> bf16": (6 * _n, _n // 2 + 4 * _n // 64 + 2 * _n),
+    }
+    maths = {"matmul 4096³, fp32 (ieee: FFMA)": "fp32"}
+    print(f"{'kernel':<34}{'FLOP/byte':>10}{'H100 SXM':>22}{'A100 SXM':>22}")
+    for name, (flops, nbytes) in kernels.items():
+        cells = []
+        for gpu in PEAKS:
+            secs, bound = roofline_time(flops, nbytes, gpu, maths.get(name, "bf16"))
+            cells.append(f"{secs * 1e6:9.1f} µs {bound:>7}")
+        print(f"{name:<34}{flops / nbytes:>10.1f}" + "".join(f"{c:>22}" for c in cells))
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    _x = [2 ** (e / 4) for e in range(-8, 57)]                    # FLOP/byte, 0.25 ... 16384
+    for gpu, style in zip(PEAKS, ("-", "--"), strict=True):
+        for math, color in (("bf16", "tab:blue"), ("tf32", "tab:green"), ("fp32", "tab:orange")):
+            peak, bw = PEAKS[gpu][math], PEAKS[gpu]["bandwidth"]
+            ax.plot(_x, [min(peak, i * bw) / 1e12 for i in _x], style, color=color, lw=1.2,
+                    label=f"{gpu}, {math}")
+    for (name, (flops, nbytes)), below in zip(kernels.items(), (False, False, True, True, True),
+                                              strict=True):
+        secs, _ = roofline_time(flops, nbytes, "H100 SXM", maths.get(name, "bf16"))
+        ax.plot(flops / nbytes, flops / secs / 1e12, "ko", ms=5)
+        ax.annotate(name, (flops / nbytes, flops / secs / 1e12), fontsize=7,
+                    xytext=(4, -11 if below else 5), textcoords="offset points")
+    ax.set_ylim(0.3, 3000)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP per byte of DRAM traffic)")
+    ax.set_ylabel("attainable TFLOP/s")
+    ax.set_title("Roofline: H100 SXM (solid) and A100 SXM (dashed); the kernels on the H100",
+                 fontsize=9)
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    plt.show()
+except NotImplementedError:
+    print("(finish Exercise 6 to predict the times)")
+
+# %% [markdown]
+# The dequantization's FLOPs are a generous count (a few integer and float operations per
+# element): at under 3 FLOP/byte it is memory-bound on any GPU, as Lab 03 argued. Decoding one
+# token is memory-bound too: the kernel's whole time is reading two experts' weights, which is
+# why quantizing those weights speeds decoding up. The training step and the large matmul are
+# compute-bound, and there the instruction decides the ceiling: the same float32 matmul is
+# bounded by 67 TFLOP/s with `FFMA` and by 494.5 with TF32 tensor cores.
+#
+# The prediction uses the bfloat16 peak for the MoE kernel only if the kernel really runs on
+# the tensor cores. The compiler says so: here is `minimoe`'s `scatter2scatter` kernel (Lab 08)
+# compiled as a bfloat16 launch on the Mixtral shapes would compile it on an H100, read with
+# your `read_sass`.
+
+# %%
+import minimoe.kernels  # noqa: E402
+
+S2S = minimoe.kernels._scatter2scatter_kernel
+_B, _I = like(torch.bfloat16), like(torch.int64)
+D, H = 4096, 14336                    # x [T, D] in slot order, W [E, D, H], y [T·k, H]
+_launch = dict(X=_B, W=_B, Y=_B, expert_ids=_I, scattered_ids=_I, tile_start=_I, tile_end=_I,
+               K=D, N=H, sxm=D, sxk=1, swe=D * H, swk=H, swn=1, sym=H, syn=1,
+               A=_B, B=_B, R=16, scaling=2.0, sar=D, sak=1, sbn=16, sbr=1,      # LoRA: unused
+               FAN_OUT=2, X_GROUPED=False, Y_GROUPED=False, HAS_LORA=False, PRECISION="ieee",
+               BLOCK_M=minimoe.kernels.TILE_M, BLOCK_N=128, BLOCK_K=64, BLOCK_R=16,
+               num_warps=8, num_stages=3)
+_r = inspect_kernel(S2S, (), _launch, "sm_90")
+print(f"scatter2scatter, bf16, {_launch['BLOCK_M']}×128×64 tiles, 8 warps, on sm_90: "
+      f"{_r.registers} registers, {_r.spill_bytes} B spilled, {_r.shared_bytes} B of shared "
+      f"memory, occupancy {_r.occupancy:.3f}")
+try:
+    _w = read_sass(sass_of(S2S, (), _launch, "sm_90"))
+    print(f"  your read_sass: loads {_w['loads']}, stores {_w['stores']}, "
+          f"{_w['tensor_core']} tensor-core instructions (HGMMA), {_w['local']} LDL/STL")
+except NotImplementedError:
+    print("(finish Exercise 1 to read its SASS)")
+print(f"\nthis notebook ran in {time.perf_counter() - STARTED:.0f} s (kernel start to here)")
+
+# %% [markdown]
+# The `64`-bit loads are the `int64` routing indices; the `128`-bit ones the asynchronous
+# copies of `x` and `W` tiles into shared memory; the output leaves in 128-bit stores; the
+# products are `HGMMA`s. So the bfloat16 tensor-core ceiling is the right one for the training
+# step. Whether the kernel gets near it is a question for a GPU: `benchmarks/bench_moe.py` times
+# it there.
+#
+# ## Where this goes next
+#
+# Every kernel in this course can now be read this way before it ever meets a GPU: after
+# changing a tile size or `num_warps`, compile for `sm_80` and `sm_90`, check registers,
+# spills, widths and the dot's instruction, and put the kernel on the roofline. On a GPU,
+# NVIDIA Nsight Compute reports the same numbers measured (achieved occupancy, bytes moved,
+# the share of peak reached), and `triton.testing.do_bench` times the kernel; the prediction
+# says what the measurement should be compared with.
+#
+# ### Reflection
+#
+# 1. Lab 03's kernel loads its packed codes 8 bytes per thread (64-bit loads, at 1 024 bytes
+#    over 4 warps). How would you make them 128-bit, and what would it cost in registers and in
+#    the number of programs for a small weight? Try it with `inspect_kernel` on
+#    `miniquant.triton_dequant._nf4_dequant_kernel`.
+# 2. The float32 `128 × 128` tile spills with 4 warps and not with 8. Which numbers of the
+#    occupancy formula changed between the two, and why is the 8-warp version still at one
+#    block per SM?
+# 3. Why does a spill cost more inside the `k` loop than before it or after it? Look for where
+#    the `LDL`/`STL` instructions of the spilling tile sit in its SASS.
+# 4. The roofline says a 1-token decode step through the MoE layer takes the time of reading
+#    two experts. How much faster would it be with the experts stored in NF4 and dequantized
+#    inside the matmul kernel, and what would then limit it?
+# 5. Your transpose reaches 128-bit accesses by staging the tile in shared memory. What would
+#    happen to the stores if `BLOCK_M` were 2 for float32? Predict the width, then compile it.
