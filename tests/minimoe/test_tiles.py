@@ -74,3 +74,25 @@ def test_aligned_reads_the_sizes_and_strides_but_not_the_rank():
     assert aligned(names, (None, 2048, 768, 2048, 1, 8, 2.0))
     assert not aligned(names, (None, 40, 768, 40, 1, 16, 2.0))
     assert not aligned(names, (None, 2048, 768, 2048, 3, 16, 2.0))
+
+
+@pytest.mark.parametrize("name", ["scatter2scatter", "group", "group_bwd_W", "group_bwd_lora"])
+def test_the_gpu_autotuners_are_built_from_the_configurations(name):
+    """What a GPU launch would tune over, built here without one: each list's BLOCK sizes are
+    constexpr parameters of the kernel the launcher does not pass itself, the tuning keys are
+    its arguments, and the unaligned list is used where there is one."""
+    from minimoe import kernels, ops
+    kernel = kernels.KERNELS[name]
+    for bits in (16, 32):
+        for is_aligned in (True, False):
+            tuned = ops._autotuned(name, bits, is_aligned)
+            want = kernels.configs(name, bits, is_aligned)
+            got = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+                   for c in tuned.configs]
+            assert got == want
+            passed = {"BLOCK_R"} | ({"BLOCK_M"} if name == "scatter2scatter" else set())
+            for c in tuned.configs:                     # the launcher passes `passed` itself
+                assert set(c.kwargs) <= set(kernel.arg_names) - passed
+            assert set(tuned.keys) <= set(kernel.arg_names)
+    unaligned = kernels.configs(name, 16, aligned=False)
+    assert (unaligned is kernels.CONFIGS[name].get("unaligned", kernels.CONFIGS[name][16]))
