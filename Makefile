@@ -18,7 +18,7 @@ LAB_ARGS ?=
 # learners do not see them.
 MODE ?= learner
 
-.PHONY: venv lab test test-fast course grade reproduce run readme bench-gpu compile-report check-exercises check lint lock clean
+.PHONY: venv lab test test-fast course grade reproduce run readme times bench-gpu compile-report check-exercises check mine lint lock clean
 
 venv: $(STAMP)
 
@@ -56,6 +56,9 @@ reproduce: $(STAMP)  ## re-run and compare: make reproduce EXP=experiments/NN-na
 readme: $(STAMP)  ## README.md's result numbers, regenerated from the experiments' manifests
 	$(PY) -m labkit readme
 
+times: $(STAMP)  ## (course developers) run every solution notebook -> labs/runtimes.json + the runtime markers
+	$(PY) -m labkit times $(LAB)
+
 compile-report: $(STAMP)  ## compile every Triton kernel for sm_80/sm_90 (no GPU) -> benchmarks/results/compile_report.json
 	$(PY) benchmarks/compile_report.py
 
@@ -65,8 +68,11 @@ bench-gpu: $(STAMP)  ## GPU tests + both kernel benchmarks, one run -> benchmark
 check-exercises: $(STAMP)  ## blank each solution region alone; some test must fail (slow)
 	$(PY) -m labkit check-exercises $(LAB)
 
-check: $(STAMP)  ## visible tests of your work/NN-name.ipynb: make check LAB=NN-name [NOTEBOOK=path]
+check: $(STAMP)  ## visible tests of your work/NN-name.ipynb (then saves your definitions to work/mine/): make check LAB=NN-name [NOTEBOOK=path]
 	$(PY) -m labkit check $(LAB) $(if $(NOTEBOOK),--notebook $(NOTEBOOK))
+
+mine: $(STAMP)  ## which of your saved lab pieces `use("mine")` runs in the capstone
+	$(PY) -m labkit mine
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests solutions experiments benchmarks

@@ -29,9 +29,12 @@
 # test cell: run it, and if it fails, read the message — it says what was expected and what
 # your code returned. The test cells you see are not all of the tests: grading runs more
 # (hidden) checks of the same specification, so make your function right, not just green.
+# Nothing here trains a model, and nothing needs a GPU: the whole notebook runs in
+# <!-- runtime:00-setup-minigpt -->about 5 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 #
-# Nothing here trains a model, and nothing needs a GPU: the whole notebook runs in well under
-# a minute on a laptop CPU.
+# Each exercise states its **specification** first: the inputs, the output, the rules that
+# matter and what is off-limits. That is enough to solve it. Below it, folded **hints** go
+# from the idea to pseudocode; open them when you want them, one at a time.
 
 # %%
 import hashlib
@@ -45,6 +48,7 @@ from safetensors.torch import load_file, save_file
 
 import labkit
 import minigpt
+from labkit.course.harness import forbid
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks
 from minigpt.tokenizer import ALPHABET
 from minituner import SequenceData
@@ -223,17 +227,41 @@ for name in tasks.TASKS:
 # positions, never at later ones. That is what lets one forward pass train on every next-token
 # prediction of a sequence at once, and what lets generation append one token at a time.
 #
-# Write `causal_attention(q, k, v)` for tensors of shape `[B, H, T, D]` (batch, heads, time,
-# head size), batched over `B` and `H`:
+# **Specification.** `causal_attention(q, k, v)` takes `q` and `k` of shape `[B, H, T, D]`
+# (batch, heads, time, head size) and `v` of shape `[B, H, T, Dv]`, all of one floating
+# dtype, and returns the attention above for every batch element and head: a tensor of shape
+# `[B, H, T, Dv]` and of the dtype of `q`. The rules:
 #
-# * scale the scores by $1/\sqrt{D}$ with $D$ = `q.shape[-1]`; `v` may have a different last
-#   dimension (the output then has that last dimension);
-# * apply the mask **before** the softmax, so that masked weights come out exactly zero;
-# * use a numerically stable softmax (`torch.softmax` is fine; a hand-written `exp` must
-#   subtract the row maximum first);
-# * return a tensor of the dtype of `q`.
+# * the scores are scaled by $1/\sqrt{D}$ with $D$ = `q.shape[-1]` (not $T$, not `Dv`);
+# * the mask is applied **before** the softmax, so that masked weights come out exactly zero
+#   and position $i$ sees positions $0 \dots i$, itself included (even when $T = 1$);
+# * the softmax is numerically stable: scores in the hundreds must not give `inf` or `NaN`.
 #
-# Do **not** call `F.scaled_dot_product_attention`: the tests compare you against it.
+# Off-limits: `F.scaled_dot_product_attention` (the tests compare you against it, and
+# switch it off while your function runs).
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Everything is batched by `@`: `q @ k.transpose(-2, -1)` gives the `[B, H, T, T]` scores of
+# every head at once. The mask is a `[T, T]` boolean matrix, `True` strictly above the
+# diagonal (`torch.triu(..., diagonal=1)`; `diagonal=0` would also hide each token from
+# itself), which broadcasts over `B` and `H`. Fill the masked scores with `-inf` and the
+# softmax turns them into exact zeros. `torch.softmax` subtracts the row maximum for you; a
+# hand-written `exp` has to do it itself.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# scores  = q @ transpose(k, -2, -1) / sqrt(D)       # [B, H, T, T]
+# future  = ones(T, T) strictly above the diagonal    # bool
+# scores  = scores with -inf where future
+# weights = softmax(scores, last dim)
+# return weights @ v                                  # [B, H, T, Dv]
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "causal_attention", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -273,6 +301,15 @@ _check_attention(2, 3, 5, 7)          # several heads, odd head size
 _check_attention(1, 1, 1, 4)          # a single token: it may only attend to itself
 _check_attention(1, 4, 16, 8)
 _check_attention(2, 2, 6, 5, Dv=3)    # values narrower than queries and keys
+_check_attention(1, 2, 5, 3, dtype=torch.float64, seed=1, tol=(1e-12, 1e-10))  # keeps q's dtype
+# Scores in the hundreds: exp overflows float32 unless the row maximum is subtracted first.
+_check_attention(1, 1, 10, 16, scale=12.0, seed=4, tol=(1e-4, 1e-4))
+# Off-limits: the function you are compared with is switched off while yours runs.
+_g = torch.Generator().manual_seed(6)
+_q, _k, _v = (torch.randn(1, 2, 4, 3, generator=_g) for _ in range(3))
+with forbid([(F, "scaled_dot_product_attention")], globals(),
+            why="causal_attention must compute attention from its definition"):
+    causal_attention(_q, _k, _v)
 print("causal_attention matches scaled_dot_product_attention on the visible shapes")
 
 ### BEGIN HIDDEN TESTS
@@ -382,16 +419,43 @@ plt.show()
 # %% [markdown]
 # ## Part C — Exercise 2: the character tokenizer
 #
-# Rebuild the tokenizer as two functions over `ALPHABET` (imported above from
-# `minigpt.tokenizer`): id `PAD_ID = 0`, id `EOS_ID = 1`, and the character `ALPHABET[i]` has
-# id `i + 2`. Your ids must agree with `CharTokenizer` exactly.
+# **Specification.** Rebuild the tokenizer as two functions over `ALPHABET` (imported above
+# from `minigpt.tokenizer`): id `PAD_ID = 0`, id `EOS_ID = 1`, and the character `ALPHABET[i]`
+# has id `i + 2`. Your ids must agree with `CharTokenizer` exactly.
 #
-# * `encode(text)` returns a `list` of Python `int`s, one per character. A character outside
-#   the alphabet (an upper-case letter, `!`, …) raises `ValueError`. `encode("")` is `[]`.
-# * `decode(ids)` takes a list of ints or a 1-D integer tensor and returns the text. It **stops
+# * `encode(text)` takes a `str` and returns a `list` of Python `int`s, one per character. A
+#   character outside the alphabet (an upper-case letter, `!`, …) raises `ValueError`.
+#   `encode("")` is `[]`.
+# * `decode(ids)` takes a list of ints or a 1-D integer tensor and returns a `str`. It **stops
 #   at the first `EOS_ID`** (what follows an answer is not part of it), **skips `PAD_ID`**,
-#   and raises `ValueError` for an id outside `0 … VOCAB_SIZE - 1` (negative ids included:
-#   beware Python's negative indexing).
+#   and raises `ValueError` for an id outside `0 … VOCAB_SIZE - 1`, negative ids included.
+#
+# Off-limits: `CharTokenizer` (its `encode` and `decode` are switched off while yours run,
+# including on the `tok` made in Part A).
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# `ALPHABET.find(ch)` gives a character's position, or `-1` when it is not there; a dict from
+# character to id built once does the same faster. Going back, check the range of each id
+# *before* indexing: `ALPHABET[i - 2]` with `i = 0` or a negative `i` does not fail, it
+# quietly returns a character from the end of the alphabet (Python's negative indexing).
+# `int(i)` turns a 0-d tensor element into a Python int.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# encode(text): for each ch: i = position of ch in ALPHABET
+#                            if not found: raise ValueError;  append i + 2
+# decode(ids):  for each i (as int):
+#                   if i outside 0..VOCAB_SIZE-1: raise ValueError
+#                   if i == EOS_ID: stop;  if i == PAD_ID: skip
+#                   append ALPHABET[i - 2]
+#               return the characters joined
+# ```
+#
+# </details>
 
 # %%
 PAD_ID, EOS_ID = 0, 1
@@ -443,6 +507,12 @@ except ValueError:
     pass
 else:
     raise AssertionError("encode('Hello!') should raise ValueError ('H' and '!' are unknown)")
+# Off-limits: CharTokenizer's own methods are switched off while yours runs.
+with forbid([CharTokenizer.encode, CharTokenizer.decode], globals(),
+            why="encode must map characters to ids itself"):
+    _got = encode("kv:a1?a=")
+assert _got == _ref.encode("kv:a1?a="), \
+    f"with CharTokenizer switched off, encode('kv:a1?a=') returned {_got}"
 print("encode agrees with CharTokenizer")
 
 ### BEGIN HIDDEN TESTS
@@ -475,7 +545,21 @@ assert decode(ids) == "ab", \
     f"decode({ids}) should skip <pad>: expected 'ab', got {decode(ids)!r}"
 assert decode([]) == "", f"decode([]): expected '', got {decode([])!r}"
 assert decode(encode("kv:a1,b2?a=")) == "kv:a1,b2?a=", "decode(encode(text)) is not text"
-print("decode inverts encode, stops at <eos>, skips <pad>")
+# Ids outside the vocabulary raise, negative ones included (ALPHABET[-3] would not fail).
+for _bad in ([-1], [2, VOCAB_SIZE]):
+    try:
+        _came = decode(_bad)
+    except ValueError:
+        continue
+    raise AssertionError(f"decode({_bad}) should raise ValueError (an id outside "
+                         f"0..{VOCAB_SIZE - 1}), but it returned {_came!r}")
+# Off-limits: CharTokenizer's own methods are switched off while yours runs.
+_ids = _ref.encode("sort:cab=") + [EOS_ID, 7]
+with forbid([CharTokenizer.encode, CharTokenizer.decode], globals(),
+            why="decode must map ids to characters itself"):
+    _got = decode(_ids)
+assert _got == "sort:cab=", f"with CharTokenizer switched off, decode({_ids}) returned {_got!r}"
+print("decode inverts encode, stops at <eos>, skips <pad>, rejects ids out of range")
 
 ### BEGIN HIDDEN TESTS
 for name in tasks.TASKS:
@@ -514,13 +598,35 @@ for bad in ([VOCAB_SIZE], [2, 3, 99], [-1], [5, -3]):
 # is the skill — so the loss is averaged only where `loss_mask` is True. The `eos` must be in
 # the mask: it is how the model learns to **stop**.
 #
-# Write `make_training_pair(prompt_ids, answer_ids, eos_id)` returning `(x, y, loss_mask)` as
-# 1-D tensors of length `len(prompt_ids) + len(answer_ids)`: `x` and `y` of dtype `torch.long`,
-# `loss_mask` of dtype `torch.bool`. The prompt has at least one token; the answer may be
-# empty (then only the `eos` is learned). Do not modify the caller's lists.
+# **Specification.** `make_training_pair(prompt_ids, answer_ids, eos_id)` takes two lists of
+# ints (the prompt has at least one token; the answer may be empty, and then only the `eos`
+# is learned) and an int, and returns `(x, y, loss_mask)` as 1-D tensors of length
+# `len(prompt_ids) + len(answer_ids)`, laid out as in the table above: `x` and `y` of dtype
+# `torch.long`, `loss_mask` of dtype `torch.bool`, `True` exactly where **`y`** is an answer
+# token or the `eos`. The caller's lists must come back unchanged.
 #
 # The course's data pipeline, `minituner.SequenceData`, does the same for a whole batch
 # (see `src/minituner/data.py`); the tests compare you with it.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Build the whole sequence once, as a new list or tensor (`prompt_ids + answer_ids` makes a
+# new list; `.append` or `.extend` would change the caller's), then take two slices of it.
+# For the mask, first mark which tokens of the *sequence* belong to the answer (everything
+# from index `len(prompt_ids)` on, the `eos` included), then slice that marking the same way
+# as `y`, because the mask belongs to the targets.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# seq       = long tensor of prompt_ids + answer_ids + [eos_id]
+# is_answer = bool tensor, False for the first len(prompt_ids) positions, True after
+# return seq[:-1], seq[1:], is_answer[1:]
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "make_training_pair", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def make_training_pair(prompt_ids: list[int], answer_ids: list[int], eos_id: int
@@ -565,6 +671,12 @@ _got = make_training_pair(_p, _a, _tok.eos_id)
 for _name, _g, _w in zip(("x", "y", "loss_mask"), _got, _want, strict=True):
     assert _g.tolist() == _w[0].tolist(), \
         f"{_ex.prompt!r} -> {_ex.answer!r}: {_name} expected {_w[0].tolist()}, got {_g.tolist()}"
+# The caller's lists come back unchanged.
+_p, _a = [4, 6], [8]
+make_training_pair(_p, _a, 1)
+assert _p == [4, 6] and _a == [8], \
+    f"make_training_pair([4, 6], [8], 1) changed the caller's lists: prompt is now {_p}, " \
+    f"answer {_a}; build a new sequence instead of appending to them"
 print("make_training_pair matches the hand-worked cases and SequenceData")
 
 ### BEGIN HIDDEN TESTS
@@ -620,24 +732,49 @@ for name in tasks.TASKS:
 #
 # A digest of a *file* (`labkit.sha256_file`) is easy, but it changes when nothing that matters
 # changed (the same weights saved with another key order or other metadata). A digest of the
-# *state dict* itself should depend only on what the weights are. Write
-# `state_dict_sha256(sd)` returning a 64-character lower-case hex sha256 digest such that:
+# *state dict* itself should depend only on what the weights are.
+#
+# **Specification.** `state_dict_sha256(sd)` takes a mapping from `str` names to tensors and
+# returns a 64-character lower-case hex sha256 digest (`hashlib.sha256`) such that:
 #
 # * it does **not** depend on the order of the keys;
 # * it **does** change if any value changes (even by one unit in the last place), if a tensor's
 #   dtype changes (float32 vs float64 of the same values), if its shape changes (`[6]` vs
-#   `[2, 3]` holding the same bytes), or if a key is renamed;
+#   `[2, 3]` holding the same bytes), if a key is renamed, or if the same bytes are split
+#   differently between two keys;
 # * it works for any dtype (including `torch.bfloat16`, which NumPy cannot represent), any
 #   shape (including 0-d and empty tensors), non-contiguous tensors (which hash like their
-#   contiguous copy) and tensors that require grad.
+#   contiguous copy) and tensors that require grad (which hash like their detached copy).
 #
-# Use `hashlib.sha256()` and feed it, for each key in a fixed order, the key, the dtype, the
-# shape and the raw bytes. Two traps: `str(tensor)` abbreviates large tensors with `...` and
-# rounds the printed values, so it is not the data; and a stream of fields glued together
-# without separators or lengths can read the same for two different state dicts.
+# Off-limits: the reference, `labkit.sha256_state_dict` (in `src/labkit/hashing.py`; the
+# tests switch it off while yours runs). Yours does not have to produce the same hex string,
+# only to have the properties above.
 #
-# The reference is `labkit.sha256_state_dict` (in `src/labkit/hashing.py`); yours does not
-# have to produce the same hex string, only to have the properties above.
+# <details><summary>Hint 1: the idea</summary>
+#
+# Feed one `hashlib.sha256()` object, for each key in a fixed order (sorted), the key, the
+# dtype, the shape and the raw bytes of the tensor. Two traps: `str(tensor)` abbreviates
+# large tensors with `...` and rounds the printed values, so it is not the data; and a stream
+# of fields glued together without separators or lengths can read the same for two different
+# state dicts, so prefix each field with its length. For the raw bytes, make the tensor
+# detached, contiguous and 1-D, then view it as `uint8`: that works for every dtype and shape,
+# and NumPy then only sees bytes.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# h = sha256()
+# for name in sorted(sd):
+#     t      = sd[name] detached, on the CPU, contiguous
+#     header = f"{name}|{t.dtype}|{tuple(t.shape)}" as bytes
+#     data   = t flattened, viewed as uint8, as bytes
+#     for field in (header, data): h.update(len(field) as 8 bytes); h.update(field)
+# return h.hexdigest()
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "state_dict_sha256", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def state_dict_sha256(sd) -> str:
@@ -677,6 +814,24 @@ _differ({"a": a}, {"a": a.double()}, "float32 vs float64 of the same values")
 _differ({"a": a, "b": b}, {"a": a, "c": b}, "key 'b' renamed to 'c'")
 six = torch.arange(6, dtype=torch.float32)
 _differ({"w": six}, {"w": six.reshape(2, 3)}, "shape [6] vs [2, 3] with the same bytes")
+_differ({"w": six[:4], "x": six[4:]}, {"w": six[:3], "x": six[3:]},
+        "the same six values split 4 + 2 or 3 + 3 between two keys")
+# Any dtype and shape: bfloat16, a 0-d tensor, a non-contiguous view, a tensor requiring grad.
+_awkward = {"bf16": torch.randn(5).to(torch.bfloat16), "scalar": torch.tensor(2.5),
+            "t": torch.randn(3, 4).T, "p": torch.nn.Parameter(torch.randn(2, 2))}
+_plain = {k: t.detach().contiguous() for k, t in _awkward.items()}
+try:
+    _d1, _d2 = state_dict_sha256(_awkward), state_dict_sha256(_plain)
+except (TypeError, RuntimeError, ValueError) as _e:
+    raise AssertionError("state_dict_sha256 failed on a bfloat16, a 0-d, a non-contiguous or a "
+                         f"requires-grad tensor: {type(_e).__name__}: {_e}") from _e
+assert _d1 == _d2, \
+    "a non-contiguous tensor should hash like its contiguous copy, and a tensor that requires " \
+    f"grad like its detached copy: got {_d1} and {_d2}"
+# Off-limits: the reference is switched off while yours runs.
+with forbid([(labkit, "sha256_state_dict"), (labkit.hashing, "sha256_state_dict")], globals(),
+            why="state_dict_sha256 must build its own digest"):
+    state_dict_sha256({"a": a, "b": b})
 print("state_dict_sha256 has the visible properties")
 
 ### BEGIN HIDDEN TESTS
@@ -744,8 +899,8 @@ else:
 # %% [markdown]
 # ## Where this goes next
 #
-# You have seen the model and the goal every later lab measures against: high exact match on
-# five tasks, close to none on `rev`. Lab 01 starts shrinking the model: you will quantize its
+# You have seen the model and the goal every later lab measures against: exact match near 1
+# on four tasks, about half on `kv`, close to none on `rev` (the bar chart above). Lab 01 starts shrinking the model: you will quantize its
 # weight matrices to 8 bits (absmax, then symmetric per-group), measure the error as a function
 # of the group size, and see what a single outlier weight does to a whole group. Lab 02 moves
 # to NF4, the 4-bit format QLoRA uses. Your `make_training_pair` is the data side of the
@@ -763,3 +918,33 @@ else:
 # 4. Why does a manifest hash the weights instead of trusting a file name such as
 #    `base_dense.safetensors`? Give a way two runs could read "the same" file name and still
 #    disagree.
+
+# %% [markdown] tags=["instructor"]
+# **Sample answers (instructors only; this cell is not in the learners' notebook).**
+#
+# 1. `add` has only 10 000 distinct prompts, so two sets drawn with different seeds overlap
+#    heavily: a fine-tuning set of a few thousand examples already covers a large share of
+#    the space, and most eval prompts would have been seen in training. Exact match would
+#    then measure memorisation, not addition. Hashing the text sends a fixed 2 044 of the
+#    10 000 prompts (20.4 %, as the notebook prints) to eval whatever seed or lab produced
+#    them, and the check in A.2 finds 0 shared prompts for every task.
+# 2. On the `kv` prompt of the heatmap (`kv:c9,v9?v=`), the final `=` of block 0 looks
+#    mostly at the value digits (heads 1–3 split their weight between the two `9`s) and at a
+#    separator (head 0 puts about 0.9 on the `,`), not at the queried letter. A lookup needs
+#    two steps: first each value position has to learn which key comes right before it (an
+#    attention to the previous token), and only then can a later layer match the query
+#    letter against that key and copy the value. One layer cannot do both, because when it
+#    runs the value positions do not yet hold their key. The base model's 0.42 on `kv` shows
+#    the skill is only half learned.
+# 3. The model would never be trained to emit `<eos>` after an answer, so greedy generation
+#    runs on to `max_new_tokens`, appending characters, even when the answer's first
+#    characters are right (the held-out `rev` already shows such run-ons, e.g. `'hhvhhhhhv'`).
+#    The answer loss stays low, so the loss curve hides it; exact match
+#    (`minigpt.evaluate`) drops to near 0 and catches it at once.
+# 4. A file name says nothing about the content: rerunning experiment 00 with another seed
+#    or another torch version writes different weights under the same name
+#    `base_dense.safetensors`, and two machines can hold different files under that name.
+#    The digest recorded in the manifest (here `4e7774f3…`, which matches the file on disk)
+#    tells the two apart, so `labkit reproduce` refuses to compare metrics computed from
+#    different weights. Re-saving the same weights with another key order changes the file
+#    digest but not the state-dict digest, which is why both exist.

@@ -33,7 +33,10 @@
 # `raise NotImplementedError()`, replace it with your code. Each exercise is followed by test
 # cells: run them, and if one fails, read the message — it says what was expected and what
 # came. Grading runs more (hidden) checks of the same specification, so make your function
-# right, not just green. The whole notebook runs in a few seconds on a laptop CPU.
+# right, not just green. Each exercise states its **specification** first (inputs, outputs,
+# the rules that matter, what is off-limits), which is enough to solve it; below it, folded
+# **hints** go from the idea to pseudocode, for when you want them. The whole notebook runs
+# in <!-- runtime:01-quant-basics -->about 5 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 
 # %%
 import contextlib
@@ -130,7 +133,8 @@ for bits in (2, 3, 4, 8):
 # %% [markdown]
 # ## Part B — Exercise 1: absmax int8, per tensor and per row
 #
-# Write `quantize_absmax_int8(w, dim=None)` and `dequantize_absmax_int8(q, scale)`:
+# **Specification.** Write `quantize_absmax_int8(w, dim=None)`, returning `(q, scale)`, and
+# `dequantize_absmax_int8(q, scale)`:
 #
 # * `w` is a float16, bfloat16 or float32 tensor of any shape; compute in **float32**
 #   (`w.float()`), whatever `w`'s dtype.
@@ -146,8 +150,32 @@ for bits in (2, 3, 4, 8):
 # * a slice (or tensor) that is all zeros gets scale 0 and codes 0 — no NaN.
 # * `dequantize_absmax_int8(q, scale)` returns `q · scale` as float32 (the scale broadcasts).
 #
-# Return `(q, scale)`. Write it with torch operations: `miniquant.quantize_absmax_int8` is
-# the reference the tests compare you with, and calling it here is off-limits.
+# Off-limits: `miniquant.quantize_absmax_int8` and the rest of `miniquant`'s integer
+# quantizers are the reference the tests compare you with; they are switched off while your
+# functions run. Write it with torch operations.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Both cases are one reduction: `x.abs().amax()` for the whole tensor, or
+# `x.abs().amax(dim=dim, keepdim=True)` along a dimension, which keeps the shape that
+# broadcasts against `x`. The only trap left is the all-zero slice: its scale is 0, and
+# `0 / 0` is NaN. Divide by a "safe" scale that is 1 where the true scale is 0 (the codes
+# then come out 0), and return the true scale.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# x      = float32(w)
+# absmax = max |x| over everything (0-d)   or   over dim, keepdim
+# scale  = absmax / 127
+# safe   = scale where scale > 0, else 1
+# q      = int8(clamp(round(x / safe), -127, 127))
+# return q, scale                              # dequantize: float32(q) * scale
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "absmax_int8", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def quantize_absmax_int8(w: torch.Tensor, dim: int | None = None
@@ -223,6 +251,13 @@ _s = torch.tensor(0.3) / 127
 _check_absmax(torch.cat([(torch.arange(-127, 127) + 0.5) * _s, torch.tensor([0.3])]))
 # random weights
 _check_absmax(torch.randn(5, 13, generator=torch.Generator().manual_seed(0)))
+# bfloat16 weights: the scale and the codes are computed in float32 (w.float() first)
+try:
+    _check_absmax((torch.randn(4, 9, generator=torch.Generator().manual_seed(7)) * 3)
+                  .to(torch.bfloat16))
+except AssertionError as _e:
+    raise AssertionError(f"{_e}\nRule: compute in float32 (w.float() first), whatever the "
+                         "dtype of w; the scale is a float32 tensor") from _e
 print("quantize_absmax_int8 (per tensor) matches the hand-worked cases and miniquant")
 
 ### BEGIN HIDDEN TESTS
@@ -316,7 +351,9 @@ plt.show()
 #
 # Per row is one choice of "which weights share a scale". The general one, used by GPTQ, AWQ,
 # bitsandbytes and Lab 02's NF4, is the **group** (or block): a fixed number of consecutive
-# weights. Write `quantize_symmetric_per_group(w, bits=8, group_size=64)` and
+# weights.
+#
+# **Specification.** Write `quantize_symmetric_per_group(w, bits=8, group_size=64)` and
 # `dequantize_symmetric_per_group(q, scales, group_size=64)` with **exactly** this layout:
 #
 # * flatten `w` **row-major** (`w.reshape(-1)`: the last index varies fastest) and cut it into
@@ -334,11 +371,36 @@ plt.show()
 # * `dequantize_symmetric_per_group` gives each code its group's scale and returns float32 of
 #   `q`'s shape.
 #
-# Hints: `torch.nn.functional.pad` or `torch.cat` can pad the flat vector to a multiple of
-# `group_size` (zeros do not change an absmax); `w.reshape(-1)` works on a non-contiguous
-# tensor where `w.view(-1)` does not; `torch.repeat_interleave` expands one scale per group
-# into one per element. `miniquant.quantize_symmetric_per_group` is the reference the tests
-# compare you with, and calling it here is off-limits.
+# Off-limits: `miniquant.quantize_symmetric_per_group` and its dequantizer are the reference
+# the tests compare you with; they are switched off while your functions run.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Make the groups the rows of a matrix: flatten, pad the flat vector with zeros up to a
+# multiple of `group_size` (`torch.nn.functional.pad` or `torch.cat`; zeros do not change an
+# absmax), and `reshape(-1, group_size)`. Then it is Exercise 1 with `dim=1` and `qmax`
+# instead of 127. Afterwards, drop the padding and give the codes `w`'s shape again.
+# `w.reshape(-1)` works on a non-contiguous tensor where `w.view(-1)` does not. Going back,
+# `torch.repeat_interleave` expands one scale per group into one per element.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# check bits (int, 2..8) and group_size (int, >= 1), else raise ValueError
+# qmax   = 2**(bits-1) - 1
+# flat   = float32(w) flattened row-major;  n = numel
+# groups = flat padded with zeros to a multiple of group_size, as rows of group_size
+# scales = max |groups| per row / qmax
+# q      = int8(clamp(round(groups / safe(scales)), -qmax, qmax))
+# return q flattened, first n, reshaped to w.shape;  scales
+#
+# dequantize: per_element = repeat each scale group_size times, first numel(q)
+#             return (float32(q) flattened * per_element) reshaped to q.shape
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "per_group", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def quantize_symmetric_per_group(w: torch.Tensor, bits: int = 8, group_size: int = 64
@@ -440,6 +502,36 @@ for _bits in (8, 4):
 _g = torch.Generator().manual_seed(0)
 _check_per_group(torch.randn(5, 13, generator=_g), 8, 8)
 _check_per_group(torch.randn(65, generator=_g), 4, 64)
+# a transposed (non-contiguous) weight is grouped in its logical row-major order
+try:
+    _check_per_group(torch.randn(6, 5, generator=_g).T, 4, 8)
+except RuntimeError as _e:
+    raise AssertionError("quantize_symmetric_per_group failed on a transposed (non-contiguous) "
+                         f"weight: {_e}. Flatten with w.reshape(-1), which copies when it must; "
+                         "w.view(-1) cannot") from _e
+# bfloat16 weights: computed in float32
+try:
+    _check_per_group((torch.randn(3, 10, generator=_g) * 4).to(torch.bfloat16), 4, 16)
+except AssertionError as _e:
+    raise AssertionError(f"{_e}\nRule: compute in float32 (w.float() first), whatever the "
+                         "dtype of w; the scales are float32") from _e
+# an all-zero group between two others: scale 0 and codes 0, no NaN
+_w = torch.randn(24, generator=_g)
+_w[8:16] = 0
+_q, _s = _check_per_group(_w, 3, 8)
+assert _s[1] == 0 and not _q[8:16].any(), \
+    f"an all-zero group should get scale 0 and codes 0; got scale {_s[1].item()} and codes " \
+    f"{_q[8:16].tolist()}"
+# bad arguments raise ValueError
+for _kw in ({"bits": 1}, {"bits": 9}, {"group_size": 0}):
+    try:
+        with reference_disabled():
+            quantize_symmetric_per_group(torch.ones(4), **{"bits": 8, "group_size": 64, **_kw})
+    except ValueError:
+        continue
+    raise AssertionError(f"quantize_symmetric_per_group(torch.ones(4), {_kw}) should raise "
+                         "ValueError: bits must be an integer in 2..8 and group_size an "
+                         "integer >= 1")
 print("quantize_symmetric_per_group matches the hand-worked cases, a loop and miniquant")
 
 ### BEGIN HIDDEN TESTS
@@ -544,8 +636,10 @@ plt.show()
 # %% [markdown]
 # ## Part D — Exercise 3: measuring the error
 #
-# To compare schemes we need one number. Write `quant_error(w, bits=8, group_size=64)`: quantize
-# `w` per group and dequantize it, then return the **relative Frobenius error**
+# To compare schemes we need one number.
+#
+# **Specification.** Write `quant_error(w, bits=8, group_size=64)`: quantize `w` per group
+# and dequantize it, then return the **relative Frobenius error**
 #
 # $$ \mathrm{err}(w) = \frac{\lVert w - \hat w \rVert_F}{\lVert w \rVert_F} $$
 #
@@ -556,6 +650,26 @@ plt.show()
 # * Use your own functions from Exercise 2. (If yours do not pass yet, you may call
 #   `miniquant.quantize_symmetric_per_group` here instead: this exercise is about the
 #   measurement.)
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# "One group holding the whole tensor" is just `group_size = w.numel()`, so `None` needs no
+# code path of its own. `torch.linalg.norm` or `.norm()` of a tensor of any shape is its
+# Frobenius norm. Check for a zero norm before dividing, and turn the 0-d result into a
+# Python float with `.item()`.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# x  = float32(w);  gs = numel(x) if group_size is None else group_size
+# q, scales = quantize_symmetric_per_group(x, bits, gs)
+# x_hat     = dequantize_symmetric_per_group(q, scales, gs)
+# return 0.0 if norm(x) == 0 else (norm(x - x_hat) / norm(x)).item()
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "quant_error", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def quant_error(w: torch.Tensor, bits: int = 8, group_size: int | None = 64) -> float:
@@ -705,10 +819,10 @@ for name, bpp, err in rows:
 # the others, the scale is 20 times coarser, and the others crowd into the few levels around
 # zero: most of the grid is never used. Let us count that waste.
 #
-# Write `wasted_fraction(q, bits, group_size)` which takes the **codes** of a per-group
-# quantization (the `q` of Exercise 2: int8, any shape, same row-major groups) and returns,
-# for each group, the fraction of the $2 q_{max} + 1$ levels that the group's *other* weights
-# cannot reach because of its largest one:
+# **Specification.** Write `wasted_fraction(q, bits, group_size)` which takes the **codes**
+# of a per-group quantization (the `q` of Exercise 2: int8, any shape, same row-major groups)
+# and returns, for each group, the fraction of the $2 q_{max} + 1$ levels that the group's
+# *other* weights cannot reach because of its largest one:
 #
 # * let $k$ be the **second-largest** $|q|$ in the group (the largest $|q|$ after removing one
 #   element of largest $|q|$; a group of a single element has $k = 0$);
@@ -718,9 +832,29 @@ for name, bpp, err in rows:
 #   the last group may be partial, and `group_size` may be 1.
 #
 # Without an outlier the two largest weights of a group are close, $k \approx q_{max}$, and
-# almost nothing is wasted. Hint: pad with zeros — a padded zero never raises $k$ — and
-# `torch.topk` or `torch.sort` along the group gives the two largest; cast to a wider integer
-# or float type before `abs()` to be safe.
+# almost nothing is wasted.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# As in Exercise 2, pad the flat codes with zeros and make the groups the rows of a matrix: a
+# padded zero never raises $k$. `torch.topk(..., 2)` or `torch.sort` along each row gives the
+# two largest magnitudes, but `topk` with `k = 2` raises on a row of one element
+# (`group_size=1`): one extra column of zeros gives every group a second element. Cast the
+# codes to a wider integer or float type before `abs()`, to be safe.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# qmax   = 2**(bits-1) - 1
+# mags   = |float(q)| flattened, padded with zeros to a multiple of group_size
+# groups = mags as rows of group_size, plus one column of zeros
+# k      = second largest of each row          (topk(2) along the row, take the second)
+# return float32(1 - (2k + 1) / (2 qmax + 1))
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "wasted_fraction", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def wasted_fraction(q: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
@@ -773,6 +907,14 @@ _w = torch.randn(6, 40, generator=torch.Generator().manual_seed(0))
 _w[2, 5] = 30.0
 _q, _ = quantize_per_group_ref(_w, bits=8, group_size=32)
 _check_wasted(_q, 8, 32)
+# group_size 1: every group has one element, so k = 0 everywhere
+try:
+    _check_wasted(torch.tensor([2, -1, 3, 0], dtype=torch.int8), 3, 1,
+                  want=torch.full((4,), 1 - 1 / 7))
+except RuntimeError as _e:
+    raise AssertionError(f"wasted_fraction(..., group_size=1) failed: {_e}. A group of one "
+                         "element has no second-largest |code| (k = 0); topk(2) needs a "
+                         "second element, such as one padded zero") from _e
 print("wasted_fraction matches the hand-worked cases and a loop over groups")
 
 ### BEGIN HIDDEN TESTS
@@ -911,3 +1053,38 @@ for i, f in enumerate(factors):
 # 5. An outlier of 100× destroys its group of 64. Suggest a way to keep that weight exact
 #    without giving up groups of 64 (LLM.int8() and SpQR each do a version of it), and
 #    estimate what it costs in bits per parameter.
+
+# %% [markdown] tags=["instructor"]
+# **Sample answers (instructors only; this cell is not in the learners' notebook).**
+#
+# 1. A symmetric grid for that group spans $[-0.5, 0.5]$, and the weights only reach codes
+#    from about $0.2\,q_{max}$ to $q_{max}$: at 8 bits roughly 100 of the 255 levels. A scale
+#    plus a zero point maps $[0.1, 0.5]$ onto all 256 levels, a step about 2.5 times finer,
+#    for one extra number per group. Trained linear weights are close to zero-mean (the
+#    up-projection has std 0.059 around 0), so their groups straddle zero and the zero
+#    point buys little; after a ReLU every activation is $\ge 0$, and a symmetric grid
+#    leaves its whole negative half, one bit, unused.
+# 2. With absmax 7 at 4 bits the scale is exactly 1, so the weights
+#    $[0.5, 1.5, 2.5, 3.5, 7]$ sit on ties. Round half up gives codes $[1, 2, 3, 4, 7]$:
+#    every tie moves up by 0.5, and the mean of the dequantized weights rises by 0.4.
+#    Half-to-even gives $[0, 2, 2, 4, 7]$: the ties move down, up, down, up, and the mean is
+#    unchanged. Over many ties the even neighbour is above as often as below, so the errors
+#    cancel on average instead of adding up over millions of weights.
+# 3. Both cost 5.0 bits per parameter. int5 per tensor halves the step of int4 but must
+#    cover the tensor's absmax (0.311); a group of 32 has an absmax of about 0.13, so its
+#    4-bit step is about as fine, and no outlier elsewhere in the matrix can widen it.
+#    Measured: `quant_error(W, 4, 32)` = 0.0947 against `quant_error(W, 5, None)` = 0.1012, a
+#    small win for the groups; on a weight with outliers the gap would be much larger.
+# 4. Worse at small groups: at int4 with groups of 64, quantizing `W.T` gives 0.119 instead
+#    of 0.105, because the rows of `up_proj` have different ranges (Part B's plot) and a
+#    group running down a column mixes 64 of them, taking the widest one's scale. Before
+#    choosing, measure how the absmax varies along each axis of the real layers and the
+#    error in both directions, and check which axis the matrix-multiply kernel reads
+#    contiguously, since the groups have to follow the layout it dequantizes.
+# 5. Store the outlier apart, as an (index, value) pair in a sparse side table, and set it
+#    to 0 in the dense matrix before quantizing, so that its group's scale is that of the
+#    other 63 weights; at dequantization, add the stored value back. SpQR does this for
+#    individual weights, LLM.int8() for whole feature columns in float16. With a 32-bit
+#    index and a 16-bit value, one outlier per 10 000 weights costs
+#    $48 / 10\,000 \approx 0.005$ bits per parameter, against a group error that grows from
+#    0.0058 to 0.0327 (int8, groups of 64) at 100× in the table above.

@@ -34,9 +34,12 @@
 # below compares with `torch.equal`, never with a tolerance.
 #
 # **How to work.** Run the cells from top to bottom; replace each `raise NotImplementedError()`
-# with your code; run the test cell below it and read its message if it fails. Grading runs
-# more (hidden) checks of the same specification. The whole notebook runs in well under a
-# minute on a laptop CPU; no GPU is needed.
+# with your code; run the test cell below it and read its message if it fails. Each exercise
+# states its specification first (inputs, outputs, the rules that matter, what is
+# off-limits); that is enough to solve it. Below the specification, folded hints go from the
+# idea to pseudocode: open them when you want them. Grading runs more (hidden) checks of the
+# same specification. The whole notebook runs in <!-- runtime:02-nf4 -->about 9 s (the solution, measured on a 2-core CPU)<!-- /runtime -->,
+# and no GPU is needed.
 
 # %%
 import logging
@@ -91,30 +94,55 @@ print("default quant_type:", state_fp4.quant_type,
 #
 # The table is asymmetric: **8 positive levels, 7 negative levels, and an exact 0** (16 in
 # all). Keeping an exact zero matters: padding and zero weights must come back as zero.
-# bitsandbytes builds it (`create_normal_map(offset=0.9677083)`) like this:
-#
-# 1. Positive side: the float32 `torch.linspace(0.9677083, 0.5, 9)`, without its last value
-#    (0.5): 8 probabilities. Negative side: `torch.linspace(0.9677083, 0.5, 8)` without its
-#    last value: 7 probabilities.
-# 2. Turn each probability $p$ into the quantile $\Phi^{-1}(p)$ with `torch.special.ndtri`,
-#    **in float64** (convert the float32 probabilities to float64 first). The positive levels
-#    are $\Phi^{-1}(p)$, the negative ones $-\Phi^{-1}(p)$, plus a single $0$.
-# 3. **Round the 16 quantiles to float32**, sort them ascending, and **divide by their
-#    maximum in float32**, so that the ends are exactly $-1$ and $1$.
-#
-# The order of the roundings is the whole difficulty: the same formula evaluated all in float64
-# and rounded once at the end gives a table in which 10 of the 16 values are one unit in the
-# last place (ulp) away from bitsandbytes'. One ulp of a code moves a weight's dequantized
-# value, and moves the midpoints that decide which code a weight gets.
-#
-# (Where does 0.9677083 come from? It is the mean of $1 - \frac{1}{2\cdot 15}$ and
+# (Where does 0.9677083 below come from? It is the mean of $1 - \frac{1}{2\cdot 15}$ and
 # $1 - \frac{1}{2\cdot 16}$: it keeps the outermost quantile finite, since $\Phi^{-1}(1) =
 # \infty$.)
 #
-# Write `nf4_codebook()` returning the float32 tensor of 16 sorted values. Call the quantile
-# function as **`torch.special.ndtri`** (the tests watch that it is used). Off-limits here:
-# `miniquant.nf4_codebook`, `miniquant.NF4_CODE`, bitsandbytes' `get_4bit_type` and
-# `create_normal_map`, and a hard-coded table of values — the tests compare you against those.
+# **Specification.** `nf4_codebook()` takes no argument and returns a new float32 tensor of
+# shape `[16]`, sorted ascending, equal **bit for bit** to bitsandbytes' table
+# (`create_normal_map(offset=0.9677083)`), which is defined with these roundings:
+#
+# * probabilities in **float32**: the positive side is `torch.linspace(0.9677083, 0.5, 9)`
+#   without its last value (8 probabilities), the negative side
+#   `torch.linspace(0.9677083, 0.5, 8)` without its last value (7 probabilities);
+# * quantiles $\Phi^{-1}(p)$ in **float64** (the float32 probabilities converted first),
+#   computed with **`torch.special.ndtri`**: the positive levels are $\Phi^{-1}(p)$, the
+#   negative ones $-\Phi^{-1}(p)$, plus a single $0$;
+# * the 16 quantiles **rounded to float32**, sorted, then **divided by their maximum in
+#   float32**, so that index 7 is exactly 0 and the ends exactly $-1$ and $1$.
+#
+# The rule that matters is this order of roundings. The same formula evaluated all in float64
+# and rounded once at the end gives a table in which 10 of the 16 values differ from
+# bitsandbytes', by up to 6 units in the last place (ulps; the cell after the test prints the
+# count and the distance for each recipe). One ulp of a code moves a weight's dequantized
+# value, and moves the midpoints that decide which code a weight gets.
+#
+# Off-limits: `miniquant.nf4_codebook`, `miniquant.NF4_CODE`, bitsandbytes' `get_4bit_type`
+# and `create_normal_map`, and a hard-coded table of values. The tests compare you against
+# those tables, switch them off while your function runs, and check that it calls
+# `torch.special.ndtri` by that name.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Treat each dtype in the specification as an instruction, not a suggestion: make the
+# `linspace` in float32, convert to float64 only to call `ndtri`, and come back to float32
+# before any division. If the test reports a few values a few ulps off, one of your steps
+# runs in another precision than the specification says; the table after the test shows what
+# each wrong order gives.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# pos = linspace(0.9677083, 0.5, 9) in float32, drop the last      # 8 probabilities
+# neg = linspace(0.9677083, 0.5, 8) in float32, drop the last      # 7 probabilities
+# q   = concat(ndtri(float64(pos)), [0.0], -ndtri(float64(neg)))   # 16 float64 quantiles
+# q   = sort(float32(q))
+# return q / max(q)                                                # float32 division
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "nf4_codebook", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def nf4_codebook() -> torch.Tensor:
@@ -151,36 +179,13 @@ if not torch.equal(got, _bnb_code):
         f"distance in float32 ulps: {_ulps_apart(got, _bnb_code)[_off].tolist()}\n"
         f"expected {[f'{v:.10f}' for v in _bnb_code[_off].tolist()]}\n"
         f"got      {[f'{v:.10f}' for v in got[_off].tolist()]}\n"
-        "(one ulp everywhere? check the order of roundings: float32 probabilities, float64 "
-        "quantiles, float32 before the division)")
+        "(a few ulps at several indices? check the order of roundings: float32 "
+        "probabilities, float64 quantiles, float32 before the division)")
 assert torch.equal(got, miniquant.NF4_CODE), "differs from miniquant.NF4_CODE"
-print("nf4_codebook() equals bitsandbytes' NF4 table bit for bit:")
-print([f"{v:+.8f}" for v in got.tolist()])
-
-### BEGIN HIDDEN TESTS
-# the values of DESIGN §4 (8 significant digits)
-_design = torch.tensor([-1.0, -0.69619280, -0.52507305, -0.39491749, -0.28444138, -0.18477343,
-                        -0.09105004, 0.0, 0.07958030, 0.16093020, 0.24611230, 0.33791524,
-                        0.44070983, 0.56261700, 0.72295684, 1.0])
-torch.testing.assert_close(got, _design, atol=1e-7, rtol=0)
-# The "all in float64, round at the end" recipe: 10 values one ulp off. Not that one.
-_p = torch.linspace(0.9677083, 0.5, 9, dtype=torch.float64)[:-1]
-_n = torch.linspace(0.9677083, 0.5, 8, dtype=torch.float64)[:-1]
-_q = torch.cat([torch.special.ndtri(_p), torch.zeros(1, dtype=torch.float64),
-                -torch.special.ndtri(_n)]).sort().values
-_all64 = (_q / _q.max()).float()
-assert (_all64 != _bnb_code).sum() == 10, "the float64 variant should differ in 10 places"
-assert (got != _all64).sum() == 10, \
-    "your table is the all-float64-then-round variant: round the quantiles before dividing"
-# a fresh tensor each call, not a view of something shared
-_a = nf4_codebook()
-_a[3] = 123.0
-assert torch.equal(nf4_codebook(), _bnb_code), "modifying the result changed the next call's"
-# derived, not copied: the reference tables are poisoned and ndtri is watched
+# Derived, not copied: the reference tables are poisoned, the functions that return them
+# refuse to run, and torch.special.ndtri is watched while nf4_codebook() runs.
 _real_ndtri = torch.special.ndtri
 _poison = torch.zeros(16)
-
-
 _saved_code = globals().get("CODE")
 try:
     if _saved_code is not None:
@@ -197,13 +202,36 @@ assert torch.equal(_fresh, _bnb_code), \
     f"with the reference tables switched off, nf4_codebook() returned {_fresh.tolist()}"
 assert _spy.call_count > 0, \
     "nf4_codebook() never called torch.special.ndtri: derive the table, do not copy it"
+print("nf4_codebook() equals bitsandbytes' NF4 table bit for bit:")
+print([f"{v:+.8f}" for v in got.tolist()])
+
+### BEGIN HIDDEN TESTS
+# the values of DESIGN §4 (8 significant digits)
+_design = torch.tensor([-1.0, -0.69619280, -0.52507305, -0.39491749, -0.28444138, -0.18477343,
+                        -0.09105004, 0.0, 0.07958030, 0.16093020, 0.24611230, 0.33791524,
+                        0.44070983, 0.56261700, 0.72295684, 1.0])
+torch.testing.assert_close(got, _design, atol=1e-7, rtol=0)
+# The "all in float64, round at the end" recipe: 10 values off, by 1 to 6 ulps. Not that one.
+_p = torch.linspace(0.9677083, 0.5, 9, dtype=torch.float64)[:-1]
+_n = torch.linspace(0.9677083, 0.5, 8, dtype=torch.float64)[:-1]
+_q = torch.cat([torch.special.ndtri(_p), torch.zeros(1, dtype=torch.float64),
+                -torch.special.ndtri(_n)]).sort().values
+_all64 = (_q / _q.max()).float()
+assert (_all64 != _bnb_code).sum() == 10, "the float64 variant should differ in 10 places"
+assert (got != _all64).sum() == 10, \
+    "your table is the all-float64-then-round variant: round the quantiles before dividing"
+# a fresh tensor each call, not a view of something shared
+_a = nf4_codebook()
+_a[3] = 123.0
+assert torch.equal(nf4_codebook(), _bnb_code), "modifying the result changed the next call's"
 ### END HIDDEN TESTS
 
 # %% [markdown]
 # ### The order of roundings, measured
 #
-# Four ways to evaluate "the same" formula, and how many of their 16 values differ from
-# bitsandbytes' table. Only one recipe gives zero.
+# Four other ways to evaluate "the same" formula: how many of their 16 values differ from
+# bitsandbytes' table, and by how many float32 ulps at most. Only bitsandbytes' own order of
+# roundings gives zero.
 
 # %%
 def codebook_variant(prob_dtype, quantile_dtype, round_before_divide):
@@ -225,7 +253,9 @@ for label, args in [("float32 probs, float64 quantiles, round, divide (bnb)",
                     ("float64 probs and quantiles, round, divide", (torch.float64,
                                                                    torch.float64, True))]:
     table = codebook_variant(*args)
-    print(f"{label:<55} {(table != _bnb_code).sum().item():2d} of 16 values differ")
+    ulps = (table.view(torch.int32).long() - _bnb_code.view(torch.int32).long()).abs()
+    print(f"{label:<55} {(table != _bnb_code).sum().item():2d} of 16 values differ, "
+          f"by up to {ulps.max().item()} ulps")
 
 # %% [markdown]
 # ### What the levels look like
@@ -281,35 +311,65 @@ plt.show()
 #
 # ## Part B — Exercise 2: blockwise scaling and the nearest code
 #
-# To quantize a weight `w` of any shape to NF4 indices, bitsandbytes does this (its CPU path,
-# which is our oracle):
+# **Specification.** `nf4_indices(w, blocksize=64)` takes a weight `w` of any shape and
+# floating dtype (float32, float16, bfloat16; possibly non-contiguous) and returns
+# `(idx, absmax)`:
 #
-# * Work in **float32** (`w.float()`), on the weight **flattened row-major** (`reshape(-1)`,
-#   which also handles a non-contiguous tensor): blocks are `blocksize` *consecutive* elements
-#   of that flat vector, and they run across row boundaries. There are
-#   `n_blocks = ceil(n / blocksize)` blocks; the last one is partial when `blocksize` does not
-#   divide `n`.
-# * **Full blocks:** `absmax = max |x|` over the block; the block is scaled by **multiplying**
-#   with the reciprocal, `x * (1 / max(absmax, 1e-38))`. The `absmax` stored is the true one
-#   (0 for an all-zero block); the floor `1e-38` only keeps the reciprocal finite.
-# * **A trailing partial block** is scaled by **dividing**: `a = max(max |x|, 1e-38)`,
-#   `x / a`, and it is the floored `a` that is stored (so an all-zero trailing block stores
-#   `1e-38`). Multiplying by a reciprocal and dividing differ in the last bit now and then,
-#   and that is enough to change a code.
-# * **Nearest code, ties to the lower one.** With `CODE` the sorted table, compute the 15
-#   midpoints `(CODE[:-1] + CODE[1:]) / 2` in float32; the index of a scaled value `s` is the
-#   number of midpoints **strictly below** `s`. A value exactly on a midpoint therefore takes
-#   the lower code. (`torch.bucketize` against the midpoints does this in one line — read its
-#   documentation to see which side a value equal to a boundary goes with `right=False` and
-#   with `right=True`.) Values a hair outside $[-1, 1]$ simply get code 0 or 15.
+# * `idx`: a `uint8` tensor of shape `[n]`, `n = w.numel()`, one code in 0..15 per element in
+#   row-major order (not packed yet);
+# * `absmax`: a float32 tensor of shape `[ceil(n / blocksize)]`, one scale per block.
 #
-# Write `nf4_indices(w, blocksize=64)` returning `(idx, absmax)`: `idx` a `uint8` tensor of
-# `n = w.numel()` codes in 0..15 (row-major order, one per element, not packed yet) and
-# `absmax` a float32 tensor of `n_blocks` values. Use `CODE` (the table, defined above).
-# Off-limits: `miniquant.quantize_nf4` and the helpers in `miniquant.dynamic`
-# (`scale_blocks`, `nearest_code`, `quantize_blockwise_8bit`), and bitsandbytes. You will use
-# the same scaling rule again in Exercise 5; a helper that takes the code table as an
-# argument is welcome.
+# Both must equal what bitsandbytes' `quantize_4bit(w, blocksize, quant_type="nf4")` stores
+# (its CPU path is our oracle), which follows these rules:
+#
+# * **Blocks.** The work is in **float32**, on the weight **flattened row-major**: a block is
+#   `blocksize` *consecutive* elements of that flat vector, and blocks run across row
+#   boundaries. The last block is partial when `blocksize` does not divide `n`.
+# * **Full blocks multiply by the reciprocal:** with `absmax = max |x|` over the block, the
+#   scaled value is `x * (1 / max(absmax, 1e-38))`. The stored `absmax` is the true one (0
+#   for an all-zero block); the floor `1e-38` only keeps the reciprocal finite.
+# * **A trailing partial block divides:** with `a = max(max |x|, 1e-38)`, the scaled value is
+#   `x / a`, and the floored `a` is what is stored (an all-zero trailing block stores `1e-38`).
+#   Multiplying by a reciprocal and dividing differ in the last bit now and then, and that is
+#   enough to change a code: the visible tests include such values.
+# * **Nearest code, ties to the lower one.** With `CODE` the sorted table (defined above) and
+#   its 15 float32 midpoints `(CODE[:-1] + CODE[1:]) / 2`, the code of a scaled value `s` is
+#   the number of midpoints **strictly below** `s`. A value exactly on a midpoint takes the
+#   lower code; values a hair outside $[-1, 1]$ get code 0 or 15.
+#
+# Off-limits: `miniquant.quantize_nf4`, the helpers in `miniquant.dynamic` (`scale_blocks`,
+# `nearest_code`, `quantize_blockwise_8bit`) and bitsandbytes; the tests switch them off
+# while your function runs. You will use the same scaling rule again in Exercise 5, so a
+# helper that takes the code table as an argument is welcome.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Split the flat vector into its full blocks, which a `reshape(-1, blocksize)` turns into the
+# rows of a matrix, and the tail that is left over; scale the two parts by their own rules,
+# then concatenate. For the nearest code, compare with the midpoints rather than with the
+# codes themselves: `argmin(|s - CODE|)` agrees almost everywhere, but on a value exactly on a
+# midpoint the two float32 distances are not always equal, and it picks the upper code for
+# some midpoints. `torch.bucketize` against the midpoints does the counting in one line —
+# read its documentation to see which side a value equal to a boundary goes with
+# `right=False` and with `right=True`.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# flat   = float32(w) flattened row-major;  n = numel;  full = n - n % blocksize
+# blocks = flat[:full] as rows of blocksize
+# absmax = max |blocks| per row                             # stored as is
+# scaled = blocks * (1 / max(absmax, 1e-38)) per row
+# if full < n:
+#     a      = max(max |flat[full:]|, 1e-38)                # stored floored
+#     absmax = append a;   scaled = append flat[full:] / a
+# mids = (CODE[:-1] + CODE[1:]) / 2
+# idx  = bucketize(scaled, mids, right=False) as uint8
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "nf4_indices", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def nf4_indices(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,6 +444,15 @@ assert _idx.tolist() == [12, 0, 7, 11] and _absmax.tolist() == [1.0], \
 _check_indices(randn(3, 70, seed=1))                 # rows cross block boundaries; partial end
 _check_indices(randn(100, seed=2), blocksize=32)
 _check_indices(randn(5, 13, seed=3, dtype=torch.float16))
+# Off-limits: the reference and bitsandbytes are switched off while yours runs.
+_w = randn(7, 9, seed=6)
+_want = miniquant.quantize_nf4(_w, 32)
+with forbid([miniquant.quantize_nf4, miniquant.dynamic.scale_blocks,
+             miniquant.dynamic.nearest_code, miniquant.dynamic.quantize_blockwise_8bit,
+             (bnbF, "quantize_4bit")], globals(), why="nf4_indices must not call it"):
+    _got = nf4_indices(_w, 32)
+assert torch.equal(_got[0], _want.codes()) and torch.equal(_got[1], _want.absmax), \
+    "with the reference switched off, nf4_indices gave other codes or absmax"
 print("nf4_indices agrees with bitsandbytes' codes and absmax on the visible cases")
 
 ### BEGIN HIDDEN TESTS
@@ -404,15 +473,6 @@ _ti, _ta = nf4_indices(_w, 64)
 _ri, _ra = nf4_indices(_w.contiguous(), 64)
 assert torch.equal(_ti, _ri) and torch.equal(_ta, _ra), \
     "a transposed (non-contiguous) weight gave other codes than its contiguous copy"
-# the reference is off-limits: switch it off and call yours
-_w = randn(7, 9, seed=6)
-_want = miniquant.quantize_nf4(_w, 32)
-with forbid([miniquant.quantize_nf4, miniquant.dynamic.scale_blocks,
-             miniquant.dynamic.nearest_code, miniquant.dynamic.quantize_blockwise_8bit,
-             (bnbF, "quantize_4bit")], globals(), why="nf4_indices must not call it"):
-    _got = nf4_indices(_w, 32)
-assert torch.equal(_got[0], _want.codes()) and torch.equal(_got[1], _want.absmax), \
-    "with the reference switched off, nf4_indices gave other codes or absmax"
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -448,7 +508,24 @@ assert (_idx[64:192] == 7).all() and (_idx[960:] == 7).all(), \
     f"zeros should get code 7, got {_idx[64:192].unique().tolist()} / {_idx[960:].unique().tolist()}"
 _check_indices(_w, 64, "all-zero blocks: ")
 _check_indices(torch.zeros(5, 13), 64, "all zeros: ")
-print("ties go to the lower code; zero blocks store 0 (full) and 1e-38 (partial)")
+
+# Multiply versus divide. With absmax 7, each of these four values lands on one side of a
+# midpoint as x * (1/7) and on the other as x / 7: the same five numbers get other codes in
+# a full block (multiply by the reciprocal) and in a trailing partial block (divide).
+_xs = torch.tensor([7.0, -3.2199666500091553, -0.31867510080337524, 0.8417867422103882,
+                    6.030349254608154])
+_w = torch.cat([_xs, torch.zeros(32 - 5), _xs])                         # 32 full + 5 partial
+_idx, _ = nf4_indices(_w, 32)
+assert _idx[:5].tolist() == [15, 2, 6, 9, 15], \
+    f"full block of absmax 7: expected codes [15, 2, 6, 9, 15], got {_idx[:5].tolist()}. " \
+    "Rule: a full block is scaled by multiplying with the reciprocal, x * (1 / absmax), as " \
+    "bitsandbytes does; x / absmax differs in the last bit here and crosses a midpoint"
+assert _idx[32:].tolist() == [15, 3, 7, 8, 14], \
+    f"trailing partial block of absmax 7: expected codes [15, 3, 7, 8, 14], got " \
+    f"{_idx[32:].tolist()}. Rule: a trailing partial block is scaled by dividing, x / absmax; " \
+    "x * (1 / absmax) differs in the last bit here and crosses a midpoint"
+print("ties go to the lower code; zero blocks store 0 (full) and 1e-38 (partial); full blocks "
+      "multiply by 1/absmax, a partial block divides")
 
 ### BEGIN HIDDEN TESTS
 # Multiply by the reciprocal (full) versus divide (partial): with absmax 3, each of these six
@@ -473,14 +550,41 @@ _check_indices(torch.tensor([-3.5]), 64, "a single negative value: ")
 # %% [markdown]
 # ## Part C — Exercise 3: two codes per byte
 #
-# A code needs 4 bits, so bitsandbytes stores two per byte: element `2i` in the **high**
-# nibble and element `2i + 1` in the **low** nibble, i.e. `byte = (idx[2i] << 4) | idx[2i+1]`.
-# An odd count is padded with code 7 (zero) to fill the last byte.
+# A code needs 4 bits, so bitsandbytes stores two per byte.
 #
-# Write `pack_nibbles(idx)` (uint8 codes `[n]` → uint8 bytes `[ceil(n/2)]`) and its inverse
-# `unpack_nibbles(packed, n)` (uint8 bytes → the first `n` codes, uint8). Off-limits:
-# `miniquant.nf4.pack_nibbles`, `miniquant.nf4.unpack_nibbles`, `NF4Weight.codes` and
-# bitsandbytes.
+# **Specification.**
+#
+# * `pack_nibbles(idx)`: `idx` a uint8 tensor of `n` codes in 0..15 (flatten it if it is not
+#   1-D). Returns a uint8 tensor of shape `[ceil(n / 2)]` in which byte `i` holds element `2i`
+#   in the **high** nibble and element `2i + 1` in the **low** nibble:
+#   `byte = (idx[2i] << 4) | idx[2i+1]`. An odd `n` is padded with **code 7** (zero) to fill
+#   the last byte.
+# * `unpack_nibbles(packed, n)`: `packed` uint8 bytes of any shape (bitsandbytes returns
+#   `[ceil(n / 2), 1]`); returns the first `n` codes, uint8, shape `[n]`. It inverts
+#   `pack_nibbles`.
+#
+# Off-limits: `miniquant.nf4.pack_nibbles`, `miniquant.nf4.unpack_nibbles`,
+# `NF4Weight.codes` and bitsandbytes.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# No loop is needed: the even-indexed codes (`idx[0::2]`) are the high halves and the
+# odd-indexed ones (`idx[1::2]`) the low halves, so one shift and one OR make all the bytes at
+# once. Going back, `>> 4` and `& 0xF` give the two halves of every byte; interleave them
+# again and cut to `n`. Keep everything uint8 so that `<< 4` cannot spill into a ninth bit.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# pack:   idx = flatten(idx) as uint8;  if n is odd: append 7
+#         return (idx[0::2] << 4) | idx[1::2]
+# unpack: p = flatten(packed)
+#         return stack([p >> 4, p & 0xF], dim=1) flattened, first n
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "nibbles", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def pack_nibbles(idx: torch.Tensor) -> torch.Tensor:
@@ -531,6 +635,15 @@ assert torch.equal(_mine, _p), \
     f"{_p.numel()} bytes differ (first: expected {_p[:4].tolist()}, got {_mine[:4].tolist()})"
 assert torch.equal(unpack_nibbles(_packed, _w.numel()), _codes), \
     "unpacking bitsandbytes' bytes (shape [ceil(n/2), 1]) did not give their codes"
+# Off-limits: the reference and bitsandbytes are switched off while yours runs.
+_c = torch.randint(0, 16, (33,), generator=torch.Generator().manual_seed(10), dtype=torch.uint8)
+with forbid([miniquant.nf4.pack_nibbles, miniquant.nf4.unpack_nibbles, miniquant.NF4Weight.codes,
+             (bnbF, "quantize_4bit")], globals(), why="pack_nibbles / unpack_nibbles must not call it"):
+    _pk = pack_nibbles(_c)
+    _back = unpack_nibbles(_pk, 33)
+assert torch.equal(_back, _c) and _pk[-1].item() == (int(_c[32]) << 4) | 7, \
+    "with the reference switched off, unpack_nibbles(pack_nibbles(idx), 33) is not idx, or the " \
+    "last byte is not the 33rd code padded with 7"
 print("pack_nibbles / unpack_nibbles agree with bitsandbytes' byte order")
 
 ### BEGIN HIDDEN TESTS
@@ -549,13 +662,6 @@ assert pack_nibbles(torch.tensor([5], dtype=torch.uint8)).tolist() == [0x57], \
 _all = torch.arange(256, dtype=torch.int32).to(torch.uint8)
 assert unpack_nibbles(_all, 512).tolist() == [v for b in range(256) for v in (b >> 4, b & 15)]
 assert unpack_nibbles(_all, 5).tolist() == [0, 0, 0, 1, 0]
-# the reference is off-limits
-_c = torch.randint(0, 16, (33,), generator=_g, dtype=torch.uint8)
-with forbid([miniquant.nf4.pack_nibbles, miniquant.nf4.unpack_nibbles, miniquant.NF4Weight.codes,
-             (bnbF, "quantize_4bit")], globals(), why="pack_nibbles / unpack_nibbles must not call it"):
-    _pk = pack_nibbles(_c)
-    _back = unpack_nibbles(_pk, 33)
-assert torch.equal(_back, _c) and _pk[-1].item() == (int(_c[32]) << 4) | 7
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -596,15 +702,39 @@ print("tensors with a difference:", mismatched or "none")
 # %% [markdown]
 # ## Part D — Exercise 4: dequantization
 #
-# Going back is one gather and one multiply: element $i$ of block $b$ becomes
-# $\texttt{CODE}[\mathrm{idx}_i] \cdot \mathrm{absmax}_b$. Compute it in float32, reshape to
-# the original shape, and cast to the requested dtype only at the end (QLoRA computes in
-# bfloat16, but the product is formed in float32 first).
+# Going back is one gather and one multiply.
 #
-# Write `nf4_dequantize(idx, absmax, blocksize, shape, dtype=torch.float32)`: `idx` the uint8
-# codes `[n]` (row-major), `absmax` float32 `[ceil(n / blocksize)]`. Off-limits:
-# `miniquant.dequantize_nf4`, `NF4Weight.dequantize`, `miniquant.triton_dequantize_nf4`, and
-# bitsandbytes' `dequantize_4bit` (see below why you would not want it anyway).
+# **Specification.** `nf4_dequantize(idx, absmax, blocksize, shape, dtype=torch.float32)`
+# takes `idx`, the uint8 codes `[n]` in row-major order, `absmax`, float32
+# `[ceil(n / blocksize)]`, the block size, the weight's `shape` (with `n` elements) and a
+# dtype. It returns a tensor of that `shape` and `dtype` whose element $i$ (flat, row-major)
+# is $\texttt{CODE}[\mathrm{idx}_i] \cdot \mathrm{absmax}_{\lfloor i / \mathrm{blocksize}
+# \rfloor}$. The rule: the product is formed **in float32**, and cast to `dtype` only at the
+# end (QLoRA computes in bfloat16, but rounds once, after the product).
+#
+# Off-limits: `miniquant.dequantize_nf4`, `NF4Weight.dequantize`,
+# `miniquant.triton_dequantize_nf4`, and bitsandbytes' `dequantize_4bit` (see below why you
+# would not want it anyway).
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Indexing the table with the codes (`CODE[idx.long()]`) gathers all the values at once. Each
+# block's scale has to be repeated `blocksize` times to sit beside its elements;
+# `repeat_interleave` does that, and the last block may be shorter than `blocksize`, so cut
+# the repeated vector to `n`. Casting the two factors to bfloat16 before multiplying rounds
+# twice and gives other values now and then.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# values = CODE[idx as long]                                # [n] float32
+# scales = repeat each absmax blocksize times, first n      # [n] float32
+# return (values * scales) reshaped to shape, then cast to dtype
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "nf4_dequantize", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def nf4_dequantize(idx: torch.Tensor, absmax: torch.Tensor, blocksize: int, shape,
@@ -645,6 +775,15 @@ assert torch.equal(_got, _want), f"expected {_want.tolist()}, got {_got.tolist()
 _check_dequant(randn(3, 70, seed=12))
 _check_dequant(randn(100, seed=13), blocksize=32)
 _check_dequant(randn(5, 13, seed=14, dtype=torch.bfloat16))
+# Off-limits: the reference and bitsandbytes are switched off while yours runs.
+_q = miniquant.quantize_nf4(randn(3, 30, seed=11), 32)
+_want = miniquant.dequantize_nf4(_q)
+with forbid([miniquant.dequantize_nf4, miniquant.NF4Weight.dequantize,
+             miniquant.triton_dequantize_nf4, (bnbF, "dequantize_4bit")], globals(),
+            why="nf4_dequantize must not call it"):
+    _got = nf4_dequantize(_q.codes(), _q.absmax, 32, (3, 30))
+assert torch.equal(_got, _want), \
+    "with the reference switched off, nf4_dequantize gave other values for a (3, 30) weight"
 print("nf4_dequantize equals miniquant.dequantize_nf4 bit for bit on the visible cases")
 
 ### BEGIN HIDDEN TESTS
@@ -664,13 +803,6 @@ _q = miniquant.quantize_nf4(_w, 32)
 _c, _am = _q.codes(), _q.absmax
 _loop = torch.stack([CODE[int(_c[i])] * _am[i // 32] for i in range(_w.numel())]).reshape(3, 30)
 assert torch.equal(nf4_dequantize(_c, _am, 32, (3, 30)), _loop), "differs from the element loop"
-# the reference is off-limits
-_want = miniquant.dequantize_nf4(_q)
-with forbid([miniquant.dequantize_nf4, miniquant.NF4Weight.dequantize,
-             miniquant.triton_dequantize_nf4, (bnbF, "dequantize_4bit")], globals(),
-            why="nf4_dequantize must not call it"):
-    _got = nf4_dequantize(_c, _am, 32, (3, 30))
-assert torch.equal(_got, _want)
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -716,34 +848,64 @@ print("\nshape (3, n), blocksize 64, n even in 2..258: wrong for n =", wrong)
 #
 # At blocksize 64, each block stores one float32 absmax: $32/64 = 0.5$ extra bits per weight,
 # on top of the 4 bits of the code. QLoRA's **double quantization** shrinks that overhead by
-# quantizing the absmax vector itself, the same blockwise way, with 8 bits:
-#
-# 1. `offset = absmax.mean()` (float32, `torch.mean`); work on the centred `absmax - offset`
-#    (the absmax values are all positive; centring them lets a signed 8-bit map cover them).
-# 2. Cut the centred vector into blocks of `nested_block = 256` values and scale each exactly
-#    as in Exercise 2 (full blocks multiply by `1 / max(block absmax, 1e-38)`, a trailing
-#    partial block divides by `max(block absmax, 1e-38)`, and the stored scale follows the same
-#    rule: the true block absmax for full blocks, the floored one for a partial block).
-# 3. Take the nearest entry of the **signed dynamic map** `miniquant.DYNAMIC_CODE` (256 sorted
-#    values in $[-1, 1]$, dense near 0 — see `src/miniquant/dynamic.py`), ties to the lower
-#    entry, as in Exercise 2: an 8-bit code per block.
-#
-# Storage becomes one byte per block plus one float32 per 256 blocks plus the offset:
+# quantizing the absmax vector itself, the same blockwise way, with 8 bits. Storage becomes
+# one byte per block plus one float32 per 256 blocks plus an offset:
 # $8/64 + 32/(64 \cdot 256) \approx 0.127$ bits per weight instead of $0.5$.
 #
-# Write two functions:
+# **Specification.**
 #
-# * `double_quantize_absmax(absmax, nested_block=256)` → `(codes, scales, offset)`: `codes`
-#   uint8 `[n_blocks]`, `scales` float32 `[ceil(n_blocks / nested_block)]`, `offset` a float32
-#   0-d tensor. They must equal the `absmax_codes`, `absmax_scales` and `absmax_offset` that
-#   `miniquant.quantize_nf4(w, double_quant=True)` stores. Off-limits: `quantize_nf4`,
-#   `miniquant.quantize_blockwise_8bit` and the helpers of `miniquant.dynamic`
-#   (`DYNAMIC_CODE` itself is the table you are given).
-# * `nf4_bits_per_param(numel, blocksize=64, double_quant=False, nested_block=256)`: the exact
-#   storage of an NF4 weight of `numel` elements, in bits per weight, as `NF4Weight.nbytes`
-#   counts it: `ceil(numel / 2)` bytes of packed codes, plus either 4 bytes per block, or (with
-#   double quantization) 1 byte per block, 4 bytes per nested block, and 4 bytes of offset.
-#   Return `8 * bytes / numel` as a Python float.
+# * `double_quantize_absmax(absmax, nested_block=256)` takes the float32 `absmax` of
+#   Exercise 2 (`[n_blocks]`) and returns `(codes, scales, offset)`: `codes` uint8
+#   `[n_blocks]`, `scales` float32 `[ceil(n_blocks / nested_block)]`, `offset` a float32 0-d
+#   tensor, equal to the `absmax_codes`, `absmax_scales` and `absmax_offset` that
+#   `miniquant.quantize_nf4(w, double_quant=True)` stores. The rules:
+#   * **offset** `= absmax.mean()` in float32 (`torch.mean`); the rest works on the centred
+#     `absmax - offset` (the absmax values are all positive; centring them lets a signed
+#     8-bit map cover them);
+#   * **nested blocks** of `nested_block` consecutive centred values are scaled **exactly as
+#     in Exercise 2**: a full block multiplies by `1 / max(block absmax, 1e-38)` and stores
+#     its true block absmax, a trailing partial block divides by `max(block absmax, 1e-38)`
+#     and stores that floored value;
+#   * **codes**: the nearest entry of the signed dynamic map `DYNAMIC_CODE` (given below:
+#     256 sorted float32 values in $[-1, 1]$, dense near 0; see `src/miniquant/dynamic.py`),
+#     **ties to the lower entry**, as in Exercise 2.
+# * `nf4_bits_per_param(numel, blocksize=64, double_quant=False, nested_block=256)` returns,
+#   as a Python float, the exact storage of an NF4 weight of `numel` elements in bits per
+#   weight, `8 * bytes / numel`, counting the bytes as `NF4Weight.nbytes` does:
+#   `ceil(numel / 2)` bytes of packed codes, plus either 4 bytes per block, or (with double
+#   quantization) 1 byte per block, 4 bytes per nested block and 4 bytes of offset.
+#
+# Off-limits: `quantize_nf4`, `miniquant.quantize_blockwise_8bit` and the helpers of
+# `miniquant.dynamic`; `DYNAMIC_CODE` itself is the table you are given.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Nothing here is new: it is Exercise 2 again, on a different vector, with a different
+# table and a different block size. If you wrote Exercise 2 around a helper that takes the
+# values, the block size and the code table, `double_quantize_absmax` is the mean, a
+# subtraction and one call. Counting storage is integer arithmetic: the number of blocks and
+# of nested blocks are ceilings, and the only division is the last one.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# double_quantize_absmax(absmax, nested_block):
+#     offset  = mean(float32 absmax)
+#     centred = absmax - offset
+#     codes, scales = the Exercise 2 scaling of centred, blocks of nested_block,
+#                     nearest entry of DYNAMIC_CODE (midpoints, ties low)
+#     return uint8 codes, float32 scales, offset
+#
+# nf4_bits_per_param(numel, blocksize, double_quant, nested_block):
+#     n_blocks = ceil(numel / blocksize);  bytes = ceil(numel / 2)
+#     bytes   += n_blocks + 4 * ceil(n_blocks / nested_block) + 4   if double_quant
+#                else 4 * n_blocks
+#     return 8 * bytes / numel
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "double_quant", "locked": false, "schema_version": 3, "solution": true, "task": false}
 DYNAMIC_CODE = miniquant.DYNAMIC_CODE
@@ -820,6 +982,65 @@ assert _c.tolist() == [0, 255] and _s.tolist() == [1.0] and float(_o) == 2.0, \
     f"got ({_c.tolist()}, {_s.tolist()}, {float(_o)})"
 _check_dq(randn(64 * 300 + 5, seed=18))            # 301 blocks: one full nested block + 45
 _check_dq(randn(4, 128, 512, seed=19))             # 4096 blocks: 16 full nested blocks
+# The offset is the float32 torch.mean; for this vector a float64 mean rounded to float32
+# lands one ulp away (0.81464726 instead of 0.81464720).
+_am = randn(1000, seed=30).abs()
+_c, _s, _o = double_quantize_absmax(_am)
+assert torch.equal(_o.reshape(()), _am.mean()), \
+    f"offset: expected {_am.mean().item()!r} (absmax.mean() in float32), got " \
+    f"{_o.reshape(()).item()!r}. Rule: the offset is the float32 torch.mean of absmax; a " \
+    "float64 mean or another summation order moves it by an ulp, and a few codes with it"
+
+# Ties first (the scaling checks below rely on them): centred [16, 7, -16, -7, 0, ...] with
+# scale 16 puts 7/16 = 0.4375 exactly on the midpoint between the map's entries 214 and 215,
+# and -0.4375 between 39 and 40.
+_v = torch.full((256,), 100.0)
+_v[:4] += torch.tensor([16.0, 7.0, -16.0, -7.0])
+for _part, _vv in (("full", _v), ("partial", _v[:255])):
+    _c, _, _ = double_quantize_absmax(_vv)
+    assert _c[:4].tolist() == [255, 214, 0, 39], \
+        f"{_part} nested block, values exactly on midpoints of DYNAMIC_CODE: expected the " \
+        f"lower entries [255, 214, 0, 39], got {_c[:4].tolist()}. Rule: ties go to the lower " \
+        "code, as in Exercise 2"
+
+# The scaling rule of Exercise 2, once more. Integer absmax values around 2000 with the
+# centred values [1000, 775, -1000, -775, 0, ...]: the offset is exactly 2000 and the
+# centred values exact, and 775 * (1/1000) and 775 / 1000 fall on either side of a midpoint
+# of the dynamic map (codes 239 and 238; the quotient lands exactly on the midpoint and
+# goes to the lower code).
+_v = torch.full((256,), 2000.0)
+_v[:4] += torch.tensor([1000.0, 775.0, -1000.0, -775.0])
+_c, _s, _o = double_quantize_absmax(_v)                                  # one full nested block
+assert _c[:4].tolist() == [255, 239, 0, 15] and _s.tolist() == [1000.0] and float(_o) == 2000, \
+    f"one full nested block: expected codes [255, 239, 0, 15], scales [1000.0], offset 2000; " \
+    f"got {_c[:4].tolist()}, {_s.tolist()}, {float(_o)}. Rule: a full nested block is " \
+    "scaled by multiplying with the reciprocal, x * (1 / scale), as bitsandbytes does"
+_c, _s, _o = double_quantize_absmax(_v[:255])                            # one partial block
+assert _c[:4].tolist() == [255, 238, 0, 15] and _s.tolist() == [1000.0] and float(_o) == 2000, \
+    f"one partial nested block: expected codes [255, 238, 0, 15], scales [1000.0], offset " \
+    f"2000; got {_c[:4].tolist()}, {_s.tolist()}, {float(_o)}. Rule: a trailing partial " \
+    "nested block is scaled by dividing, x / scale"
+
+# All absmax equal: the centred values are all zero; a full nested block stores scale 0, a
+# trailing partial one the floor 1e-38, and every code is the map's zero (index 127).
+_c, _s, _o = double_quantize_absmax(torch.full((260,), 0.25))
+assert (_c == 127).all() and _s.tolist() == [0.0, torch.tensor(1e-38).item()] \
+    and float(_o) == 0.25, \
+    f"260 equal absmax values: expected codes all 127, scales [0.0, 1e-38], offset 0.25; got " \
+    f"codes {_c.unique().tolist()}, scales {_s.tolist()}, offset {float(_o)}. Rule: store " \
+    "the true scale of a full nested block and the floored one of a partial block"
+
+# Off-limits: the reference and bitsandbytes are switched off while yours runs.
+_w = randn(64 * 300 + 5, seed=26)
+_q = miniquant.quantize_nf4(_w, double_quant=True)
+_am = miniquant.quantize_nf4(_w).absmax
+with forbid([miniquant.quantize_nf4, miniquant.dynamic.quantize_blockwise_8bit,
+             miniquant.dynamic.scale_blocks, miniquant.dynamic.nearest_code,
+             (bnbF, "quantize_blockwise")], globals(),
+            why="double_quantize_absmax must not call it"):
+    _c, _s, _o = double_quantize_absmax(_am)
+assert torch.equal(_c, _q.absmax_codes) and torch.equal(_s, _q.absmax_scales), \
+    "with the reference switched off, double_quantize_absmax gave other codes or scales"
 print("double_quantize_absmax equals quantize_nf4(..., double_quant=True) on the visible cases")
 
 ### BEGIN HIDDEN TESTS
@@ -854,16 +1075,6 @@ _c, _s, _o = double_quantize_absmax(_v[:255])
 assert _c[:2].tolist() == [255, 237] and _s.tolist() == [65521.0], \
     f"partial nested block: expected codes [255, 237] (divide by the scale), scale 65521; " \
     f"got {_c[:2].tolist()}, {_s.tolist()}"
-# the reference is off-limits
-_w = randn(64 * 300 + 5, seed=26)
-_q = miniquant.quantize_nf4(_w, double_quant=True)
-_am = miniquant.quantize_nf4(_w).absmax
-with forbid([miniquant.quantize_nf4, miniquant.dynamic.quantize_blockwise_8bit,
-             miniquant.dynamic.scale_blocks, miniquant.dynamic.nearest_code,
-             (bnbF, "quantize_blockwise")], globals(),
-            why="double_quantize_absmax must not call it"):
-    _c, _s, _o = double_quantize_absmax(_am)
-assert torch.equal(_c, _q.absmax_codes) and torch.equal(_s, _q.absmax_scales)
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_nf4_bits_per_param", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
@@ -1051,3 +1262,42 @@ plt.show()
 # 5. bitsandbytes' CPU `dequantize_4bit` returned wrong values for `(2, 96)` while its codes
 #    were right. Which of your tests would have caught a bug like this in your own code, and
 #    which would not?
+
+# %% [markdown] tags=["instructor"]
+# **Sample answers (instructors only; this cell is not in the learners' notebook).**
+#
+# 1. A symmetric table with 16 levels has no level at 0: zero sits on the midpoint between
+#    the two innermost levels, so padding and weights that are exactly zero come back as
+#    $\pm$ the smallest level times the block's absmax, never as 0. The other symmetric
+#    choice keeps an exact zero with 7 levels on each side and leaves the 16th code unused,
+#    as int4 does (the code-usage figure shows int4 on 15 codes). NF4 keeps the zero and
+#    spends the 16th code on an eighth positive level; with its levels at quantiles as well,
+#    its code usage in the figure reaches an entropy of 3.89 bits against int4's 3.50.
+# 2. Both scalings are correct to within one ulp, but a code is decided by which side of a
+#    midpoint a value falls, so a one-ulp difference next to a midpoint gives another code,
+#    and another dequantized weight than the one an adapter was trained against. Copying the
+#    rule is the only way to get "byte for byte" (the sweep prints 500,863 of 500,863 bytes
+#    equal). From outside you would find it by differential testing: quantize many random
+#    weights with both implementations, collect the few mismatched values, notice that they
+#    all sit within an ulp of a midpoint, and try both scalings on them, separately for full
+#    blocks and for the trailing partial block, which is what the absmax-7 check of
+#    `test_nf4_indices_rules` does.
+# 3. Each block has at least one element on $\pm 1$, so at least 1/64 = 1.6 % of the codes
+#    at blocksize 64 and 1/4096 = 0.02 % at 4096 are spent on the absmax elements; on
+#    `blocks.0.mlp.up_proj` the share of codes 0 and 15 measures 3.8 % and 0.12 %. The larger
+#    block costs accuracy instead: its absmax is about 4.5 weight standard deviations instead
+#    of 2.4, so most weights crowd into fewer central levels, and the RMS error on that
+#    weight rises from 0.00540 to 0.00734 (measured with `miniquant.quantize_nf4`). It saves
+#    storage: 4.0078 instead of 4.5 bits per weight.
+# 4. $7 \cdot 10^9 \times (4.5 - 4.127) / 8 \approx 326$ MB. A rank-16 LoRA on the four
+#    attention projections of a 7B Llama (32 layers, width 4096) has
+#    $32 \cdot 4 \cdot 16 \cdot (4096 + 4096) \approx 16.8$ M parameters, about 34 MB in
+#    bfloat16: double quantization saves roughly ten times the adapter's size, which is why
+#    QLoRA turns it on by default.
+# 5. The bug gives an element the absmax of the wrong block when rows do not start at block
+#    boundaries. `test_nf4_dequantize` would catch it in its visible `(3, 70)` and `(5, 13)`
+#    cases and its hidden `(2, 96)`, `(6, 80)` and `(3, 1001)` cases, because each compares
+#    with `CODE[idx] * absmax` of flat row-major blocks. The hand-worked `(2, 2)` case (one
+#    block), the 1-D `(100,)` case and any shape whose row length is a multiple of the
+#    blocksize would let it through, for the same reason the sweep found no error at
+#    `(4, 128)` or `(96,)`.

@@ -36,11 +36,13 @@
 # speed), so every test here uses small shapes: a few thousand elements at most.
 #
 # **How to work.** Run the cells from top to bottom. Where you see `raise NotImplementedError()`,
-# replace it with your code. Each exercise is followed by a test cell that prints what was
-# expected and what came when it fails. Grading runs more (hidden) checks of the same
-# specification, among them checks that your wrappers really launch your kernels and do not
-# call the reference implementations in `miniquant`. The whole notebook runs in well under a
-# minute on a laptop CPU.
+# replace it with your code. Each exercise states its **specification** first (arguments,
+# output, the rules that matter, what is off-limits), which is enough to solve it; below it,
+# folded **hints** go from the idea to pseudocode, for when you want them. Each exercise is
+# followed by a test cell that prints what was expected and what came when it fails; among
+# other things, the tests check that your wrappers really launch your kernels and do not call
+# the reference implementations in `miniquant`. Grading runs more (hidden) checks of the same
+# specification. The whole notebook runs in <!-- runtime:03-triton-dequant -->about 4 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 
 # %%
 import os
@@ -113,29 +115,50 @@ print("program that wrote each element:", owner.tolist())
 # * Keep the arithmetic in **float32**. The interpreter computes with NumPy and has no
 #   bfloat16 arithmetic; a kernel that computes in float32 and converts only at the store
 #   behaves the same interpreted and compiled.
-# * It is slow: each program costs roughly a millisecond of Python, so prefer fewer, larger
-#   blocks (a `BLOCK` of 1024 in the wrappers) and small test shapes.
+# * It is slow: every program is a step of a Python loop over NumPy arrays, so the cost grows
+#   with the number of programs. Prefer fewer, larger blocks (a `BLOCK` of 1024 in the
+#   wrappers) and small test shapes.
 # * An exception inside a kernel (a typo, a shape mismatch) is raised as a Python exception
 #   with a traceback that points into your kernel. Compiled kernels are stricter: there the
 #   same mistake is a compile error.
 #
 # ## Exercise 1 — `axpy`: the masked element-wise kernel
 #
-# Write `axpy_kernel(x_ptr, y_ptr, out_ptr, alpha, n, BLOCK: tl.constexpr)`. Program `p` must
-# compute `out[i] = alpha * x[i] + y[i]` for every `i` in `p*BLOCK ... p*BLOCK + BLOCK - 1`
-# with `i < n`, and must not read or write any element at `i >= n`. The tests launch your
-# kernel themselves with their own `BLOCK` and check that memory past `n` is left untouched.
+# **Specification.**
 #
-# Then write the wrapper `axpy(alpha, x, y, block=1024)`:
+# * `axpy_kernel(x_ptr, y_ptr, out_ptr, alpha, n, BLOCK: tl.constexpr)`: program `p`
+#   computes `out[i] = alpha * x[i] + y[i]` for every `i` in `p*BLOCK ... p*BLOCK + BLOCK - 1`
+#   with `i < n`, and must not read or write any element at `i >= n`. The tests launch your
+#   kernel themselves with their own `BLOCK` and check that memory past `n` is left untouched.
+# * The wrapper `axpy(alpha, x, y, block=1024)` raises `ValueError` unless `x` and `y` are
+#   float32 tensors of the same shape on the same device; works on contiguous copies
+#   (`.contiguous()`: the kernel assumes element `i` sits at `ptr + i`, which is false for,
+#   say, a transposed tensor); allocates the output, launches `axpy_kernel` on a grid of
+#   `triton.cdiv(n, block)` programs, and returns a tensor of `x`'s shape.
+# * The arithmetic happens in the kernel: the wrapper uses `torch` only to check, allocate
+#   and reshape (the tests check that it launches `axpy_kernel`).
 #
-# * raise `ValueError` unless `x` and `y` are float32 tensors of the same shape on the same
-#   device;
-# * work on contiguous copies (`.contiguous()`): the kernel assumes element `i` sits at
-#   `ptr + i`, which is false for, say, a transposed tensor;
-# * allocate the output, launch `axpy_kernel` on a grid of `triton.cdiv(n, block)` programs,
-#   and return a tensor of `x`'s shape.
+# <details><summary>Hint 1: the idea</summary>
 #
-# Use `torch` only to check, allocate and reshape here: the arithmetic happens in the kernel.
+# Start from `whoami_kernel` above: it already computes the offsets of a program and the
+# mask. Load `x` and `y` at those offsets with the same mask (give `other=0.0` for the masked
+# lanes), compute, and store with the mask. In the wrapper, `torch.empty_like(x)` allocates
+# an output of the same shape; a contiguous output can be handed to the kernel as it is.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# kernel:  offs = program_id(0) * BLOCK + arange(0, BLOCK);  mask = offs < n
+#          x = load(x_ptr + offs, mask, other=0);  y = load(y_ptr + offs, mask, other=0)
+#          store(out_ptr + offs, alpha * x + y, mask)
+# wrapper: check dtypes, shapes, devices (ValueError);  x, y = contiguous copies
+#          out = empty like x;  axpy_kernel[(cdiv(n, block),)](x, y, out, alpha, n, BLOCK=block)
+#          return out
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "axpy", "locked": false, "schema_version": 3, "solution": true, "task": false}
 @triton.jit
@@ -183,6 +206,19 @@ def _no_reference(*yours):
                   why="this exercise must be done with your own kernel, without it")
 
 
+def _rejects(what, call):
+    """call() must raise ValueError; `what` names the call and the input it got."""
+    try:
+        call()
+    except ValueError:
+        return
+    except NotImplementedError:
+        raise
+    except Exception as e:
+        raise AssertionError(f"{what}: expected ValueError, got {type(e).__name__}: {e}") from e
+    raise AssertionError(f"{what}: expected ValueError, nothing was raised")
+
+
 def _check_axpy(n_or_shape, alpha=2.5, seed=0):
     shape = (n_or_shape,) if isinstance(n_or_shape, int) else n_or_shape
     g = torch.Generator().manual_seed(seed)
@@ -215,10 +251,28 @@ def _launch_axpy(n, BLOCK, alpha=-1.5, extra_programs=0, seed=1):
         f"(expected the sentinel 1234.5, got {out[n:][touched[:5]].tolist()}). Mask the store."
 
 
-for _n in (1, 7, 1000):          # 7 and 1000 are not multiples of any power-of-two block
-    _check_axpy(_n)
+# The kernel first, launched directly on buffers with sentinels past n: an unmasked store
+# fails here with a message (through the wrapper it would write past the end of a tensor).
 _launch_axpy(7, BLOCK=4)
 _launch_axpy(10, BLOCK=16)       # one program, most of its lanes masked
+for _n in (1, 7, 1000):          # 7 and 1000 are not multiples of any power-of-two block
+    _check_axpy(_n)
+# a transposed (non-contiguous) input: the wrapper makes contiguous copies
+_x = torch.randn(6, 3).to(DEVICE).T
+_y = torch.randn(3, 6).to(DEVICE)
+torch.testing.assert_close(axpy(2.0, _x, _y), 2.0 * _x + _y, rtol=1e-6, atol=1e-6,
+                           msg=lambda m: "axpy with a transposed x: the kernel assumes element "
+                                         f"i at ptr + i, so pass .contiguous() copies:\n{m}")
+# inputs the wrapper must refuse
+_rejects("axpy with float64 x and y", lambda: axpy(
+    1.0, torch.zeros(3, dtype=torch.float64, device=DEVICE),
+    torch.zeros(3, dtype=torch.float64, device=DEVICE)))
+_rejects("axpy with shapes (3,) and (4,)", lambda: axpy(
+    1.0, torch.zeros(3, device=DEVICE), torch.zeros(4, device=DEVICE)))
+# the arithmetic happens in the kernel: the wrapper launches axpy_kernel
+with harness.spy_on(globals(), axpy_kernel) as _spy:
+    _check_axpy(50, seed=4)
+assert _spy.grids, "axpy did not launch axpy_kernel: the arithmetic must happen in the kernel"
 print("axpy matches alpha * x + y, and the kernel leaves memory past n alone")
 
 ### BEGIN HIDDEN TESTS
@@ -261,9 +315,23 @@ assert _spy.grids, "axpy did not launch axpy_kernel: the arithmetic must happen 
 # codes          1,  2       10, 11      7, (pad)        n = 5
 # ```
 #
-# Write `unpack_nibbles_kernel(packed_ptr, codes_ptr, n, BLOCK: tl.constexpr)`: program `p`
-# writes the codes of elements `p*BLOCK ... p*BLOCK + BLOCK - 1` (those `< n`) into the uint8
-# output `codes_ptr`. `BLOCK` is an even power of two. Two ways to get there — either is fine:
+# **Specification.**
+#
+# * `unpack_nibbles_kernel(packed_ptr, codes_ptr, n, BLOCK: tl.constexpr)`: program `p`
+#   writes the codes of elements `p*BLOCK ... p*BLOCK + BLOCK - 1` (those `< n`) into the
+#   uint8 output `codes_ptr`, element `j` being the high nibble of byte `j // 2` when `j` is
+#   even and its low nibble when `j` is odd. `BLOCK` is an even power of two. The pad nibble
+#   of an odd count must not be written (the tests put sentinels past `n`).
+# * `my_unpack_nibbles(packed, n, block=1024)` raises `ValueError` unless `packed` is a 1-D
+#   uint8 tensor of exactly `ceil(n / 2)` bytes with `n >= 1`, launches your kernel, and
+#   returns the `n` codes as a uint8 tensor of shape `[n]`.
+#
+# Off-limits: the reference, `miniquant.nf4.unpack_nibbles`, is what the tests compare you
+# with; it is switched off while your wrapper runs.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Two ways to get there; either is fine:
 #
 # * **element-major**: for each element offset `j`, load byte `j // 2` and pick its high or
 #   low nibble with `tl.where(j % 2 == 0, b >> 4, b & 15)` (every byte is loaded twice, but
@@ -271,13 +339,22 @@ assert _spy.grids, "axpy did not launch axpy_kernel: the arithmetic must happen 
 # * **byte-major**: load the program's `BLOCK // 2` bytes once, and lay out the high and low
 #   nibbles in element order with `tl.interleave(b >> 4, b & 15)`.
 #
-# Whichever you choose, the pad nibble of an odd count must not be written (the tests put
-# sentinels past `n`).
+# Either way, mask on the *element* count `n`, not on the byte count, or the pad nibble of
+# an odd `n` is written.
 #
-# Then write `my_unpack_nibbles(packed, n, block=1024)`: raise `ValueError` unless `packed` is
-# a 1-D uint8 tensor of exactly `ceil(n / 2)` bytes with `n >= 1`; return the `n` codes as a
-# uint8 tensor. The reference, `miniquant.nf4.unpack_nibbles`, is what the tests compare you
-# with, so it may not appear in your code.
+# </details>
+#
+# <details><summary>Hint 2: pseudocode (element-major)</summary>
+#
+# ```text
+# kernel:  j = program_id(0) * BLOCK + arange(0, BLOCK);  mask = j < n
+#          b = load(packed_ptr + j // 2, mask, other=0)
+#          store(codes_ptr + j, uint8(where(j % 2 == 0, b >> 4, b & 15)), mask)
+# wrapper: check n >= 1, packed 1-D uint8 with (n + 1) // 2 bytes (ValueError)
+#          codes = empty(n, uint8);  launch on cdiv(n, block) programs;  return codes
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "unpack_nibbles", "locked": false, "schema_version": 3, "solution": true, "task": false}
 @triton.jit
@@ -346,13 +423,21 @@ def _launch_unpack(n, BLOCK, seed=1):
         f"{where} wrote past n: out[n:n+4] = {out[n:n + 4].tolist()}, expected [238, ...]"
 
 
+_launch_unpack(7, BLOCK=4)            # odd count: the pad nibble must not be written
 # worked by hand: 0x12 0xAB 0x70 -> 1, 2, 10, 11, 7 (the pad nibble of 0x70 is dropped)
 _hand = my_unpack_nibbles(torch.tensor([0x12, 0xAB, 0x70], dtype=torch.uint8, device=DEVICE), 5)
 assert _hand.tolist() == [1, 2, 10, 11, 7], \
     f"bytes 0x12 0xAB 0x70, n = 5: expected [1, 2, 10, 11, 7], got {_hand.tolist()}"
 for _n in (1, 7, 999, 1000):
     _check_unpack(_n, seed=_n)
-_launch_unpack(7, BLOCK=4)            # odd count: the pad nibble must not be written
+_rejects("my_unpack_nibbles(4 bytes, n=5): 5 codes need 3 bytes", lambda: my_unpack_nibbles(
+    torch.zeros(4, dtype=torch.uint8, device=DEVICE), 5))
+# off-limits: the reference is switched off, and the wrapper must launch your kernel
+_codes, _packed = _random_packed(41, 10)
+with _no_reference(), harness.spy_on(globals(), unpack_nibbles_kernel) as _spy:
+    _got = my_unpack_nibbles(_packed.to(DEVICE), 41).cpu()
+assert torch.equal(_got, _codes), "my_unpack_nibbles is wrong once the reference is unavailable"
+assert _spy.grids, "my_unpack_nibbles did not launch unpack_nibbles_kernel"
 print("my_unpack_nibbles matches miniquant.nf4.unpack_nibbles, high nibble first")
 
 ### BEGIN HIDDEN TESTS
@@ -403,24 +488,53 @@ assert _spy.grids, "my_unpack_nibbles did not launch unpack_nibbles_kernel"
 #
 # where $c_j$ is its 4-bit code and `NF4` the 16-entry table `miniquant.NF4_CODE`.
 #
-# Write `nf4_dequant_kernel(packed_ptr, absmax_ptr, code_ptr, out_ptr, n, BLOCKSIZE:
-# tl.constexpr, BLOCK: tl.constexpr)`: program `p` writes the float32 values of elements
-# `p*BLOCK ... p*BLOCK + BLOCK - 1` (those `< n`) into `out_ptr`. Unpack the codes as in
-# Exercise 2; **look the level up in the table** with a gather, `tl.load(code_ptr + code)`,
-# where `code_ptr` points to a float32 `[16]` tensor (do not type the 16 values into the
-# kernel: the tests pass other tables too); load the block's scale; multiply once, in
-# float32. `BLOCKSIZE` and `BLOCK` are independent: a program may span several scale blocks
-# (`BLOCK > BLOCKSIZE`) or a fraction of one.
+# **Specification.**
 #
-# Then write `my_dequantize_nf4(q, block=1024)`, returning a **float32** tensor of shape
-# `q.shape`: raise `ValueError` if `q` is not an `NF4Weight`; put the code table on the
-# weight's device; allocate the output; launch `triton.cdiv(n, block)` programs; reshape.
+# * `nf4_dequant_kernel(packed_ptr, absmax_ptr, code_ptr, out_ptr, n, BLOCKSIZE:
+#   tl.constexpr, BLOCK: tl.constexpr)`: program `p` writes the float32 values $w_j$ of
+#   elements `p*BLOCK ... p*BLOCK + BLOCK - 1` (those `< n`) into `out_ptr`. The level is
+#   **looked up in the table** at `code_ptr`, a float32 `[16]` tensor (do not type the 16
+#   values into the kernel: the tests pass other tables too), and multiplied **once, in
+#   float32**, by the scale of block `j // BLOCKSIZE`. `BLOCKSIZE` and `BLOCK` are
+#   independent: a program may span several scale blocks (`BLOCK > BLOCKSIZE`) or a fraction
+#   of one.
+# * `my_dequantize_nf4(q, block=1024)` raises `ValueError` if `q` is not an `NF4Weight`,
+#   launches your kernel on `triton.cdiv(n, block)` programs with the scales `q.absmax`, and
+#   returns a **float32** tensor of shape `q.shape`, **bit-identical** to
+#   `dequantize_nf4(q, torch.float32)` (the tests use `torch.equal`): it is one float32
+#   multiply of the same two numbers, so there is no excuse for rounding differences.
 #
-# The result must be **bit-identical** to `dequantize_nf4(q, torch.float32)` (the tests use
-# `torch.equal`): it is one float32 multiply of the same two numbers, so there is no excuse
-# for rounding differences. `dequantize_nf4`, `NF4Weight.dequantize`, `q.codes()`,
-# `unpack_nibbles` and everything in `miniquant.triton_dequant` are off-limits in this
-# exercise; your `my_unpack_nibbles` is fine but not needed.
+# Off-limits: `dequantize_nf4`, `NF4Weight.dequantize`, `q.codes()`, `unpack_nibbles` and
+# everything in `miniquant.triton_dequant`; they are switched off while your wrapper runs.
+# Your `my_unpack_nibbles` is fine but not needed.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# It is Exercise 2 with two more loads. Unpack the code of each element `j` as before,
+# convert it to `tl.int32`, and use it as an offset: `tl.load(code_ptr + code)` is a gather
+# of 16 possible addresses. The scale of element `j` sits at `absmax_ptr + j // BLOCKSIZE`,
+# for every element separately, not once per program. In the wrapper, the table
+# `NF4_CODE` and the scales must live on the weight's device, and `q.absmax` works with and
+# without double quantization (`q.block_absmax` is `None` with it).
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# kernel:  j = program_id(0) * BLOCK + arange(0, BLOCK);  mask = j < n
+#          b     = load(packed_ptr + j // 2, mask, other=0)
+#          code  = int32(where(j % 2 == 0, b >> 4, b & 15))
+#          level = load(code_ptr + code, mask, other=0.0)
+#          scale = load(absmax_ptr + j // BLOCKSIZE, mask, other=0.0)
+#          store(out_ptr + j, level * scale, mask)
+# wrapper: check q is an NF4Weight (ValueError);  n = q.numel
+#          packed, absmax = q.packed, q.absmax (float32, flat, on the device)
+#          code = NF4_CODE on the device;  out = empty(n, float32)
+#          launch on cdiv(n, block) programs with BLOCKSIZE=q.blocksize;  return out as q.shape
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "nf4_dequant", "locked": false, "schema_version": 3, "solution": true, "task": false}
 @triton.jit
@@ -524,6 +638,15 @@ _check_dequant((17, 40), blocksize=32)
 _check_dequant((3, 5, 7), blocksize=128)
 _check_dequant((1000,), double_quant=True, seed=7)
 _check_dequant((17, 40), blocksize=32, double_quant=True, seed=8)
+_rejects("my_dequantize_nf4(a plain tensor)",
+         lambda: my_dequantize_nf4(torch.zeros(4, device=DEVICE)))
+# off-limits: the references are switched off, and the wrapper must launch your kernel
+_q = quantize_nf4(torch.randn(5, 48).to(DEVICE), blocksize=32, double_quant=True)
+_want = dequantize_nf4(_q, torch.float32)
+with _no_reference(), harness.spy_on(globals(), nf4_dequant_kernel) as _spy:
+    _got = my_dequantize_nf4(_q)
+assert torch.equal(_got, _want), "my_dequantize_nf4 is wrong once the reference is unavailable"
+assert _spy.grids, "my_dequantize_nf4 did not launch nf4_dequant_kernel"
 print("my_dequantize_nf4 is bit-identical to dequantize_nf4 on the visible shapes")
 
 ### BEGIN HIDDEN TESTS
@@ -596,12 +719,12 @@ for _dq in (False, True):
 # owns bytes `e*M/2 ... (e+1)*M/2 - 1` of `packed` and scales
 # `e*M/blocksize ... (e+1)*M/blocksize - 1` of `absmax`.
 #
-# Write `selective_dequant_kernel(packed_ptr, absmax_ptr, code_ptr, ids_ptr, out_ptr,
-# expert_numel, BLOCKSIZE: tl.constexpr, BLOCK: tl.constexpr)`, launched on a **2-D grid**
-# `(triton.cdiv(M, BLOCK), n_active)`: program `(t, r)` loads the expert id `e = ids[r]` (an
-# int64 tensor) and writes elements `t*BLOCK ... t*BLOCK + BLOCK - 1` (those `< M`) of output
-# row `r` (row `r` starts at `out_ptr + r*M`), computed from expert `e`'s bytes and scales
-# only.
+# **Specification.** Write `selective_dequant_kernel(packed_ptr, absmax_ptr, code_ptr,
+# ids_ptr, out_ptr, expert_numel, BLOCKSIZE: tl.constexpr, BLOCK: tl.constexpr)`, launched on
+# a **2-D grid** `(triton.cdiv(M, BLOCK), n_active)`: program `(t, r)` loads the expert id
+# `e = ids[r]` (an int64 tensor) and writes elements `t*BLOCK ... t*BLOCK + BLOCK - 1`
+# (those `< M`) of output row `r` (row `r` starts at `out_ptr + r*M`), computed from expert
+# `e`'s bytes and scales only, and writes nothing past its row.
 #
 # Then `my_selective_dequantize(q_experts, active, block=1024)`, returning float32
 # `[len(active), out, in]` whose row `r` is expert `active[r]` (repeats allowed, order kept):
@@ -618,8 +741,41 @@ for _dq in (False, True):
 #
 # The tests **poison** every expert that is not listed: its bytes become `0xFF` and, without
 # double quantization, its scales `NaN`. Read one byte or scale of the wrong expert and the
-# comparison fails. `dequantize_nf4`, the reference `selective_dequantize_nf4` and your own
-# `my_dequantize_nf4` are off-limits here.
+# comparison fails.
+#
+# Off-limits: `dequantize_nf4`, the reference `selective_dequantize_nf4` and your own
+# `my_dequantize_nf4`, with everything that was off-limits in Exercise 3; they are switched
+# off while your wrapper runs.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Inside the kernel, everything is Exercise 3 with offsets. The element offset `j` now counts
+# inside one expert (`j < expert_numel`); expert `e`'s bytes start at
+# `packed_ptr + e * expert_numel // 2`, its scales at element `e * expert_numel` of the
+# flattened weight (add it to `j` *before* dividing by `BLOCKSIZE`), and the output row is
+# `r`, not `e`: an id may repeat. Convert the program ids and `e` to `tl.int64` before
+# multiplying, so that large experts do not overflow 32 bits. In the wrapper, do every check
+# before the kernel runs, and test `active.numel()` before `active.min()`.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# kernel:  t, r = program_id(0), program_id(1) as int64;  e = int64(load(ids_ptr + r))
+#          j = t * BLOCK + arange(0, BLOCK);  mask = j < expert_numel
+#          b     = load(packed_ptr + e * (expert_numel // 2) + j // 2, mask, other=0)
+#          level = load(code_ptr + int32(nibble of b for j), mask, other=0.0)
+#          scale = load(absmax_ptr + (e * expert_numel + j) // BLOCKSIZE, mask, other=0.0)
+#          store(out_ptr + r * expert_numel + j, level * scale, mask)
+# wrapper: validate q_experts (NF4Weight, 3-D, M % blocksize == 0) and active (1-D integer,
+#          ids in 0..E-1 when not empty), else ValueError
+#          out = empty((len(active), out, in), float32);  if active is empty: return out
+#          scales = q.absmax if double quantized else q.block_absmax
+#          launch on (cdiv(M, block), len(active)) programs;  return out
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "selective_dequant", "locked": false, "schema_version": 3, "solution": true, "task": false}
 @triton.jit
@@ -727,6 +883,22 @@ def _check_selective(E, d_out, d_in, active, blocksize=64, double_quant=False, s
                                    rtol=0, atol=0)
 
 
+# The kernel first, launched directly: a tile longer than an expert (BLOCK 256 > M = 128)
+# must not write past its row; the sentinels after the last row must survive.
+_qd = quantize_nf4(torch.randn(3, 4, 32).to(DEVICE), blocksize=64)
+_ids = torch.tensor([2, 0], dtype=torch.int64)
+_want = dequantize_nf4(_qd, torch.float32)[_ids.to(DEVICE)].reshape(-1)
+_pq, _ = _poisoned(_qd, _ids)
+_out = torch.full((2 * 128 + 256,), -999.0, device=DEVICE)
+selective_dequant_kernel[(1, 2)](_pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE),
+                                 _ids.to(DEVICE), _out, 128, BLOCKSIZE=64, BLOCK=256)
+assert torch.equal(_out[:256], _want), \
+    f"selective_dequant_kernel[(1, 2)] with BLOCK=256 > M=128: {(_out[:256] != _want).sum()} " \
+    "of 256 values differ from the reference (row r starts at out_ptr + r*M)"
+assert (_out[256:] == -999.0).all(), \
+    "selective_dequant_kernel[(1, 2)] with BLOCK=256 > M=128 wrote past the last row: mask " \
+    "the store with j < expert_numel"
+
 _check_selective(5, 6, 32, [3, 0, 3])               # repeats and order kept
 _check_selective(4, 4, 16, [2], blocksize=32, seed=1)
 _check_selective(4, 8, 32, [1, 3], double_quant=True, seed=2)
@@ -734,6 +906,9 @@ _empty = my_selective_dequantize(quantize_nf4(torch.randn(3, 4, 16).to(DEVICE), 
                                  torch.tensor([], dtype=torch.int64, device=DEVICE))
 assert isinstance(_empty, torch.Tensor) and tuple(_empty.shape) == (0, 4, 16), \
     f"empty active: expected shape (0, 4, 16), got {tuple(getattr(_empty, 'shape', ()))}"
+# off-limits: the references and your my_dequantize_nf4 are switched off, and the wrapper
+# must launch selective_dequant_kernel
+_check_selective(4, 4, 32, [2, 0], blocksize=32, seed=8, forbid=True)
 print("my_selective_dequantize reads only the listed experts and matches the reference")
 
 ### BEGIN HIDDEN TESTS
@@ -776,6 +951,10 @@ def _expect_value_error(what, q, active):
 _q3 = quantize_nf4(torch.randn(4, 4, 16).to(DEVICE), blocksize=64)
 _expect_value_error("expert id 4 of E = 4", _q3, torch.tensor([0, 4], device=DEVICE))
 _expect_value_error("expert id -1", _q3, torch.tensor([-1], device=DEVICE))
+_expect_value_error("float ids", _q3, torch.tensor([0.0, 2.0], device=DEVICE))
+_expect_value_error("out*in = 40 with blocksize 32 (a scale block would straddle two experts)",
+                    quantize_nf4(torch.randn(2, 4, 10).to(DEVICE), 32),
+                    torch.tensor([1], device=DEVICE))
 print("bad expert ids raise ValueError")
 
 ### BEGIN HIDDEN TESTS
@@ -849,9 +1028,30 @@ print(f"scale codes dequantized: yours {_p16.n_blocks}, "
 # and reports `GB/s = (read + written) / seconds / 1e9`, next to a copy of an output-sized
 # tensor (`2 * n * element_size`: read once, written once).
 #
-# Write `dequant_traffic(shape, blocksize=64, out_dtype=torch.bfloat16)` returning the pair
-# of Python ints `(bytes_read, bytes_written)` for a dequantization of a weight of that
-# shape. Plain arithmetic: no quantizing, no tensors of that size.
+# **Specification.** `dequant_traffic(shape, blocksize=64, out_dtype=torch.bfloat16)` takes
+# a shape (a tuple or `torch.Size`), a blocksize and an output dtype, and returns the pair of
+# Python ints `(bytes_read, bytes_written)` that the benchmark counts for a dequantization of
+# a weight of that shape. Plain arithmetic: no quantizing, no tensors of that size.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Three counts, all ceilings or products of integers: the number of elements (the product
+# of the shape), the packed bytes (half of it, rounded up), the number of scale blocks (a
+# ceiling division). `torch.empty((), dtype=out_dtype).element_size()` gives the bytes of one
+# output element without allocating anything large. Keep everything in Python `int`s.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# n       = product of shape
+# read    = ceil(n / 2) + 4 * ceil(n / blocksize)
+# written = n * bytes per element of out_dtype
+# return read, written
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "dequant_traffic", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def dequant_traffic(shape, blocksize: int = 64, out_dtype: torch.dtype = torch.bfloat16
@@ -995,3 +1195,42 @@ for name, fn in (("my_dequantize_nf4", lambda: my_dequantize_nf4(_q)),
 # 5. Dequantizing to a bf16 buffer and then calling a matrix product writes and re-reads the
 #    whole buffer. Sketch what a kernel that fuses dequantization into the matrix product
 #    would save, in bytes, for one `[14336, 4096]` weight.
+
+# %% [markdown] tags=["instructor"]
+# **Sample answers (instructors only; this cell is not in the learners' notebook).**
+#
+# 1. The `BLOCKSIZE` elements that share a scale load the same address, so within a program
+#    the loads fall in the same cache line and DRAM delivers each scale once: 4 bytes per 64
+#    elements, 0.0625 bytes per element against 0.5 bytes of codes and 2 or 4 bytes of
+#    output (it is the `4 * ceil(n / blocksize)` term of `dequant_traffic`, about 11 % of the
+#    bytes read and 2.4 % of the whole traffic for Mixtral's `w1` in bf16). If `BLOCKSIZE`
+#    were smaller than what one transaction covers, every transaction of codes would need
+#    several distinct scales: the scale stream grows as $4/B$ bytes per element (0.5 at
+#    $B = 8$, as much as the codes), so scales stop being negligible and the kernel moves
+#    noticeably more bytes per weight.
+# 2. It makes the kernel a generic 16-level dequantizer: the same code serves NF4, FP4 or any
+#    other table (the test passes `arange(16) - 7.5` and a cubic table), and the levels are
+#    bit-identical to `NF4_CODE` instead of typed decimals. The table is 64 bytes: after the
+#    first access it sits in L1 (or shared memory), so its loads cost no DRAM bandwidth, and
+#    DRAM bandwidth is what bounds the kernel (0.5 bytes in and 2–4 bytes out per element, for
+#    a handful of operations).
+# 3. The shared block's absmax was computed over elements of both experts, and expert `e`'s
+#    first elements would need the scale of a block that starts in expert `e - 1`: reading it
+#    breaks "read only the listed experts" (a poisoned neighbour's NaN scale would reach the
+#    output), and with an odd `M` an expert would even start in the middle of a byte. A
+#    kernel that supports it computes everything from global element offsets: the byte
+#    `(e*M + j) // 2`, the nibble from the parity of `e*M + j`, the scale
+#    `(e*M + j) // BLOCKSIZE`, and accepts that it reads up to two scale entries (and one
+#    byte) shared with neighbouring experts.
+# 4. With 4 096 tokens routed top-2 over 8 experts, an expert is missed by one token with
+#    probability 6/8, and by all of them with probability $(3/4)^{4096} \approx 0$: the batch
+#    uses all 8 experts, and selective dequantization saves nothing for the layer as a whole.
+#    It pays off when few tokens are in flight (decoding: `k = 2` needs 25 % of the buffer,
+#    as the chart prints) or when experts are many and each step routes to few of them. In
+#    Lab 10 it bounds the transient buffer by the experts that actually received tokens,
+#    and processing experts in chunks bounds it further.
+# 5. For `[14336, 4096]` in bf16, `dequant_traffic` gives 33 030 144 bytes read (codes and
+#    scales) and 117 440 512 bytes written. Unfused, the matrix product then reads the
+#    117 440 512-byte buffer back, about 268 MB of traffic in all; fused, only the 33 MB of
+#    codes and scales are read. The fused kernel saves $2 \times 117\,440\,512 \approx
+#    235$ MB per weight and per pass, roughly eight times less traffic for the weight.

@@ -40,8 +40,10 @@
 # with your code; run the test cell below it and read its message if it fails: it says what
 # was expected and what came. Grading runs more (hidden) checks of the same specification —
 # other shapes, ranks, dtypes, and checks that your code does not call `minituner` or PEFT to
-# do the work. The whole notebook runs in well under a minute on a laptop CPU; no GPU is
-# needed.
+# do the work. Each exercise states its **specification** first (inputs, outputs, the rules
+# that matter, what is off-limits), which is enough to solve it; below it, folded **hints** go
+# from the idea to pseudocode, for when you want them. No GPU is needed: the whole notebook
+# runs in <!-- runtime:04-lora -->about 14 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 
 # %%
 import copy
@@ -138,46 +140,75 @@ print("B at initialisation is all zero:", bool((demo.lora_B["default"].weight ==
 # %% [markdown]
 # ## Part A — Exercise 1: the LoRA layer
 #
-# **Initialisation.** $B$ starts at **zero**, so $\Delta W = s\,BA = 0$ and a fresh adapter
-# leaves the model exactly as it was: fine-tuning starts from the pretrained model, not from a
-# perturbed one. $A$ starts random, with PyTorch's default `nn.Linear` initialisation
-# `nn.init.kaiming_uniform_(A, a=math.sqrt(5))`. That name hides a simple distribution: the
-# gain for `a = √5` is $\sqrt{2/(1+a^2)} = \sqrt{1/3}$, so the bound is
-# $\sqrt{1/3}\cdot\sqrt{3/\text{fan\_in}} = 1/\sqrt{\text{in}}$ and every entry of $A$ is
-# uniform on $[-1/\sqrt{\text{in}},\ 1/\sqrt{\text{in}}]$.
+# **Specification.** Write `MyLoRALinear(base, r=8, alpha=16.0, dropout=0.0,
+# use_rslora=False)`, an `nn.Module` around a frozen `nn.Linear`:
 #
-# Why not both at zero? The gradients (you derive them in Exercise 2) are
-# $dB = s\, dY^\top (x A^\top)$ and $dA = s\,(dY\, B)^\top x$. With $A = B = 0$ both vanish and
-# training never starts. With $B = 0$ and $A$ random, $dB \ne 0$ at the first step, and $A$
-# starts moving from the second.
-#
-# **Scaling.** $s = \alpha / r$. A fixed $\alpha$ lets you change $r$ without re-tuning the
-# learning rate much — in the original paper's Adam setting. With **rsLoRA**
-# (Kalajdzievski, 2023, `use_rslora=True` in PEFT) $s = \alpha / \sqrt{r}$: the paper shows
-# that with $\alpha/r$ the updates shrink as the rank grows, so large ranks learn
-# slower than they should, and that $\alpha/\sqrt{r}$ keeps learning stable across ranks.
-#
-# **Dropout** (`lora_dropout` in PEFT) is applied to the input of the **LoRA path only**, in
-# training mode only: the frozen base sees the undropped $x$.
-#
-# Write `MyLoRALinear(base, r=8, alpha=16.0, dropout=0.0, use_rslora=False)`, an `nn.Module`:
-#
-# * raise `ValueError` unless `r` is a positive `int`;
-# * keep `base` (an `nn.Linear`) as `self.base` and **freeze** its parameters
-#   (`requires_grad = False`);
-# * store `self.r`, `self.alpha`, `self.use_rslora` and `self.scaling` (a Python float);
-# * `self.lora_A`: an `nn.Parameter` `[r, in]`, kaiming-uniform with `a = √5`;
-#   `self.lora_B`: an `nn.Parameter` `[out, r]` of zeros; both with the **dtype and device of
-#   `base.weight`** (as PEFT does);
+# * raise `ValueError` unless `r` is a positive `int` (not a `bool`, not a float);
+# * keep `base` (the `nn.Linear` you were given, the same object) as `self.base` and
+#   **freeze** its parameters (`requires_grad = False`);
+# * store `self.r`, `self.alpha`, `self.use_rslora` and `self.scaling`, a Python float:
+#   $s = \alpha / r$, or $s = \alpha / \sqrt{r}$ with `use_rslora=True`;
+# * `self.lora_A`: an `nn.Parameter` `[r, in]` drawn uniform on
+#   $[-1/\sqrt{\text{in}},\ 1/\sqrt{\text{in}}]$ (PyTorch's `nn.Linear` initialisation,
+#   `nn.init.kaiming_uniform_(A, a=math.sqrt(5))`); `self.lora_B`: an `nn.Parameter`
+#   `[out, r]` of **zeros**; both with the **dtype and device of `base.weight`** (as PEFT
+#   does);
 # * `self.dropout`: `nn.Dropout(dropout)` when `dropout > 0`, else `nn.Identity()`;
 # * `self.merged = False` (Exercise 3 sets it);
-# * `forward(x)` for `x` of shape `[..., in]`: when `self.merged` is true, return
+# * `forward(x)` for `x` of shape `[..., in]` → `[..., out]`: when `self.merged` is true,
 #   `self.base(x)` alone (the update is then inside the base weight); otherwise
-#   `base(x) + scaling · (dropout(x) · Aᵀ) · Bᵀ`, with the parentheses where they are:
-#   never form `B·A` (the next exercise says why).
+#   `base(x) + scaling · (dropout(x) · Aᵀ) · Bᵀ`, with the parentheses where they are: never
+#   form `B·A` (the next exercise says why). Dropout acts on the input of the **LoRA path
+#   only**, in training mode only: the frozen base sees the undropped $x$.
 #
 # Off-limits: `minituner.LoRALinear` and PEFT (the tests switch them off while they build and
 # call your layer).
+#
+# **Why these choices.** $B$ starts at zero, so $\Delta W = s\,BA = 0$ and a fresh adapter
+# leaves the model exactly as it was: fine-tuning starts from the pretrained model, not from a
+# perturbed one. $A$ starts random; `kaiming_uniform_` with `a = √5` hides a simple
+# distribution: the gain for `a = √5` is $\sqrt{2/(1+a^2)} = \sqrt{1/3}$, so the bound is
+# $\sqrt{1/3}\cdot\sqrt{3/\text{fan\_in}} = 1/\sqrt{\text{in}}$. Why not both at zero? The
+# gradients (you derive them in Exercise 2) are $dB = s\, dY^\top (x A^\top)$ and
+# $dA = s\,(dY\, B)^\top x$. With $A = B = 0$ both vanish and training never starts. With
+# $B = 0$ and $A$ random, $dB \ne 0$ at the first step, and $A$ starts moving from the second.
+#
+# The scaling $s = \alpha / r$ lets you change $r$ at a fixed $\alpha$ without re-tuning the
+# learning rate much — in the original paper's Adam setting. With **rsLoRA** (Kalajdzievski,
+# 2023, `use_rslora=True` in PEFT) $s = \alpha / \sqrt{r}$: the paper shows that with
+# $\alpha/r$ the updates shrink as the rank grows, so large ranks learn slower than they
+# should, and that $\alpha/\sqrt{r}$ keeps learning stable across ranks. **Dropout**
+# (`lora_dropout` in PEFT) regularises the update, not the pretrained model.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Read the shapes off `base.weight`, which is `[out, in]`. Create each factor with
+# `torch.empty` / `torch.zeros` and `dtype=base.weight.dtype, device=base.weight.device`,
+# wrap it in `nn.Parameter`, and initialise `lora_A` in place with `nn.init`.
+# `base.requires_grad_(False)` freezes the weight and the bias at once. In the forward,
+# `t.t()` transposes a factor; `@` broadcasts over the leading dimensions of `x`, so
+# `[..., in]` inputs need no reshaping.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# __init__(base, r, alpha, dropout, use_rslora):
+#     r not a positive int (bool excluded) -> ValueError
+#     freeze base;  self.base = base;  store r, alpha, use_rslora
+#     self.scaling = alpha / sqrt(r) if use_rslora else alpha / r
+#     out, in = base.weight.shape
+#     self.lora_A = Parameter(empty(r, in)),  kaiming_uniform_(a=sqrt(5))   # base's dtype, device
+#     self.lora_B = Parameter(zeros(out, r))                                 # base's dtype, device
+#     self.dropout = Dropout(dropout) if dropout > 0 else Identity();  self.merged = False
+#
+# forward(x):
+#     if merged: return base(x)
+#     return base(x) + scaling * ((dropout(x) @ lora_Aᵀ) @ lora_Bᵀ)
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "lora_layer", "locked": false, "schema_version": 3, "solution": true, "task": false}
 class MyLoRALinear(nn.Module):
@@ -272,6 +303,25 @@ def _check_a_distribution(n_in, r, what=""):
 _layer = _check_init(40, 24, r=4, alpha=16.0)
 _check_init(40, 24, r=4, alpha=8.0, use_rslora=True)
 _check_a_distribution(256, r=64)
+# a float64 base: the factors take the base weight's dtype
+try:
+    _check_init(12, 10, r=2, alpha=4.0, dtype=torch.float64, what="float64 base: ")
+except (AssertionError, RuntimeError) as _e:
+    raise AssertionError(f"{_e}\nRule: create lora_A and lora_B with dtype=base.weight.dtype "
+                         "and device=base.weight.device") from _e
+# a rank that is not a positive int
+try:
+    with _forbid_reference():
+        MyLoRALinear(nn.Linear(8, 8), r=0)
+except ValueError:
+    pass
+except Exception as _e:
+    raise AssertionError(f"MyLoRALinear(nn.Linear(8, 8), r=0) raised {type(_e).__name__}: {_e}"
+                         "\nRule: check r first and raise ValueError unless it is a positive "
+                         "int") from _e
+else:
+    raise AssertionError("MyLoRALinear(nn.Linear(8, 8), r=0) should raise ValueError (rule: r "
+                         "must be a positive int)")
 # a fresh adapter is the identity on the base layer's output
 _x = randn(2, 3, 40, seed=1)
 _got = _layer(_x)
@@ -417,13 +467,30 @@ for label, zero_a in (("A random, B = 0 (LoRA)", False), ("A = 0,    B = 0", Tru
 # %% [markdown]
 # ## Part B — Exercise 2: the backward pass, by hand
 #
-# Write $h = x A^\top$ (`[T, r]`). The forward is $y = x W^\top + s\, h B^\top$; given
-# $dY = \partial L / \partial y$ (`[T, out]`), the chain rule gives
+# **Specification.** Write `LoRAMatmul`, a `torch.autograd.Function`:
 #
-# $$ dB = s\, dY^\top h = s\, dY^\top (x A^\top) \quad [\text{out}, r] \qquad
-#    dh = s\, dY B \quad [T, r] $$
-# $$ dA = dh^\top x = s\,(dY B)^\top x \quad [r, \text{in}] \qquad
-#    dX = dY\, W + dh\, A = dY\, W + s\,(dY B)\, A \quad [T, \text{in}] $$
+# * `forward(ctx, x, A, B, W, scaling)` with `x [T, in]`, `A [r, in]`, `B [out, r]`, the
+#   frozen `W [out, in]` and a float `scaling` $s$: return $y = x W^\top + s\,(x A^\top) B^\top$
+#   (`[T, out]`), and save what the backward needs (`ctx.save_for_backward(...)` for tensors,
+#   `ctx.scaling = ...` for the float);
+# * `backward(ctx, dy)` with $dY$ `[T, out]`: return `(dX, dA, dB, None, None)` (five values,
+#   one per input of `forward`: `None` for `W`, which is frozen, and for `scaling`), with
+#
+#   $$ dX = dY\, W + s\,(dY B)\, A \ \ [T, \text{in}], \qquad
+#      dA = s\,(dY B)^\top x \ \ [r, \text{in}], \qquad
+#      dB = s\, dY^\top (x A^\top) \ \ [\text{out}, r]. $$
+#
+# Rules: no tensor of shape `[out, in]` or `[in, out]` may be *created* on the way, in the
+# forward or the backward (views of `W` such as `W.t()` are fine; a copy such as
+# `W.t().contiguous()` is not, and neither is a gradient for `W`); no `torch.autograd.grad`
+# inside the backward; no `minituner`. `lora_matmul` below is how the tests call your
+# Function.
+#
+# **Where the formulas come from.** Write $h = x A^\top$ (`[T, r]`). The forward is
+# $y = x W^\top + s\, h B^\top$, and the chain rule gives
+#
+# $$ dB = s\, dY^\top h \quad [\text{out}, r] \qquad dh = s\, dY B \quad [T, r] $$
+# $$ dA = dh^\top x \quad [r, \text{in}] \qquad dX = dY\, W + dh\, A \quad [T, \text{in}] $$
 #
 # Every product on the LoRA path has $r$ as one of its dimensions: nothing of size
 # `[out, in]` is ever formed. Compare the textbook form $y = x\,(W + s\,BA)^\top$: it forms
@@ -442,19 +509,33 @@ for label, zero_a in (("A random, B = 0 (LoRA)", False), ("A = 0,    B = 0", Tru
 #   save the small NF4 storage and dequantize again in the backward
 #   (`minituner.lora_linear` takes a callable for `W` for this reason).
 #
-# Write `LoRAMatmul`, a `torch.autograd.Function`:
+# <details><summary>Hint 1: the idea</summary>
 #
-# * `forward(ctx, x, A, B, W, scaling)` with `x [T, in]`, `A [r, in]`, `B [out, r]`, the frozen
-#   `W [out, in]` and a float `scaling`: return `y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ` (`[T, out]`), and save
-#   what the backward needs (`ctx.save_for_backward(...)` for tensors, `ctx.scaling = ...` for
-#   the float);
-# * `backward(ctx, dy)`: return `(dX, dA, dB, None, None)` with the formulas above — `None`
-#   for `W` (frozen) and for `scaling`.
+# Compute $h = x A^\top$ once in the forward and save it with `x`, `A`, `B` and `W`: the
+# backward needs $h$ for `dB`, and saving it costs only `[T, r]`. In the backward, compute
+# $dY B$ (`[T, r]`) once and use it twice. Write each product with its shapes beside it
+# (`[r, T] @ [T, in]`): a transpose in the wrong place gives `dAᵀ`, and `dY.t() @ x` is
+# the `[out, in]` gradient of `W`, which is forbidden.
 #
-# Rules: no tensor of shape `[out, in]` or `[in, out]` may be *created* on the way (views of
-# `W` such as `W.t()` are fine; a copy such as `W.t().contiguous()` is not); no
-# `torch.autograd.grad` inside the backward; no `minituner`. `lora_matmul` below is how the
-# tests call your Function.
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# forward(ctx, x, A, B, W, s):
+#     h = x @ Aᵀ                                   # [T, r]
+#     save x, h, A, B, W;  ctx.scaling = s
+#     return x @ Wᵀ + s * (h @ Bᵀ)                 # [T, out]
+#
+# backward(ctx, dy):
+#     dyB = dy @ B                                 # [T, r]
+#     dX  = dy @ W + s * (dyB @ A)                 # [T, in]
+#     dA  = s * (dyBᵀ @ x)                         # [r, in]
+#     dB  = s * (dyᵀ @ h)                          # [out, r]
+#     return dX, dA, dB, None, None
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "lora_function", "locked": false, "schema_version": 3, "solution": true, "task": false}
 class LoRAMatmul(torch.autograd.Function):
@@ -740,21 +821,54 @@ plt.show()
 #
 # For inference, an adapter can be folded into the weight: $W' = W + s\,BA$. The merged layer
 # is a plain linear layer again, with no extra latency. `unmerge` subtracts the update back, to
-# continue training or to swap in another adapter. In floating point $(W + \Delta) - \Delta$
-# is not exactly $W$, but it is within a few ulps: the round trip holds to about $10^{-6}$
-# for weights of order 1.
+# continue training or to swap in another adapter.
 #
-# Write three functions, for any layer that has `.base` (an `nn.Linear`), `.lora_A`,
-# `.lora_B`, `.scaling` and `.merged` (yours; the tests also pass them a
+# **Specification.** Three functions, for any layer that has `.base` (an `nn.Linear`),
+# `.lora_A`, `.lora_B`, `.scaling` and `.merged` (yours; the tests also pass them a
 # `minituner.LoRALinear`):
 #
-# * `delta_weight(layer)`: $s \cdot B A$, `[out, in]`;
+# * `delta_weight(layer)`: $s \cdot B A$, a tensor `[out, in]`;
 # * `merge(layer)`: if `layer.base` is a `miniquant.QuantizedLinear` (an NF4 base), raise
-#   `ValueError` with a message that says why (re-quantization, below); if already merged, do
-#   nothing; else add the delta to `layer.base.weight` **in place** (the same `Parameter`,
-#   inside `torch.no_grad()`, cast to the weight's dtype) and set `layer.merged = True`;
-# * `unmerge(layer)`: if not merged, do nothing; else subtract it in place and set
-#   `layer.merged = False`.
+#   `ValueError` with a message that says why (re-quantization, below) and change nothing;
+#   if already merged, do nothing (merging twice must not add the update twice); else add
+#   the delta to `layer.base.weight` **in place** — the same `Parameter` object, updated
+#   inside `torch.no_grad()` so that it stays frozen and outside any graph, cast to the
+#   weight's dtype — and set `layer.merged = True`;
+# * `unmerge(layer)`: if not merged, do nothing; else subtract the delta in place the same way
+#   and set `layer.merged = False`.
+#
+# In floating point $(W + \Delta) - \Delta$ is not exactly $W$, but it is within a few ulps:
+# the tests ask for the round trip to hold to $10^{-6}$ for weights of order 1.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# `isinstance(layer.base, miniquant.QuantizedLinear)` is the NF4 test; check it before
+# anything else. In-place updates of a `Parameter` are `weight.add_(...)` and
+# `weight.sub_(...)`; under `torch.no_grad()` autograd does not record them, while outside it
+# the frozen weight would silently join the graph of the trainable factors. Replacing the
+# Parameter (`base.weight = nn.Parameter(...)`) breaks every optimizer and every reference
+# to it.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# delta_weight(layer):  return layer.scaling * (layer.lora_B @ layer.lora_A)
+#
+# merge(layer):
+#     base is a QuantizedLinear -> ValueError("... re-quantizing would lose the update ...")
+#     if layer.merged: return
+#     with no_grad: layer.base.weight.add_(delta_weight(layer) in the weight's dtype)
+#     layer.merged = True
+#
+# unmerge(layer):
+#     if not layer.merged: return
+#     with no_grad: layer.base.weight.sub_(delta_weight(layer) in the weight's dtype)
+#     layer.merged = False
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "merge", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def delta_weight(layer) -> torch.Tensor:
@@ -860,6 +974,10 @@ try:
         merge(_q)
 except ValueError as e:
     print("merge on an NF4 base refused:", e)
+except Exception as _e:
+    raise AssertionError(f"merge on an NF4 base raised {type(_e).__name__}: {_e}\nRule: check "
+                         "isinstance(layer.base, miniquant.QuantizedLinear) first and raise "
+                         "ValueError") from _e
 else:
     raise AssertionError("merge on a layer whose base is a miniquant.QuantizedLinear should "
                          "raise ValueError")
@@ -951,34 +1069,68 @@ plt.show()
 # ## Part D — Exercise 4: choosing the layers to adapt
 #
 # PEFT picks layers with `target_modules`, matched against each module's full name
-# (`blocks.0.attn.q_proj`):
+# (`blocks.0.attn.q_proj`).
 #
-# * a **list of strings** holds name *suffixes*: a name matches an entry `t` if it equals `t`
-#   or ends with `"." + t` (so `"q_proj"` matches `blocks.1.attn.q_proj`, but `"proj"` matches
-#   nothing: suffixes are whole name components);
-# * a **string** is a regular expression that must match the **whole** name
-#   (`re.fullmatch`): `r"blocks\.\d+\.mlp\..*"` selects every MLP projection, while
-#   `r"mlp\.up_proj"` matches nothing (it would with `re.search`).
-#
-# Only `nn.Linear` modules are candidates. A pattern that also matches other modules (a
-# block, a norm) skips them here, as `minituner.wrap_lora` does; PEFT instead raises an error
-# when a pattern matches a module type it cannot adapt, such as an `RMSNorm` (and it can adapt
-# `nn.Embedding`, which we leave alone).
-#
-# Write `wrap(model, target_modules, r=8, alpha=16.0, dropout=0.0, use_rslora=False)`:
+# **Specification.** Write `wrap(model, target_modules, r=8, alpha=16.0, dropout=0.0,
+# use_rslora=False) -> list[str]`, which changes `model` in place:
 #
 # * raise `ValueError` if `r` is not a positive int, **before** touching the model;
-# * collect the names of the matching `nn.Linear` modules, in `model.named_modules()` order;
-#   if there are none, raise `ValueError` with a message that lists the names of all the
-#   model's `nn.Linear` modules (what the user could have meant), leaving the model untouched;
-# * replace each by a `MyLoRALinear` around it (`model.set_submodule(name, new)` does the
-#   parent lookup for you); collect the names first, then replace — changing a model while
-#   iterating over `named_modules()` goes wrong;
+# * the candidates are the model's `nn.Linear` modules (no norm, block or embedding), in
+#   `model.named_modules()` order; a candidate named `name` matches when
+#   * `target_modules` is a **list of strings** and some entry `t` equals `name` or is a
+#     *suffix made of whole name components*, `name.endswith("." + t)` (so `"q_proj"`
+#     matches `blocks.1.attn.q_proj`, but `"proj"` matches nothing);
+#   * `target_modules` is a **string**: a regular expression that must match the **whole**
+#     name, `re.fullmatch` (`r"blocks\.\d+\.mlp\..*"` selects every MLP projection, while
+#     `r"mlp\.up_proj"` matches nothing; it would with `re.search`);
+# * if nothing matches, raise `ValueError` with a message that lists the names of all the
+#   model's `nn.Linear` modules (what the user could have meant), leaving the model untouched
+#   (nothing wrapped, nothing frozen);
+# * replace each match by a `MyLoRALinear` around it (the original `nn.Linear` object becomes
+#   its `base`), with `r`, `alpha`, `dropout` and `use_rslora`;
 # * freeze every parameter of the model, then unfreeze the `lora_A` and `lora_B` of the new
 #   layers; return the list of wrapped names.
 #
-# And `count_trainable(model) -> (trainable, total)`: parameter counts (numbers, not tensors)
-# over `model.parameters()`.
+# And `count_trainable(model) -> (trainable, total)`: parameter counts as Python `int`s over
+# `model.parameters()`.
+#
+# Off-limits: `minituner.wrap_lora`, `minituner.trainable_summary` and PEFT.
+#
+# A pattern that also matches other modules (a block, a norm) skips them here, as
+# `minituner.wrap_lora` does; PEFT instead raises an error when a pattern matches a module
+# type it cannot adapt, such as an `RMSNorm` (and it can adapt `nn.Embedding`, which we leave
+# alone).
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Work in two passes: first collect the matching names (a list comprehension over
+# `named_modules()` with `isinstance(m, nn.Linear)` and a small `matches(name)` helper), then
+# replace them. Changing a model while iterating over `named_modules()` goes wrong, and
+# collecting first also lets you raise before anything changed.
+# `model.get_submodule(name)` fetches a layer and `model.set_submodule(name, new)` does the
+# parent lookup for you. `model.requires_grad_(False)` freezes everything at once.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# wrap(model, target_modules, r, alpha, dropout, use_rslora):
+#     r not a positive int -> ValueError
+#     candidates = [name for name, m in model.named_modules() if m is an nn.Linear]
+#     matches(name) = fullmatch(target_modules, name)                    if a string
+#                     any(name == t or name ends with "." + t for t in target_modules)  else
+#     names = [n for n in candidates if matches(n)]
+#     if not names: ValueError listing candidates
+#     for n in names: model.set_submodule(n, MyLoRALinear(model.get_submodule(n), r, alpha, ...))
+#     model.requires_grad_(False)
+#     for n in names: unfreeze model.get_submodule(n).lora_A and .lora_B
+#     return names
+#
+# count_trainable(model): (sum of numel of the parameters that require grad, sum of all numel)
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "wrap", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def wrap(model: nn.Module, target_modules, r: int = 8, alpha: float = 16.0,
@@ -1102,7 +1254,7 @@ assert _m.blocks[0].attn.q_proj.base is _orig, "hidden: the base should be the o
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_wrap_bad_inputs", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
-def _expect_value_error(target_modules, r=8, what="", must_list=()):
+def _expect_value_error(target_modules, r=8, what="", must_list=(), rule=""):
     where = f"{what}wrap(small_gpt(), {target_modules!r}, r={r!r})"
     model = small_gpt()
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -1112,7 +1264,7 @@ def _expect_value_error(target_modules, r=8, what="", must_list=()):
     except ValueError as e:
         msg = str(e)
     else:
-        raise AssertionError(f"{where} should raise ValueError")
+        raise AssertionError(f"{where} should raise ValueError{rule}")
     for name in must_list:
         assert name in msg, f"{where}: the error should list the model's linear layers " \
                             f"(e.g. {name!r}); it says: {msg}"
@@ -1129,6 +1281,10 @@ _msg = _expect_value_error(["qkv"], must_list=("blocks.0.attn.q_proj", "blocks.1
                                                "lm_head"))
 assert "tok_emb" not in _msg, f"only nn.Linear names are candidates; the message lists " \
                               f"tok_emb: {_msg}"
+_expect_value_error(["_proj"], rule=": a list entry is a suffix of whole name components "
+                    "(name == t or name.endswith('.' + t)), and '_proj' is none")
+_expect_value_error(r"attn\.v_proj", rule=": a string is a regex that must match the whole "
+                    "name (re.fullmatch, not re.search or re.match)")
 print("wrap refuses a bad rank and a pattern that matches nothing, and names the candidates:")
 print(" ", _msg[:160], "...")
 
@@ -1221,16 +1377,17 @@ with tempfile.TemporaryDirectory() as d:
                                               "lora_dropout", "bias", "use_rslora")})
 
 # %% [markdown]
-# Write `save_peft_adapter(model, directory, target_modules)`:
+# **Specification.** Write `save_peft_adapter(model, directory, target_modules)`:
 #
 # * find the `MyLoRALinear` layers of `model` (raise `ValueError` if there is none);
-# * write `adapter_config.json` with at least `peft_type` (`"LORA"`), `r`, `lora_alpha`,
-#   `target_modules` (a list if you were given a list, the regex string otherwise),
-#   `lora_dropout` (the layers' dropout probability, 0.0 without dropout), `bias` (`"none"`),
-#   `use_rslora`, and `task_type` (`None`); all layers share one setting;
-# * write `adapter_model.safetensors` with `safetensors.torch.save_file`, one entry per factor,
-#   named `base_model.model.<layer name>.lora_A.weight` / `.lora_B.weight`; create `directory`
-#   if needed.
+# * write `directory/adapter_config.json` with at least `peft_type` (`"LORA"`), `r`,
+#   `lora_alpha`, `target_modules` (a list if you were given a list, the regex string
+#   otherwise), `lora_dropout` (the layers' dropout probability, 0.0 without dropout),
+#   `bias` (`"none"`), `use_rslora`, and `task_type` (`None`); all layers share one setting;
+# * write `directory/adapter_model.safetensors` with `safetensors.torch.save_file` (never a
+#   `torch.save` pickle), one entry per factor, named
+#   `base_model.model.<layer name>.lora_A.weight` / `.lora_B.weight` (no adapter name);
+#   create `directory` if needed.
 #
 # And `load_peft_adapter(model, directory) -> list[str]`, for a model without adapters: read
 # the config (raise `ValueError` unless `peft_type` is `"LORA"`), `wrap` the model with its
@@ -1240,6 +1397,41 @@ with tempfile.TemporaryDirectory() as d:
 #
 # Off-limits: `minituner.save_adapter` / `load_adapter`, and PEFT (the tests use them to
 # check you).
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# A dict comprehension over `named_modules()` with `isinstance(m, MyLoRALinear)` gives the
+# layers and their names; the first layer carries `r`, `alpha`, `use_rslora` and its
+# `dropout` (an `nn.Dropout` has `.p`; an `nn.Identity` has none). `json.dumps` refuses a
+# set and a tensor: write plain Python values. `save_file` wants a dict of contiguous tensors
+# without autograd history (`.detach().contiguous()`). Loading is the same names in reverse:
+# build the list of expected keys from the names `wrap` returns, compare it with the file's
+# keys, and copy under `torch.no_grad()`.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# save_peft_adapter(model, directory, target_modules):
+#     layers = {name: m for name, m in model.named_modules() if m is a MyLoRALinear}
+#     none -> ValueError;  first = any one of them
+#     config = {peft_type: "LORA", task_type: None, r: first.r, lora_alpha: first.alpha,
+#               target_modules: the string, or list(target_modules), lora_dropout: p or 0.0,
+#               bias: "none", use_rslora: first.use_rslora}
+#     tensors = {PREFIX + name + ".lora_A.weight": A, PREFIX + name + ".lora_B.weight": B, ...}
+#     mkdir directory;  write the JSON;  save_file(tensors, directory/adapter_model.safetensors)
+#
+# load_peft_adapter(model, directory):
+#     config = JSON;  peft_type != "LORA" -> ValueError
+#     tensors = load_file(...)
+#     names = wrap(model, config's target_modules, r, lora_alpha, lora_dropout, use_rslora)
+#     missing = expected keys not in tensors;  any -> ValueError naming them
+#     with no_grad: copy each tensor into its layer's lora_A / lora_B
+#     return names
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "adapters", "locked": false, "schema_version": 3, "solution": true, "task": false}
 PREFIX = "base_model.model."
@@ -1358,6 +1550,18 @@ def _check_save(target_modules, r=4, alpha=8.0, dropout=0.0, use_rslora=False, w
 
 
 _check_save(["q_proj", "v_proj", "down_proj"])
+try:
+    with tempfile.TemporaryDirectory() as _d, _forbid_reference():
+        save_peft_adapter(small_gpt(), _d, ["q_proj"])
+except ValueError:
+    pass
+except Exception as _e:
+    raise AssertionError(f"save_peft_adapter on a model without MyLoRALinear layers raised "
+                         f"{type(_e).__name__}: {_e}\nRule: raise ValueError when there is no "
+                         "LoRA layer to save") from _e
+else:
+    raise AssertionError("save_peft_adapter on a model without MyLoRALinear layers should raise "
+                         "ValueError (there is nothing to save; wrap first)")
 print("save_peft_adapter: PeftModel.from_pretrained loads your files and computes your logits")
 
 ### BEGIN HIDDEN TESTS
@@ -1398,6 +1602,37 @@ def _check_load(target_modules, r=4, alpha=8, use_rslora=False, what=""):
 
 
 _check_load(["k_proj", "up_proj"])
+# a file that lacks a key, and a config that is not LoRA: ValueError, before copying anything
+_m = small_gpt()
+wrap(_m, ["k_proj"], r=2, alpha=4.0)
+with tempfile.TemporaryDirectory() as _d:
+    save_peft_adapter(_m, _d, ["k_proj"])
+    _t = safetensors.torch.load_file(Path(_d) / "adapter_model.safetensors")
+    _key = f"{PREFIX}blocks.0.attn.k_proj.lora_A.weight"
+    del _t[_key]
+    safetensors.torch.save_file(_t, str(Path(_d) / "adapter_model.safetensors"))
+    try:
+        with _forbid_reference():
+            load_peft_adapter(small_gpt(), _d)
+    except ValueError as e:
+        assert _key in str(e), f"the error should name the missing key {_key}; it says: {e}"
+    except KeyError as e:
+        raise AssertionError(f"a file without {_key} raised KeyError({e}); rule: compare the "
+                             f"expected keys with the file's first and raise ValueError naming "
+                             f"the missing ones") from e
+    else:
+        raise AssertionError(f"a file without {_key} should raise ValueError naming it")
+    save_peft_adapter(_m, _d, ["k_proj"])            # complete again, but not a LoRA config
+    _cfg = json.loads((Path(_d) / "adapter_config.json").read_text())
+    (Path(_d) / "adapter_config.json").write_text(json.dumps({**_cfg, "peft_type": "LOHA"}))
+    try:
+        with _forbid_reference():
+            load_peft_adapter(small_gpt(), _d)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("an adapter_config.json with peft_type 'LOHA' should raise "
+                             "ValueError (rule: only peft_type 'LORA' is loaded)")
 print("load_peft_adapter: an adapter saved by PEFT gives PEFT's logits in your model")
 
 ### BEGIN HIDDEN TESTS
@@ -1525,3 +1760,43 @@ print(f"adapter file: {adapter_bytes / 1024:.0f} KB; base checkpoint: "
 # 5. PEFT's on-disk names drop the adapter name (`default`). What does that buy when one
 #    model carries two adapters, and what must a loader do to put a file into an adapter that
 #    is not called `default`?
+
+# %% [markdown] tags=["instructor"]
+# **Sample answers (instructors only; this cell is not in the learners' notebook).**
+#
+# 1. Nothing fatal, as long as exactly one factor is zero: $\Delta W = s\,B\cdot 0 = 0$, so the
+#    model still starts unchanged. At the first step $dB = s\,dY^\top (x A^\top) = 0$ because
+#    $x A^\top = 0$, while $dA = s\,(dY B)^\top x \ne 0$: the mirror image of the printout
+#    above ($|dL/dA| = 0$, $|dL/dB| = 0.4366$ for the LoRA convention). What goes wrong is
+#    compatibility and scale: PEFT's files and `minituner` assume B is the zero factor, and a
+#    random B of `[out, r]` drawn like `nn.Linear(r, out)` has entries up to $1/\sqrt{r}$
+#    (0.35 at r = 8) instead of A's $1/\sqrt{\text{in}}$ (0.09 for in = 128), so the first
+#    updates of $\Delta W$ are larger; analyses of LoRA's training dynamics (Hayou et al.,
+#    2024) find the usual choice tolerates larger learning rates.
+# 2. AdamW moves every entry of A and B by about the learning rate per step, whatever $s$ is,
+#    so $s\,BA$ changes by roughly $s$ times a sum of $r$ rank-one terms; for directions that
+#    are not aligned that sum grows like $\sqrt{r}$, and the change scales like
+#    $s\sqrt{r} = \alpha/\sqrt{r}$ under $s = \alpha/r$: doubling the rank slows learning by
+#    about $1/\sqrt 2$, so high ranks underuse their capacity. With $s = \alpha/\sqrt{r}$ the
+#    product $s\sqrt{r} = \alpha$ does not depend on $r$, which is rsLoRA's argument for
+#    rank-stable learning.
+# 3. `A`, `B` and `W` are parameters that exist anyway: saving them keeps a reference, no copy.
+#    `x` is the layer's input activation; it is held until the backward only because `dA`
+#    needs it (with a frozen W, the base path alone would not), so it costs `[T, in]`.
+#    `x·Aᵀ` is new but only `[T, r]`. Over an NF4 base, `W` is not a float tensor at all:
+#    saving the dequantized `[out, in]` weight would hold exactly the memory QLoRA removes, so
+#    save the packed NF4 storage (or a callable that dequantizes it) and dequantize again in
+#    the backward for $dX = dY\,W$, one extra dequantization per layer per step.
+# 4. With $y = xW^\top + s\,((x \odot m) A^\top) B^\top$, the LoRA part of $dX$ is
+#    $s\,((dY B) A) \odot m$: the gradient flows back through the same mask. $dA$ is
+#    $s\,(dY B)^\top (x \odot m)$ because A multiplies the dropped input; using $x$ would be
+#    the gradient of a function the forward never computed (gradcheck would fail), and the
+#    dropped features would be trained as if they had been seen. `minituner.lora_linear`
+#    saves `x_d = x * mask` for `dA` and multiplies the LoRA part of `dX` by `mask`.
+# 5. A file is not tied to a slot: the same model can load two files as two named adapters
+#    (say `default` and `rev`) and switch between them, or load one file into several models,
+#    without renaming anything on disk. A loader that puts a file into an adapter called
+#    `rev` must insert the name into every key
+#    (`...q_proj.lora_A.weight` → `...q_proj.lora_A.rev.weight`), create that adapter's
+#    layers from the config first, and then copy; PEFT does this in
+#    `PeftModel.load_adapter(path, adapter_name="rev")`.

@@ -44,8 +44,10 @@
 # was expected and what came. Grading runs more (hidden) checks of the same specification —
 # other ranks, blocksizes, models, bad inputs. You may use the course packages (`miniquant`,
 # `minituner`, `labkit`) except the one function each exercise rebuilds; the tests switch that
-# one off while your code runs. The notebook runs in under a minute on a laptop CPU; no GPU
-# is needed.
+# one off while your code runs. Each exercise states its **specification** first (inputs,
+# outputs, the rules that matter, what is off-limits), which is enough to solve it; below it,
+# folded **hints** go from the idea to pseudocode, for when you want them. No GPU is needed:
+# the whole notebook runs in <!-- runtime:06-qlora-preview -->about 19 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 
 # %%
 import json
@@ -167,7 +169,7 @@ for label, model in (("wrapped, never quantized", wrong), ("quantized, then wrap
 print(right.blocks[0].attn.q_proj)
 
 # %% [markdown]
-# Write `qlora_wrap(model, r=8, alpha=16.0, blocksize=64, double_quant=True,
+# **Specification.** Write `qlora_wrap(model, r=8, alpha=16.0, blocksize=64, double_quant=True,
 # target=BLOCK_PROJECTIONS) -> list[str]`, in place:
 #
 # * if the model already holds **any** `LoRALinear` (anywhere, not only on `target`), raise
@@ -183,6 +185,28 @@ print(right.blocks[0].attn.q_proj)
 # norms and `lm_head` stay float32 and frozen, as in QLoRA (a small share of a large model,
 # and the most sensitive to rounding). Off-limits: `minituner.qlora.wrap_minigpt_qlora`, the
 # reference the tests compare you with.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# The whole exercise is the order of three things: look, quantize, wrap. Look first, over
+# every module (`model.named_modules()` with `isinstance(m, LoRALinear)`), so that the error
+# comes while the model is still untouched; then the two library calls above, with the same
+# `target`, the quantizer with `blocksize` and `double_quant`, the wrapper with `r` and
+# `alpha`. `wrap_lora` already returns the wrapped names in the model's order.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# qlora_wrap(model, r, alpha, blocksize, double_quant, target):
+#     lora = [name for name, m in model.named_modules() if m is a LoRALinear]
+#     if lora: raise ValueError("... already holds LoRA layers: quantize the base first ...")
+#     quantize_model(model, target, blocksize=blocksize, double_quant=double_quant)
+#     return wrap_lora(model, target, r=r, alpha=alpha)
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "qlora_wrap", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def qlora_wrap(model: nn.Module, r: int = 8, alpha: float = 16.0, blocksize: int = 64,
@@ -270,6 +294,14 @@ def _check_qlora_wrap(make, r=8, alpha=16.0, blocksize=64, double_quant=True, wh
 
 _check_qlora_wrap(small_gpt)
 _q = _check_qlora_wrap(lambda: minigpt.load_base("dense"))
+# `target` decides which layers are quantized and wrapped
+_m = small_gpt()
+with forbid(_NO_REFERENCE_WRAP, globals()):
+    _names = qlora_wrap(_m, target=r"blocks\.0\.attn\.(q|v)_proj")
+assert _names == ["blocks.0.attn.q_proj", "blocks.0.attn.v_proj"] \
+    and isinstance(_m.blocks[1].attn.q_proj, nn.Linear), \
+    f"qlora_wrap(model, target=r'blocks\\.0\\.attn\\.(q|v)_proj') wrapped {_names}; rule: " \
+    f"quantize and wrap exactly the layers matching `target`, leave the others nn.Linear"
 print(f"qlora_wrap: {len([m for m in _q.modules() if isinstance(m, LoRALinear)])} layers, NF4 "
       f"under float32 LoRA factors, everything else float32 and frozen; logits equal the "
       f"reference's")
@@ -313,6 +345,11 @@ def _check_refuses(lora_target, what=""):
 
 
 _check_refuses(BLOCK_PROJECTIONS)
+try:                     # LoRA outside target (on lm_head): still wrapped first, still refused
+    _check_refuses(["lm_head"], what="LoRA on lm_head only: ")
+except AssertionError as _e:
+    raise AssertionError(f"{_e}\nRule: look for a LoRALinear anywhere in the model, not only "
+                         "on target, and raise before quantizing anything") from _e
 print("qlora_wrap refuses a model that was wrapped first, and leaves it untouched")
 
 ### BEGIN HIDDEN TESTS
@@ -330,7 +367,8 @@ _check_refuses(["lm_head"], what="hidden (LoRA on lm_head only): ")
 # largest absolute logit difference, and how often the two models would pick the same next
 # token.
 #
-# Write `logit_parity(model_a, model_b, tokens) -> dict` with float values:
+# **Specification.** Write `logit_parity(model_a, model_b, tokens) -> dict` for `tokens`
+# `[B, T]` (long), with float values:
 #
 # * `"mean_abs_diff"`: the mean over every position and vocabulary entry of
 #   $|\text{logits}_a - \text{logits}_b|$; `"max_abs_diff"`: its maximum;
@@ -341,6 +379,29 @@ _check_refuses(["lm_head"], what="hidden (LoRA on lm_head only): ")
 #
 # Put both models in `eval()` mode (dropout off) and compute without gradients. Return Python
 # floats, not tensors.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Two forward passes under `torch.no_grad()` give `[B, T, V]` logits; cast them to float32
+# (a bfloat16 model would otherwise round the differences). The means and the maximum run
+# over every element; the argmax runs over the last (vocabulary) dimension and leaves a
+# `[B, T]` tensor of token ids, whose equality you average as floats. `.item()` turns a 0-d
+# tensor into a Python float.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# model_a.eval();  model_b.eval()
+# with no_grad: la, lb = float32(model_a(tokens)), float32(model_b(tokens))    # [B, T, V]
+# d = |la - lb|
+# return {mean_abs_diff: mean(d), max_abs_diff: max(d),
+#         argmax_agreement: mean(float(argmax(la, -1) == argmax(lb, -1))),
+#         mean_abs_logit: mean(|la|)}                                         # all .item()
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "logit_parity", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def logit_parity(model_a: nn.Module, model_b: nn.Module, tokens: torch.Tensor) -> dict:
@@ -395,6 +456,12 @@ _check_parity(_A, _B, {"mean_abs_diff": 4 / 6, "max_abs_diff": 1.0, "argmax_agre
                        "mean_abs_logit": 11 / 6}, what="hand example: ")
 _check_parity(_A, _A, {"mean_abs_diff": 0.0, "max_abs_diff": 0.0, "argmax_agreement": 1.0,
                        "mean_abs_logit": 11 / 6}, what="a model against itself: ")
+# a model with dropout, left in training mode, against itself: eval mode makes it exact
+_drop = _Fixed(randn(2, 3, 8, seed=4), dropout=0.3).train()
+_got = logit_parity(_drop, _drop, torch.zeros(2, 3, dtype=torch.long))
+assert _got["max_abs_diff"] == 0.0, \
+    f"a model with dropout 0.3 in training mode, compared with itself, differs by " \
+    f"{_got['max_abs_diff']:.3g}; rule: put both models in eval() mode (dropout off) first"
 print("logit_parity: the hand-computed example and a model against itself give the expected "
       "numbers")
 
@@ -578,12 +645,38 @@ print("after .to(bfloat16): lora_A", cast.blocks[0].attn.q_proj.lora_A.dtype, "|
 #   `exp_avg_sq`, and a 0-d `step` counter). AdamW creates that state **lazily**, at its first
 #   `step()`: count before it and you get zero.
 #
-# Write `held(model, optimizer=None) -> dict` with the integer keys `"weights"`, `"grads"`,
-# `"optimizer"`. Count **storage**, not tensors: a view, a slice, or a second `Parameter`
-# over the same memory adds nothing, and a tensor that is a slice of a larger storage holds
-# that whole storage. `t.untyped_storage()` gives the storage; its `.nbytes()` the bytes and
-# its `.data_ptr()` an address that identifies it. A storage counted once is never counted
-# again, in any of the three groups. Off-limits: `minituner.memory.held_bytes`.
+# **Specification.** Write `held(model, optimizer=None) -> dict` with the integer keys
+# `"weights"` (the parameters and buffers), `"grads"` (the `.grad`s present) and
+# `"optimizer"` (the tensors in `optimizer.state`; 0 without an optimizer), in bytes. Count
+# **storage**, not tensors: a view, a slice, or a second `Parameter` over the same memory
+# adds nothing, and a tensor that is a slice of a larger storage holds that whole storage. A
+# storage counted once is never counted again, in any of the three groups. Off-limits:
+# `minituner.memory.held_bytes`.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# `t.untyped_storage()` gives the storage behind a tensor; its `.nbytes()` the bytes and its
+# `.data_ptr()` an address that identifies it. Keep one set of the addresses already
+# counted, shared by the three groups, and a small helper that sums the bytes of the storages
+# it has not seen yet. `optimizer.state` maps each parameter to a dict of its state (for
+# AdamW: `exp_avg`, `exp_avg_sq`, `step`); keep the values that are tensors.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# seen = {}
+# count(tensors): total = 0
+#                 for t in tensors: s = t.untyped_storage()
+#                                   if s.data_ptr() not in seen: add it; total += s.nbytes()
+#                 return total
+# weights   = count(parameters + buffers)
+# grads     = count(p.grad for p in parameters if p.grad is not None)
+# optimizer = count(every tensor value of every dict in optimizer.state.values())   # 0 if None
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "held", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def held(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
@@ -642,6 +735,13 @@ _got = _held(_s)
 assert _got == {"weights": 10 * 8 * 4 + 8 * 4, "grads": 0, "optimizer": 0}, \
     f"shared storage: expected weights = 320 (the [10, 8] storage, once) + 32 (gain) = 352, " \
     f"no grads, no optimizer state; got {_got}"
+# a Parameter over a slice holds the whole storage it lives in
+_sl = nn.Module()
+_sl.w = nn.Parameter(torch.zeros(50)[5:15])
+assert _held(_sl)["weights"] == 200, \
+    f"a Parameter over elements 5..14 of a 50-float storage: expected weights = 200 (the whole " \
+    f"storage, untyped_storage().nbytes()), got {_held(_sl)['weights']}; rule: count storage, " \
+    f"not numel() * element_size()"
 
 
 def _two_steps(model, batch=4, steps=2, opt=None):
@@ -770,7 +870,9 @@ plt.show()
 # %% [markdown]
 # ## Part E — Exercise 4: predicting the bill from a model's shape
 #
-# Nobody measures a 7B model to decide whether it fits on a GPU; one counts. Two functions:
+# Nobody measures a 7B model to decide whether it fits on a GPU; one counts.
+#
+# **Specification.** Two functions.
 #
 # **`nf4_storage_bytes(numel, blocksize=64, double_quant=True) -> int`**, the bytes of an NF4
 # tensor of `numel` elements (Lab 02): $\lceil n/2 \rceil$ bytes of packed codes, plus per
@@ -795,6 +897,37 @@ plt.show()
 # `shape.other_params()` counts everything else (embeddings, norms, head). Raise `ValueError`
 # for any other regime. Off-limits: `minituner.memory.predict`, `predict_training`,
 # `regime_specs`, `param_specs`, `nf4_bytes` (the tests compare you with them).
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Everything is a ceiling division, `-(-n // d)` in integers: the packed codes are two per
+# byte, the blocks include a partial last one, the nested scales one per 256 blocks. Then
+# count, for the regime, three numbers: the bytes of the weights as stored, the number of
+# trained elements, and from it 4 bytes of gradient and 8 of AdamW state each. The list of
+# every projection of the model is `shape.block_linears() * shape.n_layer`; NF4 rounds each
+# matrix on its own, so sum `nf4_storage_bytes` per matrix, not once over their total.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# nf4_storage_bytes(n, bs, dq):
+#     blocks = ceil(n / bs)
+#     scales = blocks + 4 * ceil(blocks / 256) + 4   if dq   else   4 * blocks
+#     return ceil(n / 2) + scales
+#
+# predict_bytes(shape, regime, r, weight_bits, bs, dq):
+#     regime not in full / lora / qlora -> ValueError
+#     linears = shape.block_linears() * shape.n_layer;   proj = sum(out * in)
+#     other = shape.other_params();   lora = sum(r * (out + in))
+#     full:  weights = (other + proj) * weight_bits / 8;               trained = other + proj
+#     lora:  weights = (other + proj) * weight_bits / 8 + 4 * lora;    trained = lora
+#     qlora: weights = other * weight_bits / 8 + sum(nf4 per matrix) + 4 * lora;  trained = lora
+#     return {weights, grads: 4 * trained, optimizer: 8 * trained}
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "predict_bytes", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def nf4_storage_bytes(numel: int, blocksize: int = 64, double_quant: bool = True) -> int:
@@ -902,6 +1035,14 @@ for _regime, _wrap in (("lora", lambda m: wrap_lora(m, BLOCK_PROJECTIONS, r=8, a
     assert _p["weights"] == _row.weights and _p["grads"] == _row.grads, \
         f"MiniGPT, {_regime}: predicted weights / grads {_p['weights']:,d} / {_p['grads']:,d} " \
         f"differ from what the model holds after two steps, {_row.weights:,d} / {_row.grads:,d}"
+try:
+    with forbid(_NO_PREDICTOR, globals()):
+        predict_bytes(_shape, "ia3")
+except ValueError:
+    pass
+else:
+    raise AssertionError("predict_bytes(shape, 'ia3') returned; rule: raise ValueError for a "
+                         "regime other than 'full', 'lora' and 'qlora'")
 print("predict_bytes equals minituner.memory.predict_training for LLaMA-7B and MiniGPT, and the "
       "weights and grads that MiniGPT's models hold")
 
@@ -968,8 +1109,8 @@ plt.show()
 # re-quantization, no second copy of the base, and the optimizer (if one trains on) keeps
 # pointing at the same factor tensors.
 #
-# Write `swap_adapter(model, directory) -> list[str]` for a model that already holds LoRA
-# layers (over NF4 or float bases) and a PEFT-format adapter directory (Lab 04):
+# **Specification.** Write `swap_adapter(model, directory) -> list[str]` for a model that
+# already holds LoRA layers (over NF4 or float bases) and a PEFT-format adapter directory (Lab 04):
 #
 # * read `adapter_config.json`; raise `ValueError` unless `peft_type` is `"LORA"`, unless the
 #   model holds at least one `LoRALinear`, or if any `LoRALinear` has another `r` or
@@ -984,6 +1125,32 @@ plt.show()
 #
 # Off-limits: `minituner.load_adapter` and anything that quantizes (`quantize_model`,
 # `QuantizedLinear.from_linear`, `quantize_nf4`).
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Validate everything, then change something. Build one dict from each expected file key
+# (`PREFIX + name + ".lora_A.weight"`, …) to the model's factor `Parameter`; set operations
+# on its keys and the file's keys give the missing and the unexpected ones, and a comparison
+# of shapes the mis-shaped ones. Only when all three lists are empty, copy with `p.copy_(t)`
+# under `torch.no_grad()`, which keeps every `Parameter` (and an optimizer's hold on it).
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# config = JSON;  peft_type != "LORA" -> ValueError
+# layers = {name: m for name, m in model.named_modules() if m is a LoRALinear};  none -> ValueError
+# scaling = lora_alpha / sqrt(r) if use_rslora else lora_alpha / r
+# any layer with m.r != r or m.scaling != scaling -> ValueError
+# params  = {PREFIX + name + ".lora_A.weight": m.lora_A, ... ".lora_B.weight": m.lora_B}
+# tensors = load_file(directory / "adapter_model.safetensors")
+# missing, unexpected, mis-shaped -> ValueError naming them
+# with no_grad: for key, p in params: p.copy_(tensors[key])
+# return list(layers)
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "swap_adapter", "locked": false, "schema_version": 3, "solution": true, "task": false}
 PREFIX = "base_model.model."
@@ -1121,7 +1288,26 @@ with tempfile.TemporaryDirectory() as _t:
     wrap_minigpt_qlora(_other, r=2, alpha=8.0)         # another rank
     save_adapter(_other, _t)
     _expect_refusal(_m, _t, [], "an adapter with r=2 into layers with r=4")
-print("swap_adapter refuses an adapter of another rank and leaves the model as it was")
+with tempfile.TemporaryDirectory() as _t:
+    _src = small_gpt()
+    wrap_minigpt_qlora(_src, r=4, alpha=8.0)
+    randomize_lora(_src, seed=6)
+    save_adapter(_src, _t)
+    # another lora_alpha with the same r: another scaling, refused
+    _cfg = json.loads((Path(_t) / "adapter_config.json").read_text())
+    (Path(_t) / "adapter_config.json").write_text(json.dumps({**_cfg, "lora_alpha": 4.0}))
+    _expect_refusal(_m, _t, [], "lora_alpha 4 into layers with scaling 8/4 (rule: compare "
+                    "the scaling, not only r)")
+    (Path(_t) / "adapter_config.json").write_text(json.dumps(_cfg))
+    # a file without one key: refused, naming it, before any factor is copied
+    _file = Path(_t) / "adapter_model.safetensors"
+    _key = f"{PREFIX}blocks.0.attn.k_proj.lora_A.weight"
+    safetensors.torch.save_file({k: v for k, v in safetensors.torch.load_file(str(_file)).items()
+                                 if k != _key}, str(_file))
+    _expect_refusal(_m, _t, [_key], "a file without one key (rule: check every key and shape "
+                    "first, then copy)")
+print("swap_adapter refuses an adapter of another rank or scaling, and a file that lacks a "
+      "key, and leaves the model as it was")
 
 ### BEGIN HIDDEN TESTS
 with tempfile.TemporaryDirectory() as _t:
@@ -1229,3 +1415,44 @@ plt.show()
 # 5. You cannot merge an adapter into an NF4 base without re-quantizing (Lab 04's table). For
 #    serving, when would you rather merge into a float copy and re-quantize, and when keep the
 #    adapter separate and swap it as in Part F?
+
+# %% [markdown] tags=["instructor"]
+# **Sample answers (instructors only; this cell is not in the learners' notebook).**
+#
+# 1. NF4 moves each weight matrix by about 9 % of its norm (mean relative error 0.093), yet
+#    the model's output barely moves: mean $|A - B|$ is 0.185 against a mean $|$logit$|$ of
+#    2.67 (7 %), the argmax agrees at 95.8 % of positions and no task's exact match moves by
+#    more than 0.04. The rounding errors are small, zero-mean and nearly independent, so they
+#    largely cancel in each dot product, and the adapter's low-rank update does not depend on
+#    the exact rounding. Expect it to fail where the errors are large or correlated: a block
+#    with one large outlier sets a large absmax, the other 63 weights of the block land on a
+#    coarse grid, and the errors no longer average out; or where activations carry a few huge
+#    features that amplify the weight error. Training the adapter on the NF4 base (Part C)
+#    lets it compensate.
+# 2. They are a small share of the weights and the most sensitive to rounding: a norm gain
+#    scales a whole layer, an embedding row is used alone (nothing averages its error), and
+#    an error in `lm_head` shifts the logits directly. For LLaMA-7B, the embeddings, the head
+#    and the norms are 262 M parameters: 0.49 GiB in bfloat16, 0.13 GiB in NF4. Quantizing
+#    them would save 0.36 GiB, 10 % of QLoRA's 3.7 GiB of weights and under 3 % of the
+#    13.4 GiB total, for the layers most likely to hurt.
+# 3. It would report 0 bytes of optimizer state, as printed above ("AdamW is lazy"), and no
+#    gradients either: only the weights. The gradients appear at the first backward and the
+#    two AdamW moments at the first `step()`, 4 + 8 bytes per trained parameter (25.1 +
+#    50.2 GiB for full fine-tuning at 7B). So a check that passes after building the
+#    optimizer says nothing: the run fits at step 0 and runs out of memory in the first
+#    backward or the first `step()`. Measure after one real step, or predict the bill as in
+#    Part E.
+# 4. Gradient checkpointing (`checkpoint_every` in `TrainConfig`, Lab 05): only each
+#    segment's input is kept, and the segment's activations are recomputed in the backward,
+#    about one more forward pass per step, for 18 times fewer activation bytes at
+#    `every=1` on MiniGPT. At 7B with 2048 tokens the activations are 9.5 of the 13.4 GiB
+#    QLoRA total (71 %), so it matters there too: checkpointing cuts most of them, leaving
+#    the 3.7 GiB of NF4 weights as the largest item (the QLoRA paper trains with it on), and
+#    it is what lets longer sequences or larger batches fit at all.
+# 5. Merge into a float copy when one adapter serves all the traffic, it is final, and
+#    latency or throughput matters (no extra LoRA matmuls); serve the merged model in 16 bits
+#    if memory allows, and re-quantize only after measuring what is lost: Lab 04's table
+#    shows that an update below about 3 % of the weight's scale barely moves a code. Keep the
+#    adapter separate, as in Part F, when several adapters share one base (one NF4 copy plus
+#    350 KB per adapter here), when adapters are still being trained or compared, or when
+#    the update is small enough that re-quantization would erase it.

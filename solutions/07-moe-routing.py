@@ -49,8 +49,10 @@
 # was expected and what came. Grading runs more (hidden) checks of the same specification —
 # ties, one token, all experts, bfloat16 logits, an expert without tokens. You may use
 # PyTorch freely, but not the `minimoe` function an exercise rebuilds: the tests switch the
-# references off while your code runs. The notebook runs in well under a minute on a laptop
-# CPU; no GPU is needed.
+# references off while your code runs. Each exercise states its **specification** first
+# (inputs, outputs, the rules that matter, what is off-limits), which is enough to solve it;
+# below it, folded **hints** go from the idea to pseudocode, for when you want them. No GPU is
+# needed: the whole notebook runs in <!-- runtime:07-moe-routing -->about 11 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 
 # %%
 import contextlib
@@ -137,35 +139,60 @@ print()
 # %% [markdown]
 # ## Part A — Exercise 1: the router
 #
-# A router turns the logits `[T, E]` of $T$ tokens into two `[T, k]` tensors: `experts`, the
-# k chosen expert ids of each token (int64), **best first**, and `weights`, the float32
-# mixing weights in the same order. Two families:
+# **Specification.** Write `my_route(logits, k, method="softmax_topk", renormalize=True,
+# bias=None) -> (weights, experts)`. `logits` is `[T, E]` of any float dtype; `experts` is
+# `[T, k]` int64, the k chosen expert ids of each token, **best first**; `weights` is `[T, k]`
+# float32, the mixing weights in the same order.
 #
-# **`softmax_topk`** (Switch, Mixtral, Qwen-MoE): probabilities $p = \mathrm{softmax}(\ell)$
-# over all E experts; keep the k largest. With `renormalize=True` the kept weights are divided
-# by their sum, so they add to 1 (Mixtral); with `renormalize=False` they keep their softmax
-# mass (Switch, k = 1: with one expert, renormalising would make every weight exactly 1 and
-# the router would get no gradient from the task loss).
-#
-# **`sigmoid_topk`** (DeepSeek-V3): independent scores $s = \sigma(\ell)$ — no competition
-# between experts. An optional **selection bias** $b$ `[E]` is added *for choosing only*:
-# the experts are the top k of $s + b$, but their weights are the **unbiased** $s$ of the
-# chosen experts (renormalised if asked). The bias steers load without changing what any
-# expert's output is worth (Exercise 5 updates it). `bias` with `softmax_topk` is an error.
-#
-# Rules every router here follows, as `minimoe.route` does:
-#
-# * Router math in **float32** whatever the logits' dtype: `logits.float()` first. A softmax
-#   over a few experts in bfloat16 has 8 bits of mantissa; top-k choices then flip between
-#   runs that should be identical.
-# * **Ties go to the lower expert index**, so routing is deterministic. `torch.topk` does not
-#   promise an order for equal values (try `torch.topk(torch.tensor([1., 3, 3, 0, 3]), 2)` —
-#   on this CPU it answers `[2, 4]`); a **stable** descending sort does:
-#   `scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]`.
-# * No gradient flows through the *choice* (it is discrete), only through the weights.
-# * Raise `ValueError` unless `logits` is 2-D, `1 ≤ k ≤ E`, and `method` is one of the two.
+# * **`softmax_topk`**: probabilities $p = \mathrm{softmax}(\ell)$ over all E experts; keep
+#   the k largest. With `renormalize=True` the kept weights are divided by their sum (they
+#   add to 1); with `renormalize=False` they keep their softmax mass.
+# * **`sigmoid_topk`**: independent scores $s = \sigma(\ell)$. An optional **selection bias**
+#   $b$ `[E]` is added *for choosing only*: the experts are the top k of $s + b$, but their
+#   weights are the **unbiased** $s$ of the chosen experts (renormalised if asked). `bias`
+#   with `softmax_topk` is an error.
+# * Router math in **float32** whatever the logits' dtype (`logits.float()` first).
+# * **Ties go to the lower expert index**, so routing is deterministic.
+# * No gradient flows through the *choice* (it is discrete), only through the weights; the
+#   bias carries none.
+# * Raise `ValueError` unless `logits` is 2-D, `1 ≤ k ≤ E`, and `method` is one of the two
+#   (and for a bias with `softmax_topk`).
 #
 # Off-limits: `minimoe.route` (and the rest of `minimoe.routing`).
+#
+# **Why.** Softmax top-k is the router of Switch, Mixtral and Qwen-MoE; Mixtral
+# renormalises, Switch (k = 1) does not: with one expert, renormalising would make every
+# weight exactly 1 and the router would get no gradient from the task loss. Sigmoid top-k is
+# DeepSeek-V3's: no competition between experts, and a bias that steers load without
+# changing what any expert's output is worth (Exercise 5 updates it). Float32, because a
+# softmax over a few experts in bfloat16 has 8 bits of mantissa, and top-k choices then flip
+# between runs that should be identical.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# `torch.topk` does not promise an order for equal values (try
+# `torch.topk(torch.tensor([1., 3, 3, 0, 3]), 2)`: on this CPU it answers `[2, 4]`); a
+# **stable** descending sort does: `scores.sort(dim=-1, descending=True,
+# stable=True).indices[:, :k]`. Choose on detached scores (plus the bias), then `gather` the
+# chosen columns of the undetached, unbiased scores: the weights keep their gradient and the
+# bias never enters them.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# check: logits 2-D;  k an int in 1..E;  method known;  bias only with sigmoid_topk
+# l = float32(logits)
+# scores = softmax(l, -1) if softmax_topk else sigmoid(l)                  # [T, E]
+# select = detach(scores) (+ float32(bias) if given)
+# experts = stable descending sort of select along E, indices, first k     # [T, k]
+# weights = scores gathered at experts                                     # [T, k]
+# if renormalize: weights = weights / sum of weights per row
+# return weights, experts
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "route", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def my_route(logits: torch.Tensor, k: int, method: str = "softmax_topk",
@@ -256,6 +283,22 @@ with _forbid_reference():
 _w[:, 0].sum().backward()
 assert _lg.grad is not None and _lg.grad.abs().sum() > 0, \
     "no gradient reached the logits through the weights (did you detach the scores?)"
+# bfloat16 logits: the router math runs in float32
+try:
+    _check_route((randn(12, 8, seed=8) * 3).bfloat16(), 2, what="bfloat16 logits: ")
+except AssertionError as _e:
+    raise AssertionError(f"{_e}\nRule: router math in float32 (logits.float() first), "
+                         "whatever the logits' dtype") from _e
+# k outside 1..E
+for _k in (0, 9):
+    try:
+        with _forbid_reference():
+            my_route(randn(3, 8), _k)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"my_route(logits [3, 8], k={_k}) should raise ValueError (rule: "
+                             f"1 <= k <= E)")
 print("softmax_topk: choices, order, ties and weights as minimoe.route, renormalised or not")
 
 ### BEGIN HIDDEN TESTS
@@ -328,31 +371,58 @@ assert _b.grad is None or torch.count_nonzero(_b.grad) == 0, \
 # be chosen a little more learns faster, becomes better, is chosen more. Two losses added to
 # the task loss keep it healthy.
 #
-# **Switch load-balancing loss** (Fedus et al., 2021). With $N = E$ experts, let
-# $f_i$ be the fraction of the $T \cdot k$ routing slots that went to expert $i$ (counted from
-# `experts`, not differentiable) and $P_i = \frac1T\sum_t p_{t,i}$ the mean softmax
-# probability of expert $i$ (computed from `logits` in float32, differentiable):
+# **Specification.** Both return a 0-dimensional float32 tensor, computed in float32
+# whatever the logits' dtype, differentiable with respect to the logits.
 #
-# $$ \mathcal{L}_{\text{bal}} = N \sum_{i=1}^{N} f_i\, P_i . $$
+# * `my_load_balancing_loss(logits, experts)`, the **Switch load-balancing loss** (Fedus et
+#   al., 2021), for `logits [T, E]` and the chosen `experts [T, k]`. With $N = E$, let $f_i$
+#   be the fraction of the $T \cdot k$ routing slots that went to expert $i$ (counted from
+#   `experts`, not differentiable) and $P_i = \frac1T\sum_t p_{t,i}$ the mean softmax
+#   probability of expert $i$ (from `logits`, differentiable):
 #
-# With perfectly uniform routing, $f_i = P_i = 1/N$ and the loss is exactly **1**; if every
-# slot goes to one expert that also has all the probability, it is $N$. Its gradient flows
-# through $P$ only, pushing probability away from the experts that get many slots. It is
-# defined with the softmax probabilities whatever the router (MiniGPT-MoE adds
-# $0.01\cdot\mathcal{L}_{\text{bal}}$ per layer to its loss).
+#   $$ \mathcal{L}_{\text{bal}} = N \sum_{i=1}^{N} f_i\, P_i . $$
 #
-# **Router z-loss** (ST-MoE, Zoph et al., 2022): penalise large logits, which round badly
-# (in bf16, $e^{\ell}$ of a logit of 30 has an absolute error in the thousands) and make the
-# softmax brittle,
+# * `my_router_z_loss(logits)`, the **router z-loss** (ST-MoE, Zoph et al., 2022), for
+#   `logits [..., E]`, averaged over every leading position:
 #
-# $$ \mathcal{L}_z = \frac1T \sum_t \Big(\log \sum_i e^{\ell_{t,i}}\Big)^2 , $$
+#   $$ \mathcal{L}_z = \frac1T \sum_t \Big(\log \sum_i e^{\ell_{t,i}}\Big)^2 , $$
 #
-# in float32, averaged over every leading position of `logits [..., E]`. Compute the inner
-# term with `torch.logsumexp`: `torch.log(torch.exp(l).sum())` overflows to `inf` for logits
-# around 90 in float32.
+#   with the inner term computed so that it cannot overflow: logits around 90 must give a
+#   finite loss.
 #
-# Write both; return 0-dimensional float32 tensors. Off-limits: `minimoe.load_balancing_loss`,
-# `minimoe.router_z_loss`.
+# Off-limits: `minimoe.load_balancing_loss`, `minimoe.router_z_loss`.
+#
+# **Why.** With perfectly uniform routing, $f_i = P_i = 1/N$ and the balancing loss is
+# exactly **1**; if every slot goes to one expert that also has all the probability, it is
+# $N$. Its gradient flows through $P$ only, pushing probability away from the experts that
+# get many slots. It is defined with the softmax probabilities whatever the router
+# (MiniGPT-MoE adds $0.01\cdot\mathcal{L}_{\text{bal}}$ per layer to its loss). The z-loss
+# penalises large logits, which round badly (in bf16, $e^{\ell}$ of a logit of 30 has an
+# absolute error in the thousands) and make the softmax brittle.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# $f$ is a histogram: `torch.bincount(experts.flatten(), minlength=E)` divided by the number
+# of slots. $P$ is the softmax of the float32 logits averaged over the tokens. For the
+# z-loss, `torch.logsumexp` computes $\log \sum_i e^{\ell_i}$ by subtracting the maximum
+# first; `torch.log(torch.exp(l).sum())` overflows to `inf` for logits around 90 in
+# float32.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# my_load_balancing_loss(logits, experts):
+#     P = mean over tokens of softmax(float32(logits), -1)          # [E]
+#     f = bincount(experts flattened, minlength=E) / experts.numel() # [E]
+#     return E * sum(f * P)
+#
+# my_router_z_loss(logits):
+#     return mean(logsumexp(float32(logits), -1) ** 2)
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "losses", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def my_load_balancing_loss(logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -410,6 +480,8 @@ _check_balance(_lg, torch.tensor([[0], [0], [0], [1]]).view(2, 2),
                want=2 * (0.75 * _p[0].item() + 0.25 * _p[1].item()))
 _lg = randn(64, 8, seed=21) * 2
 _check_balance(_lg, minimoe.route(_lg, 2)[1])
+_check_balance((randn(24, 8, seed=25) * 3).bfloat16(), distinct_experts(24, 2, 8, seed=25),
+               what="bfloat16 logits (P in float32): ")
 print("load-balancing loss: 1.0 when uniform, E when collapsed, minimoe's value and gradient")
 
 ### BEGIN HIDDEN TESTS
@@ -438,6 +510,13 @@ def _check_z(logits, want=None, what=""):
 _check_z(torch.zeros(5, 8), want=torch.tensor(8.0).log().item() ** 2)     # (log E)²
 _check_z(torch.tensor([[2.0, 2.0]]), want=(2 + torch.tensor(2.0).log().item()) ** 2)
 _check_z(randn(3, 7, 8, seed=31) * 2)                                       # [B, T, E]
+try:                                            # exp(95) overflows float32: logsumexp does not
+    _check_z(torch.full((3, 5), 95.0), want=(95 + torch.tensor(5.0).log().item()) ** 2,
+             what="logits of 95: ")
+except AssertionError as _e:
+    raise AssertionError(f"{_e}\nRule: compute log Σ exp with torch.logsumexp, which does not "
+                         "overflow; log(exp(l).sum()) is inf for logits around 90") from _e
+_check_z((randn(6, 8, seed=36) * 4).bfloat16(), what="bfloat16 logits (float32 math): ")
 print("z-loss: (log E)² for zero logits, means over every leading position")
 
 ### BEGIN HIDDEN TESTS
@@ -459,22 +538,47 @@ torch.testing.assert_close(_lg.grad, _ref.grad, msg=lambda m: f"hidden: z-loss g
 # A dispatch kernel wants every expert's tokens next to each other. ScatterMoE (Tan et al.,
 # 2024) gets there without padding or copying the tokens: it flattens the `[T, k]` choices
 # into $T\cdot k$ **slots** (slot $s = t\cdot k + j$ is the $j$-th choice of token
-# $t = s /\!/ k$), sorts the slots by expert **stably**, and counts. Three outputs:
+# $t = s /\!/ k$), sorts the slots by expert **stably**, and counts.
+#
+# **Specification.** Write `my_flatten_sort_count(expert_idxs, num_experts)` for
+# `expert_idxs [T, k]` of any integer dtype; it returns three int64 tensors:
 #
 # * `sorted_expert_idxs [T·k]`: the experts of the slots, in sorted order;
 # * `sorted_scattered_idxs [T·k]`: the slot each sorted row came from (its token is
-#   `slot // k`); stable means slots of one expert stay in increasing order;
+#   `slot // k`); the sort is **stable**: slots of one expert stay in increasing order;
 # * `expert_offsets [E]`: the **inclusive cumulative counts** — the *end* row of each expert:
 #   expert $e$ owns sorted rows `offsets[e-1] : offsets[e]` (with `offsets[-1]` read as 0),
 #   and `offsets[E-1] = T·k`. An expert with no token has an empty range: its offset equals
 #   the previous one.
 #
+# Raise `ValueError` for a non-2-D input or an id outside `0..E-1`. Off-limits:
+# `minimoe.flatten_sort_count`.
+#
 # Example, E = 4, `expert_idxs = [[2, 0], [1, 2], [2, 1]]` (T = 3, k = 2): the slots hold
 # experts `[2, 0, 1, 2, 2, 1]`, so `sorted_expert_idxs = [0, 1, 1, 2, 2, 2]`,
 # `sorted_scattered_idxs = [1, 2, 5, 0, 3, 4]`, `expert_offsets = [1, 3, 6, 6]`.
 #
-# All three int64, whatever the integer dtype of the input. Raise `ValueError` for a
-# non-2-D input or an id outside `0..E-1`. Off-limits: `minimoe.flatten_sort_count`.
+# <details><summary>Hint 1: the idea</summary>
+#
+# Flatten row-major (`reshape(-1)`) and cast to int64 first: then the position of an element
+# in the flat vector *is* its slot. One `sort(stable=True)` gives both the sorted values and
+# the indices they came from; the offsets are a histogram (`torch.bincount` with
+# `minlength=E`, so that experts without tokens still get a count of 0) followed by
+# `cumsum`.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# expert_idxs not 2-D -> ValueError
+# flat = int64(expert_idxs flattened row-major)                    # [T·k]
+# any id < 0 or >= E -> ValueError
+# sorted_expert_idxs, sorted_scattered_idxs = stable sort of flat (values, indices)
+# expert_offsets = cumsum(bincount(flat, minlength=E))             # [E]
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "flatten_sort_count", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def my_flatten_sort_count(expert_idxs: torch.Tensor, num_experts: int
@@ -526,6 +630,16 @@ _check_fsc(torch.tensor([[2, 0], [1, 2], [2, 1]]), 4,
            want=([0, 1, 1, 2, 2, 2], [1, 2, 5, 0, 3, 4], [1, 3, 6, 6]))
 _check_fsc(distinct_experts(64, 2, 8, seed=41), 8)
 _check_fsc(torch.tensor([[3], [3], [0]]), 5, want=([0, 3, 3], [2, 0, 1], [1, 1, 1, 3, 3]))
+_check_fsc(torch.tensor([[1, 0], [0, 2]], dtype=torch.int32), 3,         # int32 in, int64 out
+           want=([0, 0, 1, 2], [1, 2, 0, 3], [2, 3, 4]))
+try:
+    with _forbid_reference():
+        my_flatten_sort_count(torch.tensor([[0, 1], [4, 2]]), 4)
+except ValueError:
+    pass
+else:
+    raise AssertionError("my_flatten_sort_count([[0, 1], [4, 2]], 4) should raise ValueError: "
+                         "expert id 4 is outside 0..3 (rule: check the ids)")
 print("flatten_sort_count: stable order, slots, inclusive end offsets — as minimoe")
 
 ### BEGIN HIDDEN TESTS
@@ -548,25 +662,51 @@ for _bad in ((torch.tensor([[0, 8]]), 8), (torch.tensor([[0, -1]]), 8), (torch.a
 # %% [markdown]
 # ## Part D — Exercise 4: the naive MoE forward
 #
-# Now the layer itself, in plain PyTorch and **per expert**, not per token: for each expert
-# $e$,
+# Now the layer itself, in plain PyTorch and **per expert**, not per token.
 #
-# 1. find its `(token, slot)` pairs: `token, slot = (experts == e).nonzero(as_tuple=True)`
-#    (skip the expert if it has none);
-# 2. **gather** its tokens, `x[token]` `[n_e, C]`, and run the SwiGLU expert on all of them
-#    at once: `(silu(x_e @ w_gate[e]) * (x_e @ w_up[e])) @ w_down[e]` `[n_e, C]`;
-# 3. multiply each row by its gate, `weights[token, slot]`, and **scatter-add** it into the
-#    output rows of its tokens: `out.index_add_(0, token, y)` (a token appears once per
-#    expert at most, but several experts add to the same row).
+# **Specification.** Write `my_moe_forward(x, weights, experts, w_gate, w_up, w_down)` with
+# `x [T, C]`, the router's `weights [T, k]` and `experts [T, k]`, and the expert weights
+# `w_gate`, `w_up` `[E, C, F]` and `w_down` `[E, F, C]`; return `[T, C]` in the dtype of `x`:
 #
-# That is three matrix products per expert that has tokens, whatever $T$ — instead of three
-# per (token, choice) in `minimoe.reference.moe_loop`, the loop you are checked against.
-# Gradients come from autograd, to `x`, to each weight, and to the gates (hence to the
-# router); an expert that receives no token must get an exactly-zero gradient. Return
-# `[T, C]` in the dtype of `x` (cast the gates to it).
+# $$ y_t = \sum_{j=1}^{k} g_{t,j}\; \big(\mathrm{silu}(x_t W^{\text{gate}}_{e_{t,j}}) \odot
+#    x_t W^{\text{up}}_{e_{t,j}}\big) W^{\text{down}}_{e_{t,j}} . $$
+#
+# * At most **three matrix products per expert that has tokens**, whatever $T$: run each
+#   expert once, on all of its tokens together (the test counts your products).
+# * Gradients come from autograd, to `x`, to each weight, and to the gates (hence to the
+#   router); an expert that receives no token gets an exactly-zero gradient (no NaN).
+# * Cast the gates to the dtype of the expert outputs.
 #
 # Off-limits: `minimoe.dispatch_torch`, `dispatch_triton`, `expert_swiglu`, `parallel_linear`
-# and the loops in `minimoe.reference`. The test also counts your matrix products.
+# and the loops in `minimoe.reference` (`moe_loop` is what you are checked against: three
+# products per (token, choice)).
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Loop over the experts, not the tokens. For expert $e$, `(experts == e).nonzero(as_tuple=True)`
+# gives the `(token, slot)` pairs that chose it (skip the expert when there are none);
+# `x[token]` **gathers** its tokens into one `[n_e, C]` matrix; the gate of each row is
+# `weights[token, slot]`. After the SwiGLU, **scatter-add** the gated rows back into the
+# output rows of their tokens with `index_add` (a token appears once per expert at most, but
+# several experts add to the same row). The out-of-place `out = out.index_add(...)` keeps
+# autograd simple.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# out = zeros like x                                            # [T, C]
+# for e in 0 .. E-1:
+#     token, slot = positions where experts == e                # [n_e] each
+#     if none: continue
+#     xe = x[token]                                             # [n_e, C]
+#     y  = (silu(xe @ w_gate[e]) * (xe @ w_up[e])) @ w_down[e]  # [n_e, C]
+#     out = out.index_add(0, token, y * weights[token, slot][:, None] in y's dtype)
+# return out
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "moe_forward", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def my_moe_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -682,6 +822,9 @@ def _check_moe_backward(T, C, F_, E, k, seed=0, dtype=torch.float32, experts=Non
 
 _check_moe_backward(T=7, C=24, F_=40, E=4, k=2)
 _check_moe_backward(T=16, C=16, F_=24, E=8, k=2, seed=1)
+# experts 1 and 3 receive no token: exact zeros in their weight gradients
+_check_moe_backward(T=4, C=8, F_=12, E=4, k=2, seed=9, what="two idle experts: ",
+                    experts=torch.tensor([[0, 2], [2, 0]] * 2))
 print("my_moe_forward backward: dx, dgates, dw_gate, dw_up, dw_down equal the loop's")
 
 ### BEGIN HIDDEN TESTS
@@ -709,9 +852,27 @@ _check_moe_backward(T=5, C=8, F_=12, E=3, k=1, seed=8, dtype=torch.float64, what
 # ones stay. Since the bias only chooses, the weights — and so the model's function for a
 # given choice — are untouched.
 #
-# Write `my_update_selection_bias(bias, tokens_per_expert, rate)`: return a **new** float32
-# tensor (do not modify `bias` in place; counts may be integers). Off-limits:
-# `minimoe.update_selection_bias`.
+# **Specification.** Write `my_update_selection_bias(bias, tokens_per_expert, rate)` for
+# `bias [E]` (any float dtype), `tokens_per_expert [E]` (integer or float counts) and a float
+# `rate` $\gamma$: return the updated bias above as a **new** float32 tensor `[E]`; `bias`
+# itself must not change (no in-place update). Off-limits: `minimoe.update_selection_bias`.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Cast the counts to float before taking their mean (`mean` refuses integer tensors), and
+# the bias to float32; `torch.sign` gives $-1$, $0$ or $+1$ per expert. An expression such
+# as `bias.float() + ...` builds a new tensor; `+=` on `bias` would change the caller's.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# load = float32(tokens_per_expert)
+# return float32(bias) + rate * sign(mean(load) - load)
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "selection_bias", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def my_update_selection_bias(bias: torch.Tensor, tokens_per_expert: torch.Tensor,
@@ -1010,3 +1171,45 @@ plt.show()
 #    check?
 # 5. `expert_offsets` holds end rows. With a row tile of 16 sorted rows, how does a kernel
 #    find which experts a tile touches, and why can a tile span several experts (Lab 08)?
+
+# %% [markdown] tags=["instructor"]
+# **Sample answers (instructors only; this cell is not in the learners' notebook).**
+#
+# 1. With one expert, the renormalised weight is $p_e / p_e = 1$ for every token, whatever the
+#    logits: the output is $\mathrm{expert}_e(x)$ alone and the task loss does not depend on
+#    the router's logits at all, so its gradient with respect to them is exactly zero (the
+#    choice itself is discrete). The router would learn only from the balancing loss. Without
+#    renormalisation the output is $p_e \cdot \mathrm{expert}_e(x)$, and the task gradient
+#    reaches the logits through $p_e$: it says whether more or less of the chosen expert
+#    would have helped.
+# 2. $N\sum_i f_i^2$ is built from counts of an argmax: piecewise constant, its gradient is
+#    zero almost everywhere, so it cannot train the router. $N\sum_i P_i^2$ is differentiable
+#    but measures the soft probabilities, not the load: a router can make every token's
+#    distribution nearly flat while its top-k picks still pile onto one expert, and the
+#    hardware sees the picks. The product uses each for what it is good at: $f$ measures the
+#    real load (and weights the penalty towards the overloaded experts), $P$ carries the
+#    gradient. The pretrained MiniGPT-MoE sits at 4.0259 over 4 blocks, about 1.006 per
+#    block, close to the uniform value 1.
+# 3. It loses affinity: its third expert scores lower for it (a smaller unbiased weight $s$,
+#    an expert less suited to that token), so that layer's contribution is somewhat worse
+#    for that token. But the weight stays the true score, so the function computed for a
+#    given choice is not distorted, and only the tokens at the margin of an overloaded expert
+#    move. A larger balancing loss instead sends a gradient into the router on every token,
+#    fighting the task gradient everywhere. In the demo above the bias alone brings the load
+#    from 0.357 / 0.004 on the busiest / idlest expert to 0.124–0.126 on all eight.
+# 4. The early block: a task's routing in block 0 is, on average, 0.32 away (total variation)
+#    from the all-task average, against 0.20–0.22 in blocks 1–3 (`add` reaches 0.46 in block
+#    0). Block 0's router sees little more than the character and its position, and the tasks
+#    differ in their characters (digits for `add`, `a`/`b`/`c` for `count`), so it separates
+#    them lexically. After a LoRA fine-tune on `rev`, the router weights are frozen but their
+#    inputs change from block 1 on, so `rev`'s routing there may drift towards a few experts.
+#    To check, run the heatmap cell on the fine-tuned model and compare `rev`'s row per block
+#    with the one stored in experiment 00's `metrics.json` (total variation, and the load per
+#    expert).
+# 5. The tile starting at sorted row $r_0$ holds rows $r_0 .. r_0 + 15$; their experts are
+#    `sorted_expert_idxs[r0]` (the first) to `sorted_expert_idxs[min(r0 + 15, M - 1)]` (the
+#    last), since the ids are sorted; from the offsets alone, a binary search
+#    (`searchsorted(expert_offsets, r0, right=True)`) gives the first one. A tile spans
+#    several experts because the sorted rows are packed without padding: an expert whose
+#    count is not a multiple of 16 ends inside a tile and the next expert's rows follow at
+#    once. Lab 08's kernel therefore makes one masked pass per expert in the tile's range.

@@ -47,8 +47,10 @@
 # was expected and what came. Grading runs more (hidden) checks of the same specification —
 # other sizes, an expert without tokens, every token to one expert, `k = 3`, bad inputs —
 # and checks that your code does not call the `minimoe` functions it rebuilds (the tests
-# switch them off while your code runs) and that your wrappers launch your kernels. The whole
-# notebook runs in well under a minute on a laptop CPU.
+# switch them off while your code runs) and that your wrappers launch your kernels. Each
+# exercise states its specification first; below it, two collapsed hints (the idea, then
+# pseudocode) are there when you want them. The whole notebook runs in
+# <!-- runtime:08-moe-forward-kernel -->about 5 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 
 # %%
 import os
@@ -152,18 +154,43 @@ print("tokens per expert:", torch.bincount(_sei, minlength=_E).tolist(),
 # ## Exercise 1 — the sorted dispatch in plain PyTorch
 #
 # Before any kernel, write the algorithm with PyTorch operations, in the order the kernel will
-# follow. `sorted_expert_linear(x, W, expert_idxs)` takes `x` `[T, K]`, `W` `[E, K, N]`,
-# `expert_idxs` `[T, k]` (integers in `0 … E-1`) and returns `Y` `[T·k, N]` in **slot order**:
+# follow.
 #
-# 1. `sei, ssi, offsets = flatten_sort_count(expert_idxs, E)`;
-# 2. **gather** the rows in sorted order: `Xg = x[ssi // k]` (`[M, K]`);
-# 3. **one matrix product per expert**, on its slice of sorted rows: `Yg[a:b] = Xg[a:b] @ W[e]`
-#    with `a, b` the start and end offsets of expert `e` (skip experts with no rows);
-# 4. **scatter** back to slot order: `Y[ssi[i]] = Yg[i]` (`index_copy`, or `Y[ssi] = Yg`).
+# **Specification.** `sorted_expert_linear(x, W, expert_idxs)` takes `x` `[T, K]` (floating),
+# `W` `[E, K, N]` (same dtype) and `expert_idxs` `[T, k]` (integers in `0 … E-1`; an expert may
+# get no token) and returns `Y` `[T·k, N]` in **slot order** and in `x`'s dtype, with
+# `Y[t·k + j] = x[t] @ W[expert_idxs[t, j]]`. The rule that matters is *how*: sort the slots
+# by expert once (`flatten_sort_count`), gather the rows in that order, do **one matrix
+# product per expert** on its contiguous slice of sorted rows, and scatter the results back
+# to slot order; no loop over tokens.
 #
-# Keep the dtype of `x`. `reference.linear_loop`, `minimoe.parallel_linear` and everything in
+# Off-limits: `reference.linear_loop`, `minimoe.parallel_linear` and everything in
 # `minimoe.ops` / `minimoe.kernels` are switched off while the tests run your function;
 # `flatten_sort_count` is yours to use.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# After the sort, expert `e` owns the sorted rows `offsets[e-1] … offsets[e] - 1`, so its
+# tokens sit next to each other and one `@` handles them all. The sorted row `i` reads token
+# `ssi[i] // k` and its result belongs to slot `ssi[i]`: the same index vector does the gather
+# and the scatter. Part A's printout of the 12-row example shows every one of these numbers.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# sei, ssi, offsets = flatten_sort_count(expert_idxs, E)
+# Xg = x[ssi // k]                                   # gather: [M, K] in sorted order
+# Yg = zeros(M, N);  start = 0
+# for e, end in enumerate(offsets):                  # one product per expert
+#     if end > start: Yg[start:end] = Xg[start:end] @ W[e]
+#     start = end
+# Y = empty(M, N);  Y[ssi] = Yg                      # scatter back to slot order
+# return Y
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "sorted_expert_linear", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def sorted_expert_linear(x: torch.Tensor, W: torch.Tensor, expert_idxs: torch.Tensor
@@ -268,20 +295,49 @@ assert _y64.dtype == torch.float64, f"float64 input: expected float64 output, go
 # With `FAN_OUT = k` it gathers token rows (each token appears `k` times); with `FAN_OUT = 1`
 # it reorders slot rows. `coeff` holds one number per slot (e.g. the gates, flattened).
 #
-# Write `group_kernel(X, coeff, out, scattered_ids, M, N, sxm, sxn, som, son, FAN_OUT,
-# HAS_COEFF, BLOCK_M, BLOCK_N)`, launched on the grid `(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))`:
-# program `(p, q)` writes rows `p·BLOCK_M …` and columns `q·BLOCK_N …` of `out`, masked to
-# `< M` and `< N`. **Use the strides**: element `(r, n)` of `X` is at `X + r·sxm + n·sxn`,
-# of `out` at `out + i·som + n·son` (the tests pass views whose rows are longer than `N`).
-# Compute in float32 (`.to(tl.float32)`), convert to `out`'s type at the store
-# (`.to(out.dtype.element_ty)`). When `HAS_COEFF` is false, `coeff` is a dummy pointer:
-# do not load from it.
+# **Specification.** `group_kernel(X, coeff, out, scattered_ids, M, N, sxm, sxn, som, son,
+# FAN_OUT, HAS_COEFF, BLOCK_M, BLOCK_N)` computes the formula above for one tile, launched on
+# the grid `(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))`: program `(p, q)` writes rows `p·BLOCK_M …`
+# and columns `q·BLOCK_N …` of `out`, masked to `< M` and `< N`, and nothing outside them.
+# The rules that matter:
 #
-# Then `my_group(X, sorted_scattered_idxs, fan_out=1, coeff=None, block_m=64, block_n=64)`:
-# raise `ValueError` unless `X` is a 2-D floating tensor, `fan_out >= 1`,
-# `sorted_scattered_idxs` a 1-D integer tensor of `M = X.shape[0] · fan_out` entries and
-# `coeff` (if given) a floating tensor of `M` elements (any shape: flatten it); make the inputs
-# contiguous (`int64` ids), allocate `out` `[M, N]` in `X`'s dtype, launch, return `out`.
+# * **Use the strides**: element `(r, n)` of `X` is at `X + r·sxm + n·sxn`, of `out` at
+#   `out + i·som + n·son` (the tests pass views whose rows are longer than `N`);
+# * compute in float32 (`.to(tl.float32)`), convert to `out`'s type at the store
+#   (`.to(out.dtype.element_ty)`);
+# * when `HAS_COEFF` is false, `coeff` is a dummy pointer: do not load from it.
+#
+# `my_group(X, sorted_scattered_idxs, fan_out=1, coeff=None, block_m=64, block_n=64)` returns
+# `out` `[M, N]` in `X`'s dtype, `M = X.shape[0] · fan_out`, computed by **your**
+# `group_kernel` (the tests check that it was launched). It raises `ValueError` unless `X` is
+# a 2-D floating tensor, `fan_out >= 1`, `sorted_scattered_idxs` a 1-D integer tensor of `M`
+# entries and `coeff` (if given) a floating tensor of `M` elements (any shape: flatten it).
+# It makes the inputs contiguous (`int64` ids) before the launch.
+#
+# Off-limits: `minimoe.group` and its kernel (switched off while the tests run your code).
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Each program first loads the slot ids of its `BLOCK_M` rows (masked, with `other=0` so the
+# masked rows still form a valid address), turns them into rows of `X` with `// FAN_OUT`, and
+# then loads a `[BLOCK_M, BLOCK_N]` block with a 2-D mask: rows `< M` and columns `< N`. The
+# same 2-D mask guards the store. The wrapper is Lab 03's pattern: check, make contiguous,
+# allocate, launch, return; under `HAS_COEFF = False` pass any tensor (e.g. `X`) as the dummy.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# i = pid(0) * BLOCK_M + arange(BLOCK_M);  n = pid(1) * BLOCK_N + arange(BLOCK_N)   # int64
+# rows = i < M;  mask = rows[:, None] & (n < N)[None, :]
+# s = load(scattered_ids + i, rows, other=0)
+# x = load(X + (s // FAN_OUT)[:, None] * sxm + n[None, :] * sxn, mask, other=0) as float32
+# if HAS_COEFF: x *= load(coeff + s, rows, other=0)[:, None]
+# store(out + i[:, None] * som + n[None, :] * son, x as out's dtype, mask)
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "group", "locked": false, "schema_version": 3, "solution": true, "task": false}
 @triton.jit
@@ -394,8 +450,18 @@ def _check_my_group(T, N, k, E=4, with_coeff=False, seed=0, check_spy=False):
 
 _launch_group(7, 24, 2)                          # rows and columns both end mid-tile
 _launch_group(5, 40, 3, with_coeff=False, seed=1)
-_check_my_group(7, 24, 2)
+_check_my_group(7, 24, 2, check_spy=True)                 # my_group must launch group_kernel
 _check_my_group(9, 40, 3, with_coeff=True, seed=2)
+for _what, _args in (("sorted_scattered_idxs of 11 entries for M = 12",
+                      (torch.zeros(6, 24), torch.arange(11), 2)),
+                     ("fan_out = 0", (torch.zeros(6, 24), torch.arange(0), 0))):
+    with harness.forbid([group_kernel], globals(),
+                        why=f"{_what} must be refused with a ValueError before any launch"):
+        try:
+            my_group(*(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in _args))
+        except ValueError:
+            continue
+    raise AssertionError(f"my_group accepted {_what}; expected a ValueError")
 print("group_kernel and my_group match minimoe.group, strides and masks included")
 
 ### BEGIN HIDDEN TESTS
@@ -428,9 +494,51 @@ for _what, _args in (("1-D X", (torch.zeros(6), _ssig, 2)),
 #
 # Now the kernel that does the expert linear in one pass. For every sorted row `i` of its
 # tile it reads the row of `X` it needs, multiplies by the weight of its expert, and writes
-# the result to the row of `Y` it belongs to:
+# the result to the row of `Y` it belongs to.
 #
-# ```
+# **Specification.** `scatter2scatter_kernel` (signature below, launched on the grid
+# `(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))`; program `(p, q)` owns sorted rows `p·BLOCK_M …` and
+# output columns `q·BLOCK_N …`) computes, for each sorted row `i < M` of its tile and each
+# column `n < N` of its block,
+#
+# `Y[yrow(i), n] = Σ_k X[xrow(i), k] · W[sei[i], k, n]`, where `xrow(i) = i` if `X_GROUPED`
+# else `ssi[i] // FAN_OUT`, and `yrow(i) = i` if `Y_GROUPED` else `ssi[i]`,
+#
+# and writes nothing else. The rules that matter:
+#
+# * **A tile may hold rows of several experts** (`sei` is non-decreasing, and expert
+#   boundaries fall anywhere): each row must be multiplied by its own expert's weight, with no
+#   padding and no copy of `X`.
+# * **Masks at every edge**: rows `i < M`, columns `n < N`, and the reduction `k < K` (the
+#   tests fill `X`'s columns past `K` with `NaN` and surround `Y` with sentinels).
+# * **float32 accumulation**, `tl.dot(..., input_precision="ieee")` (on a GPU a float32 dot is
+#   otherwise TF32 and misses the tolerance; the interpreter ignores the flag); convert to
+#   `Y`'s type only at the store. Block sizes are at least 16.
+# * **Strides, not shapes**: address `X` by `sxm, sxk`, `W` by `swe, swk, swn`, `Y` by
+#   `sym, syn`; the tests pass views whose rows are longer than `N`.
+# * **Offsets in int64**: convert the program ids with `.to(tl.int64)` before multiplying
+#   (harmless here, but on a GPU `row · stride` passes 2³¹; the ids you load are int64).
+#
+# The tests launch your kernel directly with `BLOCK_M = 16` (so tiles span experts) and
+# `BLOCK_K = BLOCK_N = 16` on `K, N ∈ {24, 40}` (so the last K and N tiles are partial).
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Loop over the experts present in the tile, and in each pass let only that expert's rows
+# load real values: the other rows load as zeros (through the mask), so they add nothing to
+# the accumulator in that pass. Each row thus contributes only in the pass of its own expert.
+# Because the ids are sorted, the first and the last row of the tile bound its experts: load
+# `sorted_expert_idxs[pid_m·BLOCK_M]` and `sorted_expert_idxs[min(pid_m·BLOCK_M + BLOCK_M, M)
+# - 1]` (two scalar loads; the `min` keeps the last, partial tile inside the tensor), and loop
+# `for e in range(e_first, e_last + 1)`. Experts in between that received no token cost a
+# pass of zeros and are otherwise harmless. The store happens once, after all passes, masked
+# by `i < M` (not by one expert's rows).
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
 # # grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))
 # i     = pid_m * BLOCK_M + arange(BLOCK_M)          # sorted rows of this tile (mask i < M)
 # e_i   = sorted_expert_idxs[i];  s_i = sorted_scattered_idxs[i]
@@ -447,25 +555,7 @@ for _what, _args in (("1-D X", (torch.zeros(6), _ssig, 2)),
 # Y[yrow, n] = acc                                   # masked by i < M and n < N
 # ```
 #
-# Each row contributes to `acc` only in the pass of its own expert, because in every other
-# pass its `x` was loaded as zeros. Details that matter:
-#
-# * **The expert range of a tile.** The ids are sorted, so the first and the last row of the
-#   tile bound them: load `sorted_expert_idxs[pid_m·BLOCK_M]` and
-#   `sorted_expert_idxs[min(pid_m·BLOCK_M + BLOCK_M, M) - 1]` (two scalar loads), and loop
-#   `for e in range(e_first, e_last + 1)`. Experts in between that received no token cost a
-#   pass of zeros and are otherwise harmless.
-# * **`tl.dot(x, w, input_precision="ieee")`**, accumulated in float32. On a GPU, a float32
-#   `tl.dot` otherwise uses TF32 (10 mantissa bits) and misses the tests' tolerance; the
-#   interpreter ignores the flag. Block sizes must be at least 16 for `tl.dot` on a GPU.
-# * **Strides, not shapes.** Address `X` by `sxm, sxk`, `W` by `swe, swk, swn`, `Y` by
-#   `sym, syn`; the tests pass views whose rows are longer than `N`.
-# * **Offsets in int64.** `pid * BLOCK_M` is int32; on a big GPU problem `row · stride` passes
-#   2³¹. Convert the program id with `.to(tl.int64)` before multiplying (the ids you load are
-#   already int64).
-#
-# The tests launch your kernel directly with `BLOCK_M = 16` (so tiles span experts) and
-# `BLOCK_K = BLOCK_N = 16` on `K, N ∈ {24, 40}` (so the last K and N tiles are partial).
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "scatter2scatter_kernel", "locked": false, "schema_version": 3, "solution": true, "task": false}
 @triton.jit
@@ -586,10 +676,11 @@ _launch_s2s(13, 24, 40, 8, 1, y_grouped=True, seed=16, only=[6])
 #
 # A kernel is only as safe as the function that launches it: a wrong shape or an id out of
 # range makes the kernel read or write outside its tensors, silently in the interpreter and
-# with a crash (or worse, without one) on a GPU. Write
-# `my_scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_grouped=False,
-# y_grouped=False, block_m=64, block_n=64, block_k=32)` returning `Y` `[M, N]` with
-# `M = len(sorted_expert_idxs)`. It must raise a `ValueError` **whose message names the
+# with a crash (or worse, without one) on a GPU.
+#
+# **Specification.** `my_scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k,
+# x_grouped=False, y_grouped=False, block_m=64, block_n=64, block_k=32)` returns `Y` `[M, N]`
+# (`M = len(sorted_expert_idxs)`, `X`'s dtype), the expert linear of Exercise 3. It must raise a `ValueError` **whose message names the
 # offending argument** (`"X"`, `"W"`, `"k"`, `"sorted_expert_idxs"`,
 # `"sorted_scattered_idxs"`) when:
 #
@@ -605,16 +696,45 @@ _launch_s2s(13, 24, 40, 8, 1, y_grouped=True, seed=16, only=[6])
 # * `M` is not a multiple of `k`, or `X` has the wrong number of rows (`M // k` tokens, or
 #   `M` rows when `x_grouped`) — name `"X"`.
 #
-# Then make `X`, `W` and the ids contiguous (ids as int64), allocate `Y`, and launch **your**
-# `scatter2scatter_kernel` on the grid `(cdiv(M, block_m), cdiv(N, block_n))` (return the
-# empty `Y` when `M = 0`, without launching).
+# Otherwise it makes `X`, `W` and the ids contiguous (ids as int64), allocates `Y`, and
+# launches **your** `scatter2scatter_kernel` on the grid `(cdiv(M, block_m), cdiv(N, block_n))`
+# (the tests check the launch); when `M = 0` it returns the empty `Y` without launching.
 #
 # Finally `moe_linear(x, W, expert_idxs, gates)`: `x` `[T, K]`, `expert_idxs` and `gates`
-# `[T, k]` → `[T, N]` with row `t = Σ_j gates[t, j] · x[t] @ W[expert_idxs[t, j]]`. Sort with
-# `flatten_sort_count`, get `Y` in slot order from `my_scatter2scatter`, and mix each token's
-# `k` rows with its gates (a reshape to `[T, k, N]` and a weighted sum). Raise `ValueError`
-# naming `"gates"` if `gates` is not `[T, k]`. This is the forward pass of
-# `minimoe.parallel_linear(..., gates=gates)`, which the tests switch off while yours runs.
+# `[T, k]` → `[T, N]` with row `t = Σ_j gates[t, j] · x[t] @ W[expert_idxs[t, j]]`, computed
+# through `my_scatter2scatter`. It raises `ValueError` naming `"gates"` if `gates` is not
+# `[T, k]`. This is the forward pass of `minimoe.parallel_linear(..., gates=gates)`, which the
+# tests switch off while yours runs.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Check in the order of the list, so that each message can name the argument it is about;
+# index tensors need a min and a max only when they are not empty. For `moe_linear`, sort with
+# `flatten_sort_count`, get `Y` `[T·k, N]` in slot order from `my_scatter2scatter`: slot
+# `t·k + j` is row `j` of token `t`, so a reshape to `[T, k, N]` lines the rows up with
+# `gates` `[T, k]`, and a weighted sum over `k` mixes them.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# my_scatter2scatter:
+#     check X, W (tensors, dims, same K, same dtype, float32 under INTERPRET), k in 1..E
+#     check sei: 1-D integer, values in 0..E-1;  M = len(sei)
+#     check ssi: 1-D integer, length M, values in 0..M-1
+#     check M % k == 0 and X rows == (M if x_grouped else M // k)
+#     X, W, ids contiguous (ids int64);  Y = empty(M, N, dtype of X)
+#     if M == 0: return Y
+#     scatter2scatter_kernel[(cdiv(M, block_m), cdiv(N, block_n))](..., FAN_OUT=k, ...)
+#     return Y
+# moe_linear:
+#     check gates is [T, k];  sei, ssi, _ = flatten_sort_count(expert_idxs, E)
+#     Y = my_scatter2scatter(x, W, sei, ssi, k)                   # [T·k, N] slot order
+#     return (gates[..., None] * Y.view(T, k, N)).sum(1)
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "launcher", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def my_scatter2scatter(X: torch.Tensor, W: torch.Tensor, sorted_expert_idxs: torch.Tensor,
@@ -715,6 +835,14 @@ _expect_value_error("X float32, W float64", ["W"],
 if INTERPRET:
     _expect_value_error("bfloat16 under the interpreter", ["X"],
                         lambda: my_scatter2scatter(_x.bfloat16(), _W.bfloat16(), _sei, _ssi, 2))
+# inputs that would send the kernel outside its tensors: refused before any launch
+with harness.forbid([scatter2scatter_kernel], globals(),
+                    why="these inputs would make it read or write outside its tensors; "
+                        "check them and raise ValueError before launching"):
+    _expect_value_error("a slot id 12 with M = 12", ["sorted_scattered_idxs"],
+                        lambda: my_scatter2scatter(_x, _W, _sei, torch.full_like(_ssi, 12), 2))
+    _expect_value_error("X with 4 rows for M = 12, k = 2", ["X"],
+                        lambda: my_scatter2scatter(_x[:4], _W, _sei, _ssi, 2))
 print("my_scatter2scatter launches your kernel and names the argument it refuses")
 
 ### BEGIN HIDDEN TESTS
@@ -773,6 +901,9 @@ def _check_moe_linear(T, K, N, E, k, seed=0, **routing):
 
 _check_moe_linear(7, 24, 40, 4, 2)
 _check_moe_linear(33, 40, 24, 8, 2, seed=1)
+_x, _W, _idx = _problem(4, 24, 24, 4, 2, seed=6)
+_expect_value_error("gates [T, 1] for k = 2", ["gates"],
+                    lambda: moe_linear(_x, _W, _idx, torch.ones(4, 1, device=DEVICE)))
 print("moe_linear matches the forward of minimoe.parallel_linear with gates")
 
 ### BEGIN HIDDEN TESTS
@@ -828,8 +959,9 @@ print(f"SwiGLU MoE, T={_Tm}, top-{_km} of {_Em}: max |yours - moe_loop| = "
 # height `BLOCK_M`. The sorted kernel pads nothing: it computes `M` rows in `cdiv(M, BLOCK_M)`
 # tiles, but a tile that spans experts makes one pass per expert in its range.
 #
-# Write `dispatch_work(tokens_per_expert, block_m)` that takes the list of token counts per
-# expert (Python ints, or a 1-D integer tensor) and returns a `dict` of Python ints:
+# **Specification.** `dispatch_work(tokens_per_expert, block_m)` takes the token counts per
+# expert (a list of Python ints, or a 1-D integer tensor) and a tile height, and returns a
+# `dict` of **Python ints** (not tensors):
 #
 # | key | meaning |
 # |---|---|
@@ -843,6 +975,30 @@ print(f"SwiGLU MoE, T={_Tm}, top-{_km} of {_Em}: max |yours - moe_loop| = "
 # 5–7 expert 2, 8–15 expert 3, so `rows_sorted = 16`, `rows_block_padded = 8 + 0 + 4 + 8 = 20`,
 # `rows_bmm = 4 · 8 = 32`, `tiles_sorted = 4`, and the tiles' ranges are 0–0, 0–2, 3–3, 3–3:
 # `passes_sorted = 1 + 3 + 1 + 1 = 6`. With no rows at all, everything is 0.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# The first four entries are one line each. For the passes, rebuild the sorted expert ids
+# (expert `e` repeated `c_e` times: the same list `flatten_sort_count` would give), cut it
+# into tiles of `block_m`, and add `last - first + 1` per tile, exactly as the kernel of
+# Exercise 3 decides its loop. Turn a tensor input into a list of ints first, and every
+# result is a Python int for free.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# counts = [int(c) for c in tokens_per_expert];  M = sum(counts)
+# ids = [e for e, c in enumerate(counts) for _ in range(c)]
+# tiles = ceil(M / block_m)
+# passes = Σ over t < tiles of ids[min(t*block_m + block_m, M) - 1] - ids[t*block_m] + 1
+# return {rows_sorted: M, rows_block_padded: Σ ceil(c / block_m) * block_m,
+#         rows_bmm: len(counts) * max(counts, default 0), tiles_sorted: tiles,
+#         passes_sorted: passes}
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "dispatch_work", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def dispatch_work(tokens_per_expert, block_m: int) -> dict:
@@ -877,6 +1033,9 @@ _check_work([5, 0, 3, 8], 4, {"rows_sorted": 16, "rows_block_padded": 20, "rows_
                               "tiles_sorted": 4, "passes_sorted": 6})
 _check_work([16, 16], 16, {"rows_sorted": 32, "rows_block_padded": 32, "rows_bmm": 32,
                            "tiles_sorted": 2, "passes_sorted": 2})
+_check_work(torch.tensor([2, 0, 0, 5]), 4, {"rows_sorted": 7, "rows_block_padded": 12,
+                                            "rows_bmm": 20, "tiles_sorted": 2,
+                                            "passes_sorted": 4 + 1})  # a tensor in, ints out
 print("dispatch_work counts what each approach computes")
 
 ### BEGIN HIDDEN TESTS
@@ -985,3 +1144,43 @@ for b, w in zip(_blocks, _works, strict=True):
 # 5. The chart counts rows. At decode time (`T = 1`, top-2 of 64 experts) what are
 #    `rows_sorted`, `rows_block_padded` and `rows_bmm` with `BLOCK_M = 64`, and what does that
 #    say about which approach suits inference?
+
+# %% [markdown] tags=["instructor"]
+# **Sample answers (instructors only; this cell is not in the learners' notebook).**
+#
+# 1. A tile that spans 3 experts makes 3 passes, each a full `BLOCK_M × BLOCK_N` product over
+#    `K`: three times the `tl.dot` work of a single-expert tile, two passes of it on rows
+#    loaded as zeros. On the chart's skewed routing (M = 1024 rows, 16 experts) that is +21.9 %
+#    dot work at `BLOCK_M = 16` (78 passes over 64 tiles) against +10.9 % for padding each
+#    expert, and +187.5 % against +137.5 % at 128. What the sorted kernel saves is memory and
+#    launches: no padded copies of `x` and `Y` (padding to the busiest expert holds +396.9 %
+#    rows), one launch whatever `E`. On a GPU this argues for a `BLOCK_M` well below the
+#    typical tokens per expert (so few tiles straddle a boundary), yet large enough (64 or
+#    128) to keep the tensor cores fed and to reuse each weight tile over many rows.
+# 2. The gather reads `k · T · K` elements of `x` (each token row `k` times, from the cache or
+#    DRAM) and writes nothing extra. A sorted copy first reads `T · K`, writes `k · T · K` and
+#    reads them back in the product: `(1 + 2k) · T · K`, 2.5 times the gather's traffic at
+#    `k = 2`, plus an allocation of `M × K`. The output side is the same story: scattering
+#    from the accumulator writes `Y` once, where a grouped `Yg` is written, read and written
+#    again.
+# 3. The tile's loop visits `e_first … e_last` and trusts that every row's expert lies in that
+#    range, which holds only if the ids are non-decreasing. In slot order the first and last
+#    ids of a tile are arbitrary: the range can be empty (first 3, last 1) or miss the experts
+#    in between, and rows whose expert is outside it are never accumulated and come out as
+#    zeros. Worse, `sei[i]` would then be the expert of slot `i`, not of slot `ssi[i]`, so
+#    even the rows that are computed use another slot's expert. Nothing raises: the symptom is
+#    wrong rows and zero rows, which only a comparison with `linear_loop` reveals.
+# 4. Gate and up read the tokens where they are (`x_grouped=False`, gathering `x[s // k]`) and
+#    write sorted rows (`y_grouped=True`), so the SiLU product works on rows that are
+#    contiguous per expert and no sorted copy of `x` is made. The down projection reads those
+#    sorted rows (`x_grouped=True`) and writes slot order (`y_grouped=False`), where the
+#    `[T, k, N]` view lets the gates mix each token's `k` rows. The SwiGLU cell does exactly
+#    this and matches `moe_loop` to 3.6e-07.
+# 5. Two rows on two experts: `rows_sorted = 2`, `rows_block_padded = 2 · 64 = 128`,
+#    `rows_bmm = 64 · 1 = 64`, one tile. Padding multiplies the arithmetic by 32 to 64, but at
+#    decode the arithmetic is negligible: the kernel's time is reading the weights of the
+#    experts it visits, two `K × N` matrices for the sorted kernel against all 64 for the
+#    padded `bmm`. One caveat of the masked loop of Exercise 3: the single tile loops over
+#    every expert between the two chosen ones and loads their weights too (experts 5 and 40
+#    give 36 passes), so a decode kernel should skip experts without rows, as production
+#    kernels do.

@@ -45,7 +45,9 @@
 # that your code does not call the `minimoe` backward it rebuilds (the tests switch it off
 # while your code runs) and that your wrappers launch your kernels. You may use the forward
 # pieces you built in Lab 08, as `minimoe` has them: `flatten_sort_count`, `group` and
-# `scatter2scatter`. The whole notebook runs in about a minute on a laptop CPU.
+# `scatter2scatter`. Each exercise states its specification first; below it, two collapsed
+# hints (the idea, then pseudocode) are there when you want them. The whole notebook runs in
+# <!-- runtime:09-moe-backward-kernels -->about 9 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 
 # %%
 import os
@@ -150,21 +152,44 @@ except ValueError as err:
 # %% [markdown]
 # ## Exercise 1 — the backward by hand, in PyTorch
 #
-# Write `backward_by_hand(x, W, expert_idxs, gates, dout)` returning `(dx, dW, dgates)` with
-# shapes `[T, K]`, `[E, K, N]`, `[T, k]` for the gated expert linear above, **without
-# autograd** (the tests call it under `torch.no_grad()`, with inputs that do not require
-# gradients). Plain PyTorch in slot order is fine — no sorting needed:
+# **Specification.** `backward_by_hand(x, W, expert_idxs, gates, dout)` takes `x` `[T, K]`,
+# `W` `[E, K, N]`, `expert_idxs` `[T, k]`, `gates` `[T, k]` and the output gradient `dout`
+# `[T, N]` (all float32 but the ids) and returns `(dx, dW, dgates)` with shapes `[T, K]`,
+# `[E, K, N]`, `[T, k]`: the gradients of the gated expert linear above, by the four rules of
+# Part A. The rules that matter:
 #
-# 1. `xs = x.repeat_interleave(k, 0)` (`[M, K]`, row `s` is token `s // k`), `e = expert_idxs.reshape(-1)`;
-# 2. `Y[s] = xs[s] @ W[e[s]]` (recompute it: the forward did not save anything for you here),
-#    then `dgates`;
-# 3. `dY[s] = gates[s] · dout[s // k]`;
-# 4. `dW`: start from **zeros** and add each slot's outer product `xs[s]ᵀ dY[s]` into
-#    `dW[e[s]]` (`index_add_` does this in one call);
-# 5. `dx`: `dY[s] @ W[e[s]]ᵀ` per slot, summed over the `k` slots of each token.
+# * **no autograd**: the tests call it under `torch.no_grad()`, with inputs that do not
+#   require gradients; plain PyTorch in slot order is fine, no sorting needed;
+# * **the gate goes into `dY`**, so into `dW` and `dx`, but not into `dgates`;
+# * **an expert without tokens gets `dW[e]` exactly 0**;
+# * **`dx` sums the `k` slots of each token.**
 #
-# `reference.linear_loop` and everything in `minimoe.parallel_linear` / `minimoe.ops` are
-# switched off while the tests run your function.
+# Off-limits: `reference.linear_loop` and everything in `minimoe.parallel_linear` /
+# `minimoe.ops` are switched off while the tests run your function.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Work per slot, `M = T·k` rows: repeat each token row `k` times so that row `s` is token
+# `s // k`, and take each slot's expert from the flattened `expert_idxs`. The forward did not
+# save anything for you here, so recompute `Y` first. `dW` is a sum of outer products into
+# the rows of each slot's expert: start from zeros and add, which also leaves unused experts
+# at exactly zero (`index_add_` does it in one call). Check the hand-worked case in the test
+# cell against your reading of the four rules before the random ones.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# xs = x.repeat_interleave(k, 0);  e = expert_idxs.reshape(-1)          # [M, K], [M]
+# Y  = xs[s] @ W[e[s]] for every slot s                                  # [M, N]
+# dgates = Σ_n Y.view(T, k, N) * dout[:, None, :]                        # [T, k]
+# dY = gates.reshape(M, 1) * dout.repeat_interleave(k, 0)               # [M, N]
+# dW = zeros_like(W);  dW.index_add_(0, e, outer(xs[s], dY[s]) for every s)
+# dx = (dY[s] @ W[e[s]]ᵀ for every s).view(T, k, K).sum(1)               # [T, K]
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "backward_by_hand", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def backward_by_hand(x: torch.Tensor, W: torch.Tensor, expert_idxs: torch.Tensor,
@@ -274,11 +299,45 @@ _check_by_hand(12, 24, 40, 8, 3, seed=7, skip=0)       # k = 3, expert 0 unused
 #
 # $$dW[e] = Xg[\mathrm{start}:\mathrm{end}]^\top \; DYg[\mathrm{start}:\mathrm{end}] \qquad [K, N].$$
 #
-# Write `group_bwd_W_kernel` for the grid `(E, cdiv(K, BLOCK_K), cdiv(N, BLOCK_N))`. Program
-# `(e, pk, pn)` owns the tile `dW[e, pk·BLOCK_K : …, pn·BLOCK_N : …]` and nobody else writes
-# it, so no atomics are needed:
+# **Specification.** `group_bwd_W_kernel` (signature below) is launched on the grid
+# `(E, cdiv(K, BLOCK_K), cdiv(N, BLOCK_N))`. Program `(e, pk, pn)` owns the tile
+# `dW[e, pk·BLOCK_K : …, pn·BLOCK_N : …]`, writes every element of it that lies inside `K × N`,
+# and writes nothing else; nobody else writes that tile. The rules that matter:
 #
-# ```
+# * **rows of expert `e` only**: `start = offsets[e-1]` (0 for `e = 0`: the element before
+#   `offsets` is not yours to read) to `end = offsets[e]`; the kernel gets no `M`, and the
+#   next expert's rows follow directly, so `end` is the bound of every load;
+# * **always store**: an expert with no rows still writes its zeros, because the wrapper may
+#   hand you uninitialised memory (`torch.empty`); the tests fill `DW` with NaN first;
+# * **no atomics** (the tests look for them), a float32 accumulator, and
+#   `tl.dot(..., input_precision="ieee")`: on a GPU a float32 dot is otherwise TF32 (10-bit
+#   mantissa: errors near `1e-3`, far outside this lab's tolerance); the interpreter ignores
+#   the flag;
+# * strides for every tensor; block sizes are powers of two `≥ 16` (a GPU's `tl.dot` needs
+#   16).
+#
+# Then `my_group_bwd_W(DY, X, expert_offsets, E, block_m=32, block_k=32, block_n=32)` →
+# `[E, K, N]`: raise `ValueError` unless `DY` `[M, N]` and `X` `[M, K]` are 2-D float32 (under
+# the interpreter) with the same `M`, and `expert_offsets` is an `[E]` integer tensor that is
+# non-decreasing and ends at `M`; make the inputs contiguous (offsets as int64), allocate
+# `DW` (either way: your kernel writes every element) and launch **your** kernel (the tests
+# check the launch). `minimoe.group_bwd_W` and its kernel are switched off while the tests
+# run yours.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# A program walks its expert's rows in steps of `BLOCK_M` (a loop with runtime bounds
+# `range(start, end, BLOCK_M)` is fine in Triton), loads a `[BLOCK_M, BLOCK_K]` block of `X`
+# and a `[BLOCK_M, BLOCK_N]` block of `DY` with the rows masked against `end`, and adds
+# `xᵀ · dy` to a `[BLOCK_K, BLOCK_N]` accumulator. For `start`, a masked load
+# (`mask=e > 0, other=0`) reads nothing when `e = 0`. The store sits after the loop, outside
+# any condition on the row count.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
 # k = pk·BLOCK_K + arange(BLOCK_K);  n = pn·BLOCK_N + arange(BLOCK_N)
 # start, end = offsets[e-1] (masked: 0 when e = 0), offsets[e]
 # acc = zeros([BLOCK_K, BLOCK_N], float32)
@@ -290,20 +349,7 @@ _check_by_hand(12, 24, 40, 8, 3, seed=7, skip=0)       # k = 3, expert 0 unused
 # DW[e, k, n] = acc   (masked k < K and n < N)   # an expert with no rows stores its zeros
 # ```
 #
-# Two details decide correctness. **Mask the rows against `end`**, not `M`: the next expert's
-# rows follow directly. And **always store**: an expert with no rows skips the loop and must
-# still write its zero accumulator, because the wrapper may hand you uninitialised memory
-# (`torch.empty`) — the tests fill `DW` with NaN before launching. `input_precision="ieee"`
-# keeps a GPU from using TF32 for float32 dots (10-bit mantissa: errors near `1e-3`, far
-# outside this lab's tolerance); the interpreter ignores it. Block sizes are powers of two
-# `≥ 16` (a GPU's `tl.dot` needs 16).
-#
-# Then `my_group_bwd_W(DY, X, expert_offsets, E, block_m=32, block_k=32, block_n=32)` →
-# `[E, K, N]`: raise `ValueError` unless `DY` `[M, N]` and `X` `[M, K]` are 2-D float32 (under
-# the interpreter) with the same `M`, and `expert_offsets` is an `[E]` integer tensor that is
-# non-decreasing and ends at `M`; make the inputs contiguous (offsets as int64), allocate
-# `DW` (either way: your kernel writes every element) and launch **your** kernel.
-# `minimoe.group_bwd_W` and its kernel are switched off while the tests run yours.
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "group_bwd_W", "locked": false, "schema_version": 3, "solution": true, "task": false}
 @triton.jit
@@ -398,10 +444,15 @@ def _grouped_problem(T, K, N, E, k, seed=0, **routing):
     return Xg, DYg, offs, idx, want
 
 
-def _launch_bwd_W(T, K, N, E, k, BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, seed=0, **routing):
-    """Launch group_bwd_W_kernel directly on strided views over NaN-filled buffers."""
+def _launch_bwd_W(T, K, N, E, k, BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, seed=0, guard=False,
+                  **routing):
+    """Launch group_bwd_W_kernel directly on strided views over NaN-filled buffers; with
+    `guard`, the element just before `offsets` holds M (read it as expert 0's start, and
+    expert 0 gets no rows)."""
     Xg, DYg, offs, idx, want = _grouped_problem(T, K, N, E, k, seed, **routing)
     M = Xg.shape[0]
+    if guard:
+        offs = torch.cat([torch.tensor([M], device=DEVICE), offs])[1:]
     xbuf = torch.full((M + BLOCK_M, K + 3), float("nan"), device=DEVICE)
     xbuf[:M, :K] = Xg
     ybuf = torch.full((M + BLOCK_M, N + 5), float("nan"), device=DEVICE)
@@ -415,6 +466,9 @@ def _launch_bwd_W(T, K, N, E, k, BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, seed=0, **r
                              BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N)
     where = (f"group_bwd_W_kernel[{grid}], {_where_rows(Xg, DYg, E, idx)}, "
              f"BLOCK_M/K/N = {BLOCK_M}/{BLOCK_K}/{BLOCK_N}")
+    if guard:
+        where += (f" (offsets sits right after the value {M}: expert 0's start must be 0, "
+                  "from a masked load of offsets[e - 1], mask=e > 0, other=0)")
     assert not DW.isnan().any(), \
         f"{where}: NaN left in dW at {DW.isnan().nonzero()[0].tolist()} — an element was never " \
         "written (store the accumulator even when the expert has no rows) or a row past " \
@@ -432,6 +486,7 @@ harness.assert_no_atomics(group_bwd_W_kernel, "each program owns its dW tile, so
 _launch_bwd_W(7, 24, 40, 4, 2)                       # partial K and N tiles
 _launch_bwd_W(33, 40, 24, 8, 2, seed=1)              # rows loop over several BLOCK_M steps
 _launch_bwd_W(9, 24, 24, 4, 3, seed=2, skip=2)       # k = 3, expert 2 without rows
+_launch_bwd_W(7, 24, 24, 4, 2, seed=12, guard=True)  # offsets[-1] is not expert 0's start
 print("group_bwd_W_kernel matches a per-expert loop, writes exact zeros for empty experts, "
       "stays inside dW")
 
@@ -465,6 +520,14 @@ def _check_my_bwd_W(T, K, N, E, k, seed=0, **routing):
 
 _check_my_bwd_W(7, 24, 40, 4, 2)
 _check_my_bwd_W(33, 40, 24, 8, 2, seed=1, skip=5)
+# offsets the kernel cannot trust: refused with a ValueError, before any launch
+_Xv, _DYv, _offv, _, _ = _grouped_problem(7, 24, 40, 4, 2, seed=13)
+harness.assert_rejects("my_group_bwd_W", [
+    ("expert_offsets that end at M - 1", lambda: my_group_bwd_W(_DYv, _Xv, _offv - 1, 4)),
+    ("expert_offsets [7, 3, 10, 14] (not non-decreasing)",
+     lambda: my_group_bwd_W(_DYv, _Xv, torch.tensor([7, 3, 10, 14], device=DEVICE), 4))],
+    lambda: harness.forbid([group_bwd_W_kernel], globals(),
+                           why="bad expert_offsets must raise ValueError before the launch"))
 print("my_group_bwd_W matches minimoe.group_bwd_W and launches your kernel")
 
 ### BEGIN HIDDEN TESTS
@@ -547,27 +610,48 @@ except NotImplementedError:
 #
 # Two small functions that the autograd Function of Exercise 4 will call.
 #
-# `grouped_dy(dout, sorted_scattered_idxs, k, gates=None)` → `dYg` `[M, N]` in sorted order:
+# **Specification.** `grouped_dy(dout, sorted_scattered_idxs, k, gates=None)` → `dYg`
+# `[M, N]` in sorted order:
 #
 # * with gates, `dout` is the gradient of the **mixed** output `[T, N]`, and
 #   `dYg[i] = gates[s_i] · dout[s_i // k]` (`s_i = ssi[i]`, `gates` read flat as `[M]`);
 # * without gates, `dout` is the gradient of the per-slot output `[M, N]` in **slot order**,
 #   and `dYg[i] = dout[s_i]`.
 #
-# Lab 08's `group(X, ssi, fan_out, coeff)` does exactly these gathers (use it, or index).
-#
 # `input_grad(dYg, W, sorted_expert_idxs, sorted_scattered_idxs, k, grouped_in=False)` → `dx`:
 # the input of sorted row `i` is multiplied by `W[e_i]` in the forward, so its gradient is
-# `dYg[i] @ W[e_i]ᵀ` — **the forward kernel with `Wᵀ`**:
-# `scatter2scatter(dYg, W.transpose(1, 2), sei, ssi, 1, x_grouped=True, y_grouped=...)`
-# (`k = 1` here: each sorted row reads its own row of `dYg`). Then:
+# `dYg[i] @ W[e_i]ᵀ`. Then:
 #
-# * `grouped_in=False` (the forward read token rows `x[s // k]`): ask for the result in **slot
-#   order** (`y_grouped=False`) and sum each token's `k` consecutive slots → `[T, K]`;
+# * `grouped_in=False` (the forward read token rows `x[s // k]`): the `k` slots of token `t`
+#   (`t·k … t·k + k - 1`) are summed → `[T, K]`;
 # * `grouped_in=True` (the forward read sorted rows `x[i]` directly, as MoE's down
-#   projection does): keep it per sorted row (`y_grouped=True`) → `[M, K]`, no sum.
+#   projection does): one gradient per sorted row → `[M, K]`, no sum.
 #
-# `W.transpose(1, 2)` is a view; `scatter2scatter` makes it contiguous (one copy of `W`).
+# Both run under `torch.no_grad()` in the tests (no autograd), and the `minimoe` backward is
+# switched off; the forward pieces `group` and `scatter2scatter` are yours to use.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Lab 08's `group(X, ssi, fan_out, coeff)` does exactly the gathers of `grouped_dy`. For
+# `input_grad`, `dYg[i] @ W[e_i]ᵀ` is the forward map with `Wᵀ` in place of `W`: **the
+# forward kernel again**, reading the sorted rows of `dYg` (`x_grouped=True`, `k = 1`: each
+# sorted row reads its own row) and writing either slot order, where a token's `k` copies are
+# consecutive rows, or sorted order. `W.transpose(1, 2)` is a view; `scatter2scatter` makes
+# it contiguous (one copy of `W`).
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# grouped_dy: gates None -> group(dout, ssi, fan_out=1)
+#             else       -> group(dout, ssi, fan_out=k, coeff=gates)
+# input_grad: dXs = scatter2scatter(dYg, W.transpose(1, 2), sei, ssi, 1,
+#                                   x_grouped=True, y_grouped=grouped_in)   # [M, K]
+#             return dXs if grouped_in else dXs.view(T, k, K).sum(1)
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "dx", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def grouped_dy(dout: torch.Tensor, sorted_scattered_idxs: torch.Tensor, k: int,
@@ -657,30 +741,56 @@ _check_input_grad(12, 24, 40, 8, 3, seed=6, grouped_in=True, skip=0)
 # Put the pieces together as `minimoe.parallel_linear` does: a `torch.autograd.Function`
 # whose forward runs the Lab 08 kernel and whose backward runs yours.
 #
-# `MyParallelLinear.forward(ctx, x, W, gates, k, sei, ssi, offsets, grouped_in, grouped_out)`:
-#
-# * `Y = scatter2scatter(x, W, sei, ssi, k, x_grouped=grouped_in, y_grouped=grouped_out)`
-#   (`[M, N]`);
-# * with `gates` (`[T, k]`, only with `grouped_out=False`): `out[t] = Σ_j gates[t, j] ·
-#   Y[t·k + j]` → `[T, N]`; without: `out = Y`;
-# * save what the backward needs: `x`, `W`, `gates`, the indices, and `Y` when there are gates
-#   (`ctx.save_for_backward`; plain Python values go on `ctx` directly).
+# **Specification.** `MyParallelLinear.forward(ctx, x, W, gates, k, sei, ssi, offsets,
+# grouped_in, grouped_out)` computes `Y[yrow(i)] = x[xrow(i)] @ W[sei[i]]` `[M, N]` (the
+# forward of Lab 08, with `x_grouped=grouped_in`, `y_grouped=grouped_out`); with `gates`
+# (`[T, k]`, only with `grouped_out=False`) it returns `out[t] = Σ_j gates[t, j] ·
+# Y[t·k + j]` `[T, N]`, without gates `Y` itself.
 #
 # `MyParallelLinear.backward(ctx, dout)` returns one gradient per forward input, in order:
-# `(dx, dW, dgates, None, None, None, None, None, None)`:
+# `(dx, dW, dgates, None, None, None, None, None, None)`, with `dgates` `None` when there are
+# no gates. The rules that matter:
 #
-# * `dgates[t, j] = ⟨Y[t·k + j], dout[t]⟩` (with gates; else `None`);
-# * `dYg`: your `grouped_dy` — or `dout` itself when `grouped_out` (it is already sorted);
-# * `Xg = x` if `grouped_in`, else `group(x, ssi, fan_out=k)`;
-# * `dW = my_group_bwd_W(dYg, Xg, offsets, E)`, `dx = input_grad(dYg, W, sei, ssi, k,
-#   grouped_in)` (use `ctx.needs_input_grad` to skip what nobody asked for, if you like).
+# * `dW` comes from **your** `my_group_bwd_W` (the tests check the call) and has exact zeros
+#   for experts without tokens;
+# * `dgates` needs the per-slot outputs `Y`: save them in the forward (only with gates);
+# * `dout` may arrive non-contiguous.
 #
-# `dout` may arrive non-contiguous; make it contiguous first. Then
 # `my_parallel_linear(x, W, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets,
 # gates=None, grouped_in=False, grouped_out=False)` raises `ValueError` if `gates` is given
 # together with `grouped_out=True`, and returns `MyParallelLinear.apply(...)`. It has the
 # signature of `minimoe.parallel_linear` (without LoRA), so the last test slots it into
 # `minimoe.MoEMLP(backend="triton")` in place of the reference and trains a SwiGLU MoE step.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# The forward is `scatter2scatter` and the gate mix of Lab 08; save `x`, `W`, `gates`, the
+# three index tensors and `Y` with `ctx.save_for_backward` (tensors, `None` allowed), and put
+# `k` and the two flags on `ctx` directly. The backward chains this lab's pieces: `dgates`
+# from `Y` and `dout`, the sorted `dYg` from `grouped_dy` (or `dout` itself when
+# `grouped_out`: it is already sorted), the sorted inputs `Xg` (`x` itself when `grouped_in`,
+# else `group(x, ssi, fan_out=k)`), then `dW` and `dx`. `ctx.needs_input_grad` says which
+# gradients anyone asked for, if you want to skip the others.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# forward:  Y = scatter2scatter(x, W, sei, ssi, k, x_grouped=grouped_in, y_grouped=grouped_out)
+#           out = Y if gates is None else (gates[..., None] * Y.view(T, k, N)).sum(1)
+#           save x, W, gates, sei, ssi, offsets, (Y if gates else None); ctx.k, flags = ...
+# backward: dout = dout.contiguous()
+#           if gates: dgates = (Y.view(T, k, N) * dout[:, None, :]).sum(-1)
+#                     dYg = grouped_dy(dout, ssi, k, gates)
+#           else:     dYg = dout if grouped_out else grouped_dy(dout, ssi, k)
+#           Xg = x if grouped_in else group(x, ssi, fan_out=k)
+#           dW = my_group_bwd_W(dYg, Xg, offsets, E)
+#           dx = input_grad(dYg, W, sei, ssi, k, grouped_in)
+#           return dx, dW, dgates, None × 6
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "parallel_linear", "locked": false, "schema_version": 3, "solution": true, "task": false}
 class MyParallelLinear(torch.autograd.Function):
@@ -785,6 +895,11 @@ def _check_pl(T, K, N, E, k, seed=0, gated=True, grouped_in=False, grouped_out=F
 _check_pl(7, 24, 40, 4, 2)
 _check_pl(9, 40, 24, 4, 3, seed=1, skip=2)
 _check_pl(7, 24, 24, 4, 2, seed=2, gated=False)
+_xv, _Wv, _iv, _gv, _ = _problem(4, 24, 24, 4, 2, seed=14)
+harness.assert_rejects("my_parallel_linear", [
+    ("gates together with grouped_out=True",
+     lambda: my_parallel_linear(_xv, _Wv, 2, *flatten_sort_count(_iv, 4), gates=_gv,
+                                grouped_out=True))], _no_reference)
 print("my_parallel_linear: output, dx, dW and dgates match autograd of reference.linear_loop")
 
 ### BEGIN HIDDEN TESTS
@@ -857,7 +972,7 @@ print("a SwiGLU MoE step through my_parallel_linear matches reference.moe_loop: 
 _moe_step(40, 24, 8, 2, 13, seed=1)
 _moe_step(24, 24, 4, 1, 7, seed=2)                   # top-1: the Switch gate, not renormalised
 _moe_step(24, 40, 8, 3, 5, seed=3)                   # k = 3, few tokens: empty experts
-_moe_step(40, 40, 1, 1, 3, seed=4)                   # a single expert
+_ = _moe_step(40, 40, 1, 1, 3, seed=4)               # a single expert
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -953,3 +1068,46 @@ except NotImplementedError:
 # 5. `gradcheck` needs float64; the interpreter has only float32. What would a float32
 #    finite-difference check of `dW` with a step of `1e-3` give for the error, and why is a
 #    comparison with autograd of a loop a better test here?
+
+# %% [markdown] tags=["instructor"]
+# **Sample answers (instructors only; this cell is not in the learners' notebook).**
+#
+# 1. The skewed routing gives rows `[23, 25, 0, 23, 9, 0, 11, 5]` per expert, and the grid is
+#    `(8, 2, 2)`: 32 programs, each as long as its expert's rows. The four programs of
+#    expert 1 (25 rows) finish last, together with those of experts 0 and 3; at `BLOCK_M = 32`
+#    each is a single reduction step, while the 8 programs of experts 2 and 5 only store
+#    zeros. On a GPU, with thousands of rows on a popular expert, those programs form the
+#    tail of the launch. Splitting a busy expert's rows into `P` chunks (split-K over rows)
+#    gives `P` partial tiles, which must then be added: with `tl.atomic_add` into a zeroed
+#    `dW` (an extra memset, a float32 sum order that changes from run to run, no float16
+#    atomics), or into a `[P, K, N]` buffer reduced by a second kernel (`P` times the memory
+#    of the tile and a second launch).
+# 2. `dX[t] = Σ over the sorted rows i of token t: dY[i] · W[e_i]ᵀ` has the same shape as the
+#    forward, `Y[s_i] = x[t_i] · W[e_i]`: each row is a product with its own expert's matrix,
+#    so `scatter2scatter` with `Wᵀ` does it and the sum over `k` comes after.
+#    `dW[e] = Σ over the rows i with e_i = e: x[t_i]ᵀ · dY[i]` sums over rows that share the
+#    **expert index**, a reduction along the sorted dimension into one `[K, N]` tile per
+#    expert: a different loop structure (over rows, inside a program that owns the tile),
+#    hence a new kernel.
+# 3. Saving `Y` costs `M · N` values per expert linear: for Mixtral's `w2` (`N = 4096`, top-2)
+#    at 4 096 tokens, 8 192 · 4 096 · 2 B = 64 MiB per layer in bf16, 2 GiB over 32 layers.
+#    Recomputing it is one more `scatter2scatter` in the backward, a third more GEMM work for
+#    that layer (forward + dX + dW becomes four products instead of three). It pays when
+#    activation memory is what limits the batch or the sequence length, as in activation
+#    checkpointing; it does not when compute is the bottleneck. Only `dgates` needs `Y`, so
+#    without gates nothing is saved at all.
+# 4. Any version that does not write every element of `dW`: one that accumulates with
+#    `tl.atomic_add` (it adds to whatever `torch.empty` held, so every expert is wrong, not
+#    only the empty ones), and one that launches programs only for experts with tokens (the
+#    empty experts' blocks keep the old memory: the NaNs of the direct-launch tests, or
+#    silent garbage in training). This kernel launches every `(e, K tile, N tile)` program
+#    and stores its accumulator unconditionally, so an empty expert writes exact zeros, which
+#    the program-map cell confirms for experts 2 and 5.
+# 5. In float32 a central difference with `h = 1e-3` on the loss `Σ out · dout` (about 20 in
+#    magnitude) carries a rounding error of order `eps · |loss| / h ≈ 1e-7 · 20 / 1e-3`:
+#    measured on the `(7, 24, 40, 4, 2)` problem over 200 random entries of `dW`, absolute
+#    errors of 3e-4 (median) to 1.3e-3, 1.2e-4 relative to the largest gradient entry, twelve
+#    times this lab's tolerance. Such a check cannot tell a small bug from rounding. Autograd
+#    of the loop computes the same gradients in float32 with another summation order, and
+#    agrees with the kernels to 1.4e-7–2.3e-7 (the chart), while the loop itself passes
+#    `gradcheck` in float64: an oracle that is both exact in its math and tight in float32.

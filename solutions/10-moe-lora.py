@@ -45,7 +45,9 @@
 # `nf4_parallel_linear`, `NF4Experts`, `ExpertLinear`, their kernels, and the naive loops).
 # Building blocks you may use: `flatten_sort_count`, `group`, `group_bwd_W`, the
 # `miniquant` selective dequantizers and, in Exercise 1 only, `parallel_linear` **without**
-# LoRA. The whole notebook runs in about a minute on a laptop CPU.
+# LoRA. Each exercise states its specification first; below it, two collapsed hints (the idea,
+# then pseudocode) are there when you want them. The whole notebook runs in
+# <!-- runtime:10-moe-lora -->about 12 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 
 # %%
 import contextlib
@@ -138,23 +140,46 @@ print("dA by autograd:", _Ar.grad.flatten().tolist(), " by hand 2·(dy·B)·x:",
 # %% [markdown]
 # ## Exercise 1 — the split path with the kernels you already have
 #
-# Write `split_lora_linear(x, W, k, sorted_expert_idxs, sorted_scattered_idxs,
-# expert_offsets, lora_A, lora_B, scaling, gates=None)`, the expert linear with LoRA, out of
-# three `minimoe.parallel_linear` calls **without** LoRA (Lab 09's Function: it already has a
-# backward for `x`, `W` and the gates):
+# **Specification.** `split_lora_linear(x, W, k, sorted_expert_idxs, sorted_scattered_idxs,
+# expert_offsets, lora_A, lora_B, scaling, gates=None)` returns the expert linear with LoRA of
+# the formula above: `Y` `[M, N]` in slot order, or with gates `[T, N]`,
+# `out[t] = Σ_j gates[t, j] · Y[t·k + j]`. `lora_A` is `[r·E, K]`, `lora_B` `[N, r·E]`. It is
+# built out of `minimoe.parallel_linear` calls **without** LoRA (Lab 09's Function: it already
+# has a backward for `x`, `W` and the gates), on the LoRA factors seen as expert weights
+# `W_A`, `W_B`. The rules that matter:
 #
-# 1. the views `WA = lora_A` reshaped `[E, r, K]` then transposed to `[E, K, r]`, and
-#    `WB = lora_B` reshaped `[N, E, r]` then permuted to `[E, r, N]` — views, so autograd
-#    carries the gradients of `WA`, `WB` back to `lora_A`, `lora_B`;
-# 2. `base = parallel_linear(x, W, k, ...)` `[M, N]` in slot order;
-# 3. `h = parallel_linear(x, WA, k, ..., grouped_out=True)` `[M, r]` in sorted order, then
-#    `d = parallel_linear(h, WB, k, ..., grouped_in=True)` `[M, N]` in slot order;
-# 4. `Y = base + scaling · d`; with gates, mix each token's `k` slots:
-#    `out[t] = Σ_j gates[t, j] · Y[t·k + j]` → `[T, N]`; without gates return `Y` `[M, N]`.
+# * `W_A`, `W_B` are **views** of `lora_A`, `lora_B` (reshapes and transposes, no copies), so
+#   that autograd carries their gradients back to `lora_A`, `lora_B`;
+# * `B`'s experts are **column** blocks: expert `e` owns columns `e·r:(e+1)·r` of `lora_B`;
+# * `scaling` multiplies the LoRA term once.
 #
 # The tests compare the output and the gradients of `x`, `W`, the gates, `lora_A` and `lora_B`
 # with autograd of `reference.linear_loop(..., lora_A, lora_B, scaling)`. While they run,
 # `parallel_linear` refuses LoRA arguments (and the `split` path of `minimoe`).
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Three expert linears: the base in slot order, then `h = x · W_A[e]` `[M, r]` kept in
+# **sorted** order (`grouped_out=True`), then `h · W_B[e]` reading those sorted rows
+# (`grouped_in=True`) and writing slot order. For the views, `lora_A.reshape(E, r, K)` gives
+# expert `e` its `r` consecutive rows; `lora_B.reshape(E, r, N)` would not, because `B`'s
+# experts are column blocks: reshape to `[N, E, r]` first and move the axes.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# WA = lora_A.reshape(E, r, K).transpose(1, 2)               # [E, K, r] view
+# WB = lora_B.reshape(N, E, r).permute(1, 2, 0)              # [E, r, N] view
+# base = parallel_linear(x, W, k, sei, ssi, offs)                            # [M, N] slots
+# h    = parallel_linear(x, WA, k, sei, ssi, offs, grouped_out=True)         # [M, r] sorted
+# d    = parallel_linear(h, WB, k, sei, ssi, offs, grouped_in=True)          # [M, N] slots
+# Y = base + scaling * d
+# return Y if gates is None else (gates[..., None] * Y.view(T, k, N)).sum(1)
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "split_lora", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def split_lora_linear(x: torch.Tensor, W: torch.Tensor, k: int,
@@ -278,11 +303,49 @@ _check_split(12, 40, 24, 8, 3, 2, seed=4, skip=0)                  # k = 3, expe
 # %% [markdown]
 # ## Exercise 2 — the fused forward kernel: base GEMM and LoRA in one tile
 #
-# Start from your Lab 08 `scatter2scatter_kernel` (grid `(cdiv(M, BLOCK_M), cdiv(N,
-# BLOCK_N))`, the expert range of a row tile from its first and last sorted row, a loop over
-# those experts with row masks) and add the LoRA inside the expert loop:
+# **Specification.** `scatter2scatter_lora_kernel` (signature below, the arguments of your
+# Lab 08 `scatter2scatter_kernel` plus `A`, `B`, `R`, `scaling`, their strides and `BLOCK_R`;
+# grid `(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))`) computes, for each sorted row `i < M` of its
+# tile and each column `n < N` of its block,
 #
-# ```
+# `Y[yrow(i), n] = X[xrow(i)] · W[e_i, :, n] + scaling · (X[xrow(i)] · A_eᵀ) · B_eᵀ[:, n]`
+#
+# with `e = e_i`, `A_e = A[e·R : (e+1)·R]` and `B_e = B[:, e·R : (e+1)·R]`, and writes nothing
+# else. The rules that matter:
+#
+# * **one pass over `x`**: the `x` tiles the base product loads also feed `x · A_eᵀ`, kept as
+#   a `[BLOCK_M, BLOCK_R]` float32 accumulator; no `[M, r]` tensor in memory;
+# * **`BLOCK_R ≥ 16`, a power of two, with `rr < R` masked** on both factor loads: a GPU's
+#   `tl.dot` needs every dimension ≥ 16, so `R` is padded, and the padded columns must load as
+#   zeros (unmasked, they read the next expert's rows of `A`);
+# * **strides for every tensor**, `A` and `B` included: Exercise 4 launches this kernel on
+#   transposed views (`Bᵀ`, `Aᵀ`);
+# * float32 accumulators and `tl.dot(..., input_precision="ieee")`, as in Lab 08, and the
+#   same masks (rows, `K`, `N`) and expert-spanning tiles.
+#
+# Then `my_scatter2scatter_lora(X, W, lora_A, lora_B, scaling, sorted_expert_idxs,
+# sorted_scattered_idxs, k, x_grouped=False, y_grouped=False, block_m=32, block_n=32,
+# block_k=32)` → `Y` `[M, N]`: raise `ValueError` unless `X` is 2-D and `W` 3-D with the same
+# `K`, `lora_A` is `[r·E, K]` and `lora_B` `[N, r·E]` for some `r ≥ 1`, `1 ≤ k ≤ E`, `X` has
+# `M / k` rows (or `M` with `x_grouped`), and (under the interpreter) the tensors are
+# float32; allocate `Y`, take `BLOCK_R = rank_block(r)` (below), launch **your** kernel (the
+# tests check the launch). Do not copy `lora_A` / `lora_B` to contiguous memory: pass their
+# strides.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Inside the loop over the tile's experts, next to the base accumulator, keep `xa` for the
+# current expert: in the `K` loop, load the `[BLOCK_K, BLOCK_R]` tile of `A_eᵀ` (rows
+# `e·R + rr` of `A`, read through its strides as a transposed tile) and add `dot(x, a)` to
+# `xa` with the same `x` tile. After the `K` loop, load the `[BLOCK_R, BLOCK_N]` tile of
+# `B_eᵀ` and add `dot(scaling · xa, b)` to the base accumulator, before the next expert. A row
+# of another expert was loaded as zeros, so its `xa` is zero and needs no extra mask.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
 # rr = arange(BLOCK_R);  r_mask = rr < R           # BLOCK_R: R padded to a power of two >= 16
 # for e in e_first .. e_last:
 #     rows = m_mask & (e_i == e)
@@ -297,18 +360,7 @@ _check_split(12, 40, 24, 8, 3, 2, seed=4, skip=0)                  # k = 3, expe
 # Y[yrow, n] = acc                                  (masked rows < M, n < N)
 # ```
 #
-# Why `BLOCK_R ≥ 16`: a GPU's `tl.dot` needs every dimension ≥ 16, and block shapes must be
-# powers of two; the padded columns `rr ≥ R` load as zeros (mask!) so they add nothing. A row
-# of another expert loaded `x = 0`, so its `xa` is zero and needs no extra mask. Strides come
-# in as arguments: Exercise 4 launches this kernel on **transposed views** (`Bᵀ`, `Aᵀ`).
-#
-# Then `my_scatter2scatter_lora(X, W, lora_A, lora_B, scaling, sorted_expert_idxs,
-# sorted_scattered_idxs, k, x_grouped=False, y_grouped=False, block_m=32, block_n=32,
-# block_k=32)` → `Y` `[M, N]`: raise `ValueError` unless `X` is 2-D and `W` 3-D with the same
-# `K`, `lora_A` is `[r·E, K]` and `lora_B` `[N, r·E]` for some `r ≥ 1`, `1 ≤ k ≤ E`, `X` has
-# `M / k` rows (or `M` with `x_grouped`), and (under the interpreter) the tensors are
-# float32; allocate `Y`, pick `BLOCK_R`, launch **your** kernel. Do not copy `lora_A` /
-# `lora_B` to contiguous memory: pass their strides.
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "scatter2scatter_lora", "locked": false, "schema_version": 3, "solution": true, "task": false}
 @triton.jit
@@ -499,6 +551,17 @@ def _check_s2s_lora(T, K, N, E, k, r, seed=0, x_grouped=False, y_grouped=False, 
 
 _check_s2s_lora(7, 24, 40, 4, 2, 2)
 _check_s2s_lora(9, 40, 24, 4, 3, 3, seed=1, skip=1, y_grouped=True)
+# LoRA factors that do not fit: refused with a ValueError, before any launch
+_xv, _Wv, _iv, _, _, _Av, _Bv = _problem(4, 24, 40, 4, 2, 2, seed=20)
+_sv = flatten_sort_count(_iv, 4)[:2]
+harness.assert_rejects("my_scatter2scatter_lora", [
+    ("lora_B transposed ([r·E, N] instead of [N, r·E])",
+     lambda: my_scatter2scatter_lora(_xv, _Wv, _Av, _Bv.T, 1.0, *_sv, 2)),
+    ("lora_A with the wrong K", lambda: my_scatter2scatter_lora(_xv, _Wv, _Av[:, :-1], _Bv,
+                                                                1.0, *_sv, 2))],
+    lambda: harness.forbid([scatter2scatter_lora_kernel], globals(),
+                           why="LoRA factors of the wrong shape must raise ValueError before "
+                               "the launch"))
 print("my_scatter2scatter_lora matches linear_loop and launches your kernel")
 
 ### BEGIN HIDDEN TESTS
@@ -528,11 +591,42 @@ harness.assert_rejects("my_scatter2scatter_lora", _bad_calls, _no_reference)
 # %% [markdown]
 # ## Exercise 3 — `group_bwd_lora`: dA and dB in one kernel, no atomics
 #
-# Write `group_bwd_lora_kernel` for the grid `(E, cdiv(P, BLOCK_P))`. Program `(e, pp)` owns
-# the tile `OUT[pp·BLOCK_P : …, e·R : (e+1)·R]` and computes, over expert `e`'s sorted rows
-# `start = offsets[e-1]` (0 for `e = 0`) … `end = offsets[e]`,
+# **Specification.** `group_bwd_lora_kernel` (signature below) is launched on the grid
+# `(E, cdiv(P, BLOCK_P))`. Program `(e, pp)` owns the tile `OUT[pp·BLOCK_P : …, e·R : (e+1)·R]`
+# and writes every element of it inside `P × R·E`:
 #
-# ```
+# `OUT[p, e·R + j] = scaling · Σ_{m = start … end-1} U[m, p] · (V[m] · L[:, e·R + j])`
+#
+# over expert `e`'s sorted rows, `start = offsets[e-1]` (0 for `e = 0`) … `end = offsets[e]`.
+# The rules that matter, as in Lab 09: rows masked against `end` (the next expert's rows
+# follow), `rr < R` masked, **always store** (an expert without rows writes its zeros: the
+# tests fill `OUT` with NaN), **no atomics** (the test looks), strides for every tensor,
+# float32 accumulators with `input_precision="ieee"`.
+#
+# The same kernel gives both gradients (Part A): `dB = kernel(U=dY, V=X, L=Aᵀ)` with
+# `P = N, Q = K`, and `dAᵀ = kernel(U=X, V=dY, L=B)` with `P = K, Q = N`.
+#
+# Then `my_group_bwd_lora(DY, X, lora_A, lora_B, expert_offsets, scaling, block_m=32,
+# block_p=32, block_q=32)` → `(dA [r·E, K], dB [N, r·E])`: `DY` `[M, N]` and `X` `[M, K]`
+# grouped (sorted) rows; raise `ValueError` on mismatched rows, LoRA shapes that do not fit
+# (`E = len(expert_offsets)`), offsets that are not non-decreasing ending at `M`, or (under
+# the interpreter) non-float32 data; allocate both outputs and launch **your** kernel twice
+# (the tests count the launches), without copying `A` or `dA` into a transposed layout.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# A program walks its expert's rows in steps of `BLOCK_M`. For each step it first builds
+# `V_rows · L_e` `[BLOCK_M, BLOCK_R]` in an inner loop over `Q`, then adds
+# `U_rowsᵀ · (V L_e)` `[BLOCK_P, BLOCK_R]` to its accumulator; `scaling` multiplies once, at
+# the store. Transposes cost nothing when they are only strides: `Aᵀ` is `A` with its two
+# strides swapped, and `dAᵀ` is written through the transposed strides of `dA` (pass
+# `dA.stride(1), dA.stride(0)` as `OUT`'s strides).
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
 # acc = zeros([BLOCK_P, BLOCK_R], float32)
 # for m0 in start .. end step BLOCK_M:                     # rows masked against end
 #     vl = zeros([BLOCK_M, BLOCK_R])
@@ -542,17 +636,7 @@ harness.assert_rejects("my_scatter2scatter_lora", _bad_calls, _no_reference)
 # OUT[p, e·R + rr] = scaling · acc                          # masked p < P, rr < R — always
 # ```
 #
-# The same kernel gives both gradients (Part A): `dB = kernel(U=dY, V=X, L=Aᵀ)` with
-# `P = N, Q = K`, and `dAᵀ = kernel(U=X, V=dY, L=B)` with `P = K, Q = N`, written **through
-# the transposed strides** of `dA` (pass `dA.stride(1), dA.stride(0)` as OUT's strides; `Aᵀ`
-# likewise is `A` with its two strides swapped). As in Lab 09, mask the rows against `end`
-# (the next expert's rows follow) and always store: an expert without rows writes its zeros.
-#
-# Then `my_group_bwd_lora(DY, X, lora_A, lora_B, expert_offsets, scaling, block_m=32,
-# block_p=32, block_q=32)` → `(dA [r·E, K], dB [N, r·E])`: `DY` `[M, N]` and `X` `[M, K]`
-# grouped (sorted) rows; raise `ValueError` on mismatched rows, LoRA shapes that do not fit
-# (`E = len(expert_offsets)`), offsets that are not non-decreasing ending at `M`, or (under
-# the interpreter) non-float32 data; allocate both outputs and launch **your** kernel twice.
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "group_bwd_lora", "locked": false, "schema_version": 3, "solution": true, "task": false}
 @triton.jit
@@ -727,6 +811,15 @@ def _check_my_bwd_lora(T, K, N, E, k, r, seed=0, **routing):
 
 _check_my_bwd_lora(7, 24, 40, 4, 2, 2)
 _check_my_bwd_lora(9, 40, 24, 8, 3, 3, seed=1, skip=5)
+# inputs the kernel cannot trust: refused with a ValueError, before any launch
+_Xv, _DYv, _Av, _Bv, _offv, _, _, _ = _bwd_lora_problem(7, 24, 40, 4, 2, 2, seed=21)
+harness.assert_rejects("my_group_bwd_lora", [
+    ("expert_offsets that end at M - 1",
+     lambda: my_group_bwd_lora(_DYv, _Xv, _Av, _Bv, _offv - 1, 1.0)),
+    ("lora_B of the wrong N", lambda: my_group_bwd_lora(_DYv, _Xv, _Av, _Bv[:-1], _offv, 1.0))],
+    lambda: harness.forbid([group_bwd_lora_kernel], globals(),
+                           why="bad offsets or LoRA shapes must raise ValueError before the "
+                               "launch"))
 print("my_group_bwd_lora matches the loop and launches your kernel")
 
 ### BEGIN HIDDEN TESTS
@@ -752,30 +845,53 @@ harness.assert_rejects("my_group_bwd_lora", _bad_calls, _no_reference)
 # %% [markdown]
 # ## Exercise 4 — the autograd Function with fused LoRA
 #
-# `MyLoRAParallelLinear.forward(ctx, x, W, gates, lora_A, lora_B, scaling, k, sei, ssi,
-# offsets, grouped_in, grouped_out)`:
-#
-# * `Y = my_scatter2scatter_lora(x, W, lora_A, lora_B, scaling, sei, ssi, k,
-#   x_grouped=grouped_in, y_grouped=grouped_out)` `[M, N]`;
-# * with gates: `out[t] = Σ_j gates[t, j] · Y[t·k + j]` `[T, N]`; without: `out = Y`;
-# * save `x`, `W`, `gates`, `lora_A`, `lora_B`, the indices and (with gates) `Y`.
+# **Specification.** `MyLoRAParallelLinear.forward(ctx, x, W, gates, lora_A, lora_B, scaling,
+# k, sei, ssi, offsets, grouped_in, grouped_out)` computes `Y` `[M, N]` with **your**
+# `my_scatter2scatter_lora` (`x_grouped=grouped_in`, `y_grouped=grouped_out`) and returns
+# `out[t] = Σ_j gates[t, j] · Y[t·k + j]` `[T, N]` with gates, `Y` without.
 #
 # `MyLoRAParallelLinear.backward(ctx, dout)` returns twelve values, in the forward's order:
-# `(dx, dW, dgates, dA, dB, None, …)`:
+# `(dx, dW, dgates, dA, dB, None, …)`. The rules that matter:
 #
-# * `dgates[t, j] = ⟨Y[t·k + j], dout[t]⟩`; `dYg` = `group(dout, ssi, fan_out=k,
-#   coeff=gates)` with gates, `dout` itself with `grouped_out`, else `group(dout, ssi)`;
-# * `Xg = x` if `grouped_in` else `group(x, ssi, fan_out=k)`;
-# * `dW = group_bwd_W(dYg, Xg, offsets, E)` (`minimoe`'s; only if `W` needs a gradient — in
-#   QLoRA it never does);
-# * `dA, dB = my_group_bwd_lora(dYg, Xg, lora_A, lora_B, offsets, scaling)`;
-# * `dx`: **your fused kernel on transposed weights**, `my_scatter2scatter_lora(dYg,
-#   W.transpose(1, 2), lora_B.t(), lora_A.t(), scaling, sei, ssi, 1, x_grouped=True,
-#   y_grouped=grouped_in)`, then the sum over each token's `k` slots (not with `grouped_in`).
+# * `dA, dB` come from **your** `my_group_bwd_lora`, and `dx` from **your** fused kernel
+#   again, on transposed weights (the tests count the calls: `my_scatter2scatter_lora` at
+#   least twice, forward and `dx`);
+# * `dW` only if `W` needs a gradient (in QLoRA it never does; `minimoe.group_bwd_W` is
+#   yours to use);
+# * `dx` sums each token's `k` slots (not with `grouped_in`); `dgates` is `None` without
+#   gates.
 #
 # `my_lora_parallel_linear(x, W, k, sei, ssi, offsets, lora_A, lora_B, scaling, gates=None,
 # grouped_in=False, grouped_out=False)` raises `ValueError` for gates with `grouped_out=True`
 # and returns `MyLoRAParallelLinear.apply(...)`.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# This is Lab 09's Function with two more inputs. Save `x`, `W`, `gates`, `lora_A`, `lora_B`,
+# the indices and (with gates) `Y`. In the backward, `dYg` is `group(dout, ssi, fan_out=k,
+# coeff=gates)` with gates, `dout` itself with `grouped_out`, else `group(dout, ssi)`; `Xg` is
+# `x` if `grouped_in`, else `group(x, ssi, fan_out=k)`. For `dx`, Part A's rule
+# `dX = dY Wᵀ + scaling · (dY B_e) A_e` is the fused forward with `W → Wᵀ`, `A → Bᵀ`,
+# `B → Aᵀ`: `lora_B.t()` and `lora_A.t()` are views, and your launcher passes their strides.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# backward: dgates = (Y.view(T, k, N) * dout[:, None, :]).sum(-1)        # with gates
+#           dYg = group(dout, ssi, fan_out=k, coeff=gates)   | dout | group(dout, ssi)
+#           Xg  = x if grouped_in else group(x, ssi, fan_out=k)
+#           dW  = group_bwd_W(dYg, Xg, offsets, E)                         # if needed
+#           dA, dB = my_group_bwd_lora(dYg, Xg, lora_A, lora_B, offsets, scaling)
+#           dXs = my_scatter2scatter_lora(dYg, W.transpose(1, 2), lora_B.t(), lora_A.t(),
+#                                         scaling, sei, ssi, 1, x_grouped=True,
+#                                         y_grouped=grouped_in)            # [M, K]
+#           dx  = dXs if grouped_in else dXs.view(T, k, K).sum(1)
+#           return dx, dW, dgates, dA, dB, None × 7
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "lora_parallel_linear", "locked": false, "schema_version": 3, "solution": true, "task": false}
 class MyLoRAParallelLinear(torch.autograd.Function):
@@ -895,6 +1011,11 @@ def _check_fn(T, K, N, E, k, r, seed=0, gated=True, grouped_in=False, grouped_ou
 _check_fn(7, 24, 40, 4, 2, 2)
 _check_fn(9, 40, 24, 4, 3, 3, seed=1, skip=2)
 _check_fn(7, 24, 24, 4, 2, 1, seed=2, gated=False)
+_xv, _Wv, _iv, _gv, _, _Av, _Bv = _problem(4, 24, 24, 4, 2, 2, seed=22)
+harness.assert_rejects("my_lora_parallel_linear", [
+    ("gates together with grouped_out=True",
+     lambda: my_lora_parallel_linear(_xv, _Wv, 2, *flatten_sort_count(_iv, 4), _Av, _Bv, 1.0,
+                                     gates=_gv, grouped_out=True))], _no_reference)
 print("my_lora_parallel_linear: output, dx, dW, dgates, dA and dB match reference.linear_loop")
 
 ### BEGIN HIDDEN TESTS
@@ -954,26 +1075,55 @@ except NotImplementedError:
 # QLoRA keeps the frozen experts in NF4 (`minimoe.quantize_experts(W)` quantizes an
 # `[E, K, N]` weight so that no 64-element block spans two experts). Each forward needs a
 # float copy of the expert weights — but only of the experts this batch routed tokens to.
-# Write `nf4_lora_linear(x, q, k, sorted_expert_idxs, sorted_scattered_idxs,
-# expert_offsets, lora_A, lora_B, scaling, gates=None, stats=None)`:
 #
-# 1. `active` = the ids of experts with at least one row: the counts are the differences of
-#    the end offsets (`torch.diff` with a 0 prepended), ascending; `n = len(active)`;
-# 2. `Wc = selective_dequantize_nf4_torch(q, active, dtype=x.dtype)` `[n, K, N]` (or
-#    `selective_dequantize_nf4`, the Lab 03 kernel — slower under the interpreter): **the
-#    only** dequantized copy; a full dequantize is switched off in the tests;
-# 3. compact ids: `remap = full(E, -1); remap[active] = arange(n)`, `sei_c = remap[sei]`,
-#    `offs_c = expert_offsets[active]` — `ssi` stays as it is (active experts keep their order);
-# 4. the active experts' LoRA: `A_c = lora_A` viewed `[E, r, K]`, rows `active`, back to
-#    `[r·n, K]`; `B_c = lora_B` viewed `[N, E, r]`, `[:, active]`, back to `[N, r·n]` — by
-#    indexing, so autograd sends exactly-zero gradients to the unused experts' slices;
-# 5. if `stats` is a dict, put `active` (list), `n_active` and `dequant_bytes` (the bytes of
-#    `Wc`) into it; return `my_lora_parallel_linear(x, Wc, k, sei_c, ssi, offs_c, A_c, B_c,
-#    scaling, gates=gates)`.
+# **Specification.** `nf4_lora_linear(x, q, k, sorted_expert_idxs, sorted_scattered_idxs,
+# expert_offsets, lora_A, lora_B, scaling, gates=None, stats=None)` takes the frozen expert
+# weights as an `NF4Weight` `q` of shape `[E, K, N]` and returns what
+# `my_lora_parallel_linear` returns on the dequantized weight. The rules that matter:
+#
+# * **one dequantized copy, of the active experts only**: exactly one call of
+#   `selective_dequantize_nf4_torch` (or `selective_dequantize_nf4`, the Lab 03 kernel,
+#   slower under the interpreter), by the name the setup cell imports, with the ids of the
+#   experts that have at least one row, ascending; a full dequantize is switched off in the
+#   tests, and the unused experts' bytes are never read (the tests poison them);
+# * **compact expert ids** for the `n` active experts: the routing indices and offsets must
+#   refer to rows `0 … n-1` of the dequantized `[n, K, N]` weight (the active experts need
+#   not be contiguous from 0);
+# * **the active experts' LoRA slices by indexing `lora_A`, `lora_B`** (no copies, no new
+#   leaves), so that autograd sends their gradients back and exactly-zero gradients to the
+#   unused experts' slices;
+# * if `stats` is a dict, put `active` (list of ints), `n_active` and `dequant_bytes` (the
+#   bytes of the dequantized copy) into it.
 #
 # The tests compare with `minimoe.parallel_linear` on the **fully** dequantized weight
 # (output and the x, gates, A, B gradients), then **poison** the unused experts' NF4 bytes
 # and scales and check the output does not move.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# The counts per expert are the differences of the end offsets (`torch.diff` with a 0
+# prepended); the active experts are those with a count above 0. A table `remap` of size `E`
+# with `remap[active] = 0 … n-1` turns `sei` into compact ids; the compact offsets are the
+# active experts' end offsets, and `ssi` stays as it is (the active experts keep their
+# order). For the LoRA, view `lora_A` as `[E, r, K]` and `lora_B` as `[N, E, r]`, index the
+# expert axis with `active`, and reshape back.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# counts = diff(expert_offsets, prepend 0);  active = nonzero(counts > 0);  n = len(active)
+# Wc = selective_dequantize_nf4_torch(q, active, dtype=x.dtype)               # [n, K, N]
+# remap = full(E, -1);  remap[active] = arange(n)
+# sei_c = remap[sei];  offs_c = expert_offsets[active]
+# A_c = lora_A.reshape(E, r, K)[active].reshape(n * r, K)
+# B_c = lora_B.reshape(N, E, r)[:, active].reshape(N, n * r)
+# stats: active, n_active = n, dequant_bytes = Wc.numel() * Wc.element_size()
+# return my_lora_parallel_linear(x, Wc, k, sei_c, ssi, offs_c, A_c, B_c, scaling, gates)
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "nf4_lora", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def nf4_lora_linear(x: torch.Tensor, q: NF4Weight, k: int, sorted_expert_idxs: torch.Tensor,
@@ -1206,3 +1356,47 @@ except NotImplementedError:
 #    selective dequant not save anything?
 # 5. Why must the LoRA slices of the active experts be taken by indexing (autograd) rather
 #    than by copying into a new leaf tensor? What would go wrong in the optimizer step?
+
+# %% [markdown] tags=["instructor"]
+# **Sample answers (instructors only; this cell is not in the learners' notebook).**
+#
+# 1. Every program `(pid_m, pid_n)` recomputes `x · A_eᵀ` over the whole `K`: with
+#    `N = 4096` and `BLOCK_N = 64` that is done 64 times per row tile where once would do.
+#    Per program the extra `tl.dot` is `BLOCK_M · K · BLOCK_R` against the base's
+#    `BLOCK_M · K · BLOCK_N`, so `BLOCK_R / BLOCK_N = 16 / 64 = 25 %` more multiply-adds (12.5 %
+#    at `BLOCK_N = 128`), where computing `h` once costs `16 / 4096 ≈ 0.4 %`. The split path
+#    pays instead in memory: a second full read of `x` to make `h`, an `[M, r]` tensor written
+#    and read back, two more launches. It wins when the layer is compute-bound (large
+#    training batches, large `N`); the fused kernel wins when memory or launches dominate
+#    (small batches, decode), which is where its single pass over `x` matters.
+# 2. With `BLOCK_R = 16` the padded share of the LoRA dots is `(16 - r) / 16`: 94 % at
+#    `r = 1`, 75 % at 4, 50 % at 8, 0 at 16; the padded columns are masked loads, so they cost
+#    arithmetic, not bytes. That arithmetic is small next to the base GEMM: the `A`-side dot
+#    is `BLOCK_R / BLOCK_N` of the base (the 25 % or 12.5 % above, whatever `r`), the `B`-side
+#    dot `BLOCK_R / K` of it (0.4 % at `K = 4096`), and the base itself is `K · N`
+#    multiply-adds per row against `16 · (K + N)` for the LoRA.
+# 3. `dB`: `U = dY` (its columns index `dB`'s rows, `P = N`), `V = X` (`Q = K`), `L = Aᵀ`
+#    `[K, r·E]`, which is `A` read with its two strides swapped; the kernel computes
+#    `scaling · dY_eᵀ (X_e A_eᵀ)`, exactly `dB_e`. `dA`: `U = X` (`P = K`), `V = dY` (`Q = N`),
+#    `L = B` `[N, r·E]`; the kernel computes `scaling · X_eᵀ (dY_e B_e)`, which is `dA_eᵀ`
+#    `[K, r]`: the kernel's output always has the expert's `r` columns as its last axis.
+#    Writing it through `dA`'s transposed strides (`dA.stride(1), dA.stride(0)`) lands it as
+#    `dA` `[r·E, K]` with no transpose copy and one kernel for both gradients.
+# 4. One Mixtral `w1` expert is 4096 · 14336 = 58.7 M weights: 117 MB in bf16. A micro-batch
+#    that reaches 2 experts dequantizes 235 MB for that projection; one that reaches all 8
+#    dequantizes 940 MB, the same as a full dequantize, on top of the 242 MB of NF4+DQ
+#    storage (4.127 bits per weight). The notebook's bars show the same proportions,
+#    `n / 8` of a full dequantize. Selective dequant stops saving as soon as every expert
+#    gets a token: with top-2 of 8 and roughly uniform routing an expert stays empty with
+#    probability `0.75^T`, 1 % at `T = 16` and 0.01 % at `T = 32`, so in training it saves
+#    nothing and the gain is at decode and in tiny batches, or with many more experts
+#    (64 or 128), where a batch leaves more of them idle.
+# 5. Indexing keeps `A_c`, `B_c` in the graph of `lora_A`, `lora_B`: autograd scatters their
+#    gradients back into the right slices and writes exact zeros into the unused experts'
+#    slices, so the toy regression's experts 1 and 3 stay at 0.0000. A copy into a new leaf
+#    cuts the graph: `lora_A.grad` stays `None`, and the optimizer skips the whole tensor, so
+#    no expert learns. Exact zeros are not free either: AdamW still applies weight decay to
+#    the unused slices, and Adam's moments from earlier steps keep moving them (a zero
+#    gradient decays `m` and `v` but does not stop the update). Separate per-expert
+#    parameters with `None` gradients would be left alone; in one `[r·E, K]` tensor, the
+#    unused experts' adapters drift unless the optimizer masks them.

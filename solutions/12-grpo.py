@@ -39,8 +39,7 @@
 # | 5 | `logsoftmax_bwd_kernel` + `my_logsoftmax_grad(...)` + `MySelectiveLogSoftmax` | `torch.autograd` of `log_softmax` + `gather` |
 #
 # Then your pieces run GRPO on a tiny MiniGPT (Part C): with exact match as the reward nothing
-# is learned, with your partial credit the mean reward climbs to 1 in a few seconds — and the
-# plot shows why.
+# is learned, with your partial credit the mean reward climbs to 1 — and the plot shows why.
 #
 # **No GPU needed.** As in Labs 03, 08 and 09, the setup cell sets `TRITON_INTERPRET=1`
 # **before** `import triton` when there is no CUDA GPU, and the kernels run in Triton's
@@ -53,7 +52,9 @@
 # `G = 2`, a group of equal rewards, one row, a vocabulary smaller than the block, `−inf`
 # logits, strided logits, bad inputs — and checks that your code does not call the `minirl`
 # function it rebuilds (the tests switch those off while your code runs) and that your
-# launchers launch your kernels. The whole notebook runs in well under a minute on a laptop CPU.
+# launchers launch your kernels. Each exercise states its specification first; below it, two
+# collapsed hints (the idea, then pseudocode) are there when you want them. The whole notebook
+# runs in <!-- runtime:12-grpo -->about 9 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 
 # %%
 import math
@@ -112,7 +113,8 @@ print("tokens [P·G, L]:", tuple(_s.tokens.shape), "| target_mask marks the comp
 # %% [markdown]
 # ## Exercise 1 — group-relative advantages
 #
-# For rewards `r` `[P, G]` (row `p` is the group of prompt `p`), write
+# **Specification.** `group_advantages(rewards, eps=1e-6)` takes rewards `r` `[P, G]` (row `p`
+# is the group of prompt `p`; any float dtype) and returns
 #
 # $$A[p, g] = \frac{r[p, g] - \operatorname{mean}_g r[p]}{\operatorname{std}_g r[p] + \varepsilon}$$
 #
@@ -123,13 +125,34 @@ print("tokens [P·G, L]:", tuple(_s.tokens.shape), "| target_mask marks the comp
 # * raise `ValueError` for a tensor that is not 2-D, and for `G < 2` (an answer is judged
 #   against the other answers to the same prompt: with one there is no baseline).
 #
-# **A group of equal rewards must give exactly 0.** The formula alone does not guarantee it:
-# the float mean of equal values can differ from them in the last bit, the std is then
-# `1e-17` instead of 0, and that rounding error divided by `std + eps` is a spurious advantage
-# (with `eps = 0`, a huge one). The cell below shows it happen. Either test for equal groups
-# explicitly, or centre on a value that is exact — `d = r − r[:, :1]` is exactly 0 for equal
-# values, and so are `d − d.mean()` and the std of `d` — whichever you prefer; compute in
-# float64. It must hold for `eps = 0` too (where `0 / (0 + 0)` would be NaN).
+# **A group of equal rewards must give exactly 0**, for `eps = 0` too (where `0 / (0 + 0)`
+# would be NaN). The formula alone does not guarantee it: the float mean of equal values can
+# differ from them in the last bit, the std is then `1e-17` instead of 0, and that rounding
+# error divided by `std + eps` is a spurious advantage (with `eps = 0`, a huge one). The cell
+# below shows it happen.
+#
+# Off-limits: `minirl.group_advantages` (switched off while the tests run your function).
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Compute in float64 and convert at the end. For the equal groups, either test for them
+# explicitly and write 0, or centre on a value that is exact: `d = r − r[:, :1]` is exactly 0
+# for equal values, and so are `d − d.mean()` and the std of `d`; the advantages of `d` equal
+# those of `r`. Then keep the division away from a zero std (`torch.where`), which also
+# covers `eps = 0`.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# check: a 2-D tensor with G >= 2, else ValueError
+# r = float64(rewards);  d = r - r[:, :1]                   # exact zeros for equal groups
+# centred = d - mean(d, dim=1);  std = std(d, dim=1)        # Bessel: G - 1
+# return float32(where(std > 0, centred / (std + eps), 0))
+# ```
+#
+# </details>
 
 # %%
 for _dtype, _v, _G in ((torch.float64, 0.1, 3), (torch.float32, 0.9, 3), (torch.float32, 0.7, 8)):
@@ -217,7 +240,12 @@ def _raises(what, call):
             call()
     except ValueError:
         return
-    raise AssertionError(f"{what}: expected ValueError")
+    except NotImplementedError:
+        raise
+    except Exception as err:
+        raise AssertionError(f"{what}: expected ValueError, got {type(err).__name__}: "
+                             f"{err}") from err
+    raise AssertionError(f"{what}: expected ValueError, nothing was raised")
 
 
 # worked by hand: one right answer of four. mean 0.25, std = sqrt(0.75 / 3) = 0.5
@@ -229,7 +257,9 @@ _check_advantages(torch.tensor([[0.1, 0.1, 0.1]], dtype=torch.float64), what="an
 _check_advantages(torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.0, 0.9]]), what="an equal group")
 _check_advantages((torch.rand(5, 8, generator=torch.Generator().manual_seed(0)) < 0.3).float(),
                   what="binary rewards")
+_check_advantages(torch.full((2, 4), 0.9), eps=0.0, what="equal groups")   # 0 / 0 kept out
 _raises("group_advantages of rewards [3, 1] (G = 1)", lambda: group_advantages(torch.ones(3, 1)))
+_raises("group_advantages of a 1-D tensor [4]", lambda: group_advantages(torch.ones(4)))
 print("group_advantages matches the loop, gives exact zeros for equal groups, refuses G = 1")
 
 ### BEGIN HIDDEN TESTS
@@ -263,6 +293,23 @@ assert group_advantages(torch.ones(2, 3, dtype=torch.float64)).dtype == torch.fl
 # `"abc"`, `"ab"` earns 2/3, `"abcd"` earns 3/4, `"xbc"` earns 2/3 and only `"abc"` earns 1.
 # Both empty: 1.0. Return a Python `float` (`score` refuses anything that is not a real number).
 # `example` is a `minigpt.tasks.Example`; its `.answer` is the string to compare with.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# `zip` stops at the shorter string, which is exactly "where both have a character"; the
+# denominator is the longer length, and the empty case needs its own line. A `bool` sums as
+# an `int`, and `int / int` is already a Python `float`.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# n = max(len(answer), len(completion))
+# return 1.0 if n == 0 else (number of i < min length with answer[i] == completion[i]) / n
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "partial_credit", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def partial_credit(example: tasks.Example, completion: str) -> float:
@@ -333,7 +380,8 @@ harness.assert_close(_sc, torch.tensor([2 / 3, 0.5, 1.0]), "score(partial_credit
 # %% [markdown]
 # ## Exercise 3 — the GRPO loss
 #
-# Inputs, as `minirl.token_logprobs` and your advantages give them, for `B = P·G` sequences
+# **Specification.** `grpo_loss(logp, old_logp, advantages, mask, clip_eps=0.2, ref_logp=None,
+# kl_coef=0.0)` returns a scalar tensor. Inputs, as `minirl.token_logprobs` and your advantages give them, for `B = P·G` sequences
 # of `T` positions:
 #
 # * `logp` `[B, T]`: log-probabilities of the sampled tokens under the policy being trained
@@ -370,9 +418,31 @@ harness.assert_close(_sc, torch.tensor([2 / 3, 0.5, 1.0]), "score(partial_credit
 # ρ = 1) the loss is `−mean(A)` and its gradient is the plain policy gradient. The KL adds
 # `β (1 − e^(ref − logp))`.
 #
-# **Pitfall**: `(ρ · mask)` with `ρ = exp(logp − old)` computed everywhere turns an off-mask
-# `exp(100) = inf` into `inf · 0 = NaN`; select with `torch.where(mask, logp − old, 0)` before
-# the `exp` (and likewise for the KL).
+# <details><summary>Hint 1: the idea</summary>
+#
+# Build everything `[B, T]` and select, never multiply, by the mask: `(ρ · mask)` with
+# `ρ = exp(logp − old)` computed everywhere turns an off-mask `exp(100) = inf` into
+# `inf · 0 = NaN`, in the loss and in its gradient. Select with `torch.where(mask, logp − old,
+# 0)` before the `exp` (and likewise `ref − logp` for the KL), and zero the off-mask token
+# losses with `torch.where` too. For the averaging, sum each row's token losses and divide by
+# that row's number of completion tokens, then take the mean of the `B` results.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# check kl_coef > 0 needs ref_logp; every row of mask has a True   (else ValueError)
+# A     = advantages.detach()[:, None]                              # [B, 1]
+# ratio = exp(where(mask, logp - old_logp.detach(), 0))             # [B, T]
+# tok   = -min(ratio * A, clamp(ratio, 1 - eps, 1 + eps) * A)
+# if kl_coef > 0:
+#     d = where(mask, ref_logp.detach() - logp, 0);  tok += kl_coef * (exp(d) - d - 1)
+# tok = where(mask, tok, 0)
+# return mean over rows of (sum(tok, dim=1) / sum(mask, dim=1))
+# ```
+#
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "grpo_loss", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
@@ -485,6 +555,20 @@ _, _g = _one_token(math.log(1.5), 0.0, -1.0)
 assert abs(_g - 1.5) < 1e-5, f"rho = 1.5, A = -1: gradient -A·rho = 1.5 expected, got {_g}"
 _check_loss(6, 7)                                   # off-mask garbage 100: exp(100) = inf
 _check_loss(8, 9, seed=2, beta=0.1)                 # with the k3 KL
+# constants: old_logp, advantages and ref_logp get no gradient
+_lp, _old, _adv, _mask, _ref = _batch(4, 6, seed=12, garbage=0.0)
+_oldr, _advr, _refr, _lpr = (harness.leaf(t) for t in (_old, _adv, _ref, _lp))
+with _no_reference():
+    grpo_loss(_lpr, _oldr, _advr, _mask, ref_logp=_refr, kl_coef=0.1).backward()
+for _name, _t in (("old_logp", _oldr), ("advantages", _advr), ("ref_logp", _refr)):
+    assert _t.grad is None or not _t.grad.any(), \
+        f"grpo_loss: {_name} must get no gradient (detach it), got {_t.grad.abs().max():.3g}"
+_m0 = _mask.clone()
+_m0[2] = False
+_raises("grpo_loss with a sequence without completion tokens",
+        lambda: grpo_loss(_lp, _old, _adv, _m0))
+_raises("grpo_loss with kl_coef=0.1 and no ref_logp",
+        lambda: grpo_loss(_lp, _old, _adv, _mask, kl_coef=0.1))
 print("grpo_loss matches the token-by-token loop (value and gradient); clipping as the table")
 
 ### BEGIN HIDDEN TESTS
@@ -575,11 +659,46 @@ print(f"online: m + log s = {_m + _ls:.6f} | torch.logsumexp = {torch.logsumexp(
 # %% [markdown]
 # ## Exercise 4 — the forward kernel
 #
-# Write `logsoftmax_fwd_kernel` for the grid `(cdiv(N, BLOCK_R),)`: program `pid` owns rows
-# `r = pid·BLOCK_R + arange(BLOCK_R)` and streams over the vocabulary with the online loop
-# above, vectorised over its rows (`m`, `s` are `[BLOCK_R]`):
+# **Specification.** `logsoftmax_fwd_kernel` (signature below) is launched on the grid
+# `(cdiv(N, BLOCK_R),)`: program `pid` owns rows `r = pid·BLOCK_R + arange(BLOCK_R)` and, for
+# each of them that is `< N`, stores `logp[r] = log_softmax(logits[r])[ids[r]]`,
+# `row_max[r] = max_v logits[r, v]` and `log_sum[r] = log Σ_v exp(logits[r, v] − row_max[r])`,
+# in one streaming pass over the vocabulary in chunks of `BLOCK_V` columns. The rules that
+# matter:
 #
-# ```
+# * **no `[N, V]` temporary**: each program holds one `[BLOCK_R, BLOCK_V]` tile at a time;
+#   `BLOCK_V` may be larger than `V` (one masked chunk) or much smaller (many chunks);
+# * **never touch a column `≥ V` or store a row `≥ N`**: the tests surround the tensors with
+#   NaN and sentinels;
+# * **`−inf` logits are harmless**, including a chunk that is all `−inf`;
+# * **`logp = (z_id − m) − log s`**, subtracting `m` first (for logits near `1e4`,
+#   `z_id − (m + log s)` is off by up to `5e-4`);
+# * the logits are read **through their strides** (`s_n`, `s_v`: the tests pass transposed
+#   views), with int64 offsets (`r.to(tl.int64)`) so that `N·V > 2³¹` would not overflow on a
+#   GPU.
+#
+# `tl.max(z, axis=1)`, `tl.sum(..., axis=1)`, `tl.exp`, `tl.log`, `tl.maximum`, `tl.where`,
+# `tl.minimum` and `tl.full` are all you need.
+#
+# Then `my_logsoftmax_stats(logits, ids, block_r=16, block_v=64)` → `(logp, row_max,
+# log_sum)`, `[N]` float32 each: raise `ValueError` unless `logits` is a 2-D float tensor
+# with `V ≥ 1` (float32 under the interpreter) and `ids` an int64 `[N]` tensor with values
+# in `[0, V)`; allocate the outputs and launch **your** kernel (the tests check the launch;
+# strided logits are fine: pass the strides).
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# The online loop above, vectorised over the program's rows: `m` and `s` are `[BLOCK_R]`
+# vectors, each chunk is a `[BLOCK_R, BLOCK_V]` tile loaded with `mask=v < V, other=−inf`, and
+# the shift is `c = where(m_new > −inf, m_new, 0)`. The padding rows of the last program can
+# simply re-read row `N − 1` (`rr = min(r, N − 1)`): every load stays in bounds, and only the
+# stores need the `r < N` mask. After the loop, load each row's id and its logit `z_id`.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
 # r  = pid·BLOCK_R + arange(BLOCK_R);  rr = min(r, N − 1)     # padding rows re-read row N−1
 # m = full([BLOCK_R], −inf);  s = zeros([BLOCK_R])
 # for v0 in range(0, V, BLOCK_V):
@@ -591,18 +710,7 @@ print(f"online: m + log s = {_m + _ls:.6f} | torch.logsumexp = {torch.logsumexp(
 # row_max[r] = m;   log_sum[r] = log(s)
 # ```
 #
-# Read the logits through their strides (`s_n`, `s_v`: the tests pass transposed views), and
-# never touch a column `≥ V` or store a row `≥ N` (the tests surround the tensors with NaN
-# and sentinels). `tl.max(z, axis=1)`, `tl.sum(..., axis=1)`, `tl.exp`, `tl.log`,
-# `tl.maximum`, `tl.where`, `tl.minimum` and `tl.full` are all you need; use int64 offsets
-# (`r.to(tl.int64)`) so that `N·V > 2³¹` would not overflow on a GPU. `BLOCK_V` may be
-# larger than `V` (one masked chunk) or much smaller (many chunks).
-#
-# Then `my_logsoftmax_stats(logits, ids, block_r=16, block_v=64)` → `(logp, row_max,
-# log_sum)`, `[N]` float32 each: raise `ValueError` unless `logits` is a 2-D float tensor
-# with `V ≥ 1` (float32 under the interpreter) and `ids` an int64 `[N]` tensor with values
-# in `[0, V)`; allocate the outputs and launch **your** kernel (strided logits are fine:
-# pass the strides).
+# </details>
 
 # %% nbgrader={"grade": false, "grade_id": "logsoftmax_fwd", "locked": false, "schema_version": 3, "solution": true, "task": false}
 @triton.jit
@@ -748,6 +856,7 @@ _launch_fwd(13, 45, 4, 16)                 # 3 chunks, the last part-filled; 4 p
 _launch_fwd(5, 37, 8, 64)                  # V smaller than the block, one part-filled program
 _launch_fwd(6, 100, 2, 32, seed=1, layout="transposed")
 _launch_fwd(4, 45, 4, 16, seed=2, neg_inf=True)       # -inf: a whole first chunk, at an id
+_launch_fwd(5, 45, 4, 16, seed=12, offset=1e4)        # logits near 1e4: subtract m first
 print("logsoftmax_fwd_kernel matches log_softmax + gather, the row max and the log-sum")
 
 ### BEGIN HIDDEN TESTS
@@ -792,6 +901,12 @@ def _check_stats(N, V, seed=0, layout=None, **kw):
 
 _check_stats(13, 45)
 _check_stats(20, 45, seed=1, block_r=4, block_v=16)
+_xv, _iv = _logits(4, 45, seed=13)
+harness.assert_rejects("my_logsoftmax_stats", [
+    ("ids past the vocabulary (45 … 89 for V = 45)",
+     lambda: my_logsoftmax_stats(_xv.to(DEVICE), _iv.to(DEVICE) + 45))],
+    lambda: harness.forbid([logsoftmax_fwd_kernel], globals(),
+                           why="ids outside [0, V) must raise ValueError before the launch"))
 print("my_logsoftmax_stats launches your kernel and matches PyTorch")
 
 ### BEGIN HIDDEN TESTS
@@ -820,22 +935,50 @@ harness.assert_rejects("my_logsoftmax_stats", _bad, _no_reference)
 #
 # $$\frac{\partial\,\mathrm{loss}}{\partial z_{r,v}} = g_r\,\big(\mathbb 1[v = \mathrm{id}_r] - p_{r,v}\big)$$
 #
-# Write `logsoftmax_bwd_kernel` for the same grid: load each row's `row_max`, `log_sum`, `g`
-# and id once, then stream over the vocabulary again, recompute `p` chunk by chunk from the
-# logits, and store `d logits` (masked `r < N`, `v < V`; through `dlogits`' strides `sd_n`,
-# `sd_v`). Nothing `[N, V]` is kept between the two passes: the logits themselves (which the
-# model's autograd holds anyway) and three floats per row are all the backward needs.
-# A `−inf` logit has `p = 0`, so its gradient is `g·1[v = id]`: no special case needed.
+# **Specification.** `logsoftmax_bwd_kernel` (signature below), on the same grid, writes
+# `dlogits[r, v] = g[r] · (1[v = ids[r]] − p[r, v])` for every `r < N`, `v < V`, through
+# `dlogits`' strides `sd_n`, `sd_v`, and nothing else, with
+# `p[r, v] = exp((logits[r, v] − row_max[r]) − log_sum[r])` recomputed from the logits.
+# Nothing `[N, V]` is kept between the two passes: the logits themselves (which the model's
+# autograd holds anyway) and three floats per row are all the backward needs. As in the
+# forward: strides, masks, `(z − m) − log s` in that order.
 #
 # Then:
 #
 # * `my_logsoftmax_grad(logits, ids, row_max, log_sum, g, block_r=16, block_v=64)` → `dlogits`
-#   `[N, V]` float32, contiguous: make `g` float32 and **contiguous** first (the gradient of
-#   `logp.sum()` arrives as an expanded tensor with stride 0, and the kernel reads `g + r`),
-#   allocate, launch **your** kernel;
-# * `MySelectiveLogSoftmax.forward(ctx, logits, ids)`: `my_logsoftmax_stats`, save what the
-#   backward needs (`ctx.save_for_backward`), return `logp`; `.backward(ctx, g)`: return
-#   `(d logits, None)` — one gradient per forward input, `None` for the ids.
+#   `[N, V]` float32, contiguous, by **your** kernel; `g` may arrive as float64 or as an
+#   expanded tensor with stride 0 (the gradient of `logp.sum()`);
+# * `MySelectiveLogSoftmax.forward(ctx, logits, ids)` returns `logp` by
+#   `my_logsoftmax_stats`; `.backward(ctx, g)` returns `(d logits, None)`, one gradient per
+#   forward input, `None` for the ids, through `my_logsoftmax_grad`.
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Per program, load each row's `row_max`, `log_sum`, `g` and id once (as `[BLOCK_R, 1]`
+# columns), then stream over the vocabulary again: load a chunk (masked, `other=−inf`),
+# recompute `p`, store `g · (1[v = id] − p)` with the 2-D mask `r < N`, `v < V`. A `−inf` logit
+# has `p = 0`, so its gradient is `g·1[v = id]`: no special case needed. In the launcher,
+# make `g` float32 and **contiguous** first: the kernel reads `g + r`, which is wrong for a
+# stride-0 tensor. The Function saves the logits, the ids and the two statistics with
+# `ctx.save_for_backward`.
+#
+# </details>
+#
+# <details><summary>Hint 2: pseudocode</summary>
+#
+# ```text
+# kernel:   r = pid·BLOCK_R + arange(BLOCK_R);  rr = min(r, N − 1)
+#           m, ls, gr, id = row_max[rr], log_sum[rr], g[rr], ids[rr]       # [BLOCK_R, 1]
+#           for v0 in range(0, V, BLOCK_V):
+#               v = v0 + arange(BLOCK_V);  z = logits[rr, v] (masked v < V, other −inf)
+#               p = exp((z − m) − ls)
+#               dlogits[r, v] = gr · (where(v == id, 1, 0) − p)   (masked r < N, v < V)
+# launcher: g = g.float().contiguous();  dlogits = empty(N, V);  launch;  return dlogits
+# Function: forward: logp, m, ls = my_logsoftmax_stats(logits, ids); save; return logp
+#           backward: return my_logsoftmax_grad(logits, ids, m, ls, g), None
+# ```
+#
+# </details>
 #
 # `my_selective_log_softmax(logits, ids)` (given) is the differentiable function, with the
 # signature of the backends in `minirl.IMPLEMENTATIONS`.
@@ -950,6 +1093,7 @@ _launch_bwd(13, 45, 4, 16)
 _launch_bwd(5, 37, 8, 64, seed=1)
 _launch_bwd(6, 100, 2, 32, seed=2, layout="transposed")
 _launch_bwd(4, 45, 4, 16, seed=3, neg_inf=True)
+_launch_bwd(5, 45, 4, 16, seed=12, offset=1e4)        # logits near 1e4: (z − m) − log s
 print("logsoftmax_bwd_kernel matches autograd of log_softmax + gather, writes all of dlogits "
       "and nothing else")
 
@@ -992,6 +1136,7 @@ def _check_function(N, V, seed=0, layout=None, upstream="random", **kind):
 
 _check_function(13, 45)
 _check_function(9, 100, seed=1, layout="transposed")
+_check_function(8, 45, seed=6, upstream="sum")         # g arrives expanded, with stride 0
 print("my_selective_log_softmax: value and gradient match PyTorch, through your two kernels")
 
 ### BEGIN HIDDEN TESTS
@@ -1017,7 +1162,6 @@ _check_function(6, 300, seed=5, layout="padded", upstream="sum")
 # advantage is 0, and the model does not move (the KL term pulls it nowhere: it *is* the
 # reference, and with zero gradients AdamW takes no step). Partial credit rewards a first
 # `"4"`, so the answers of a group differ from the first steps, and the mean reward climbs.
-# Takes a few seconds.
 
 # %%
 def run_grpo(reward, steps=40, P=8, G=8, seed=0):
@@ -1143,3 +1287,48 @@ finally:
 # 5. The backward reads the logits once more instead of keeping the softmax. For `N = 4096`
 #    positions and `V = 151 936` in bf16, how many bytes does each choice read and keep, and
 #    which one is faster on a GPU whose bandwidth is the limit?
+
+# %% [markdown] tags=["instructor"]
+# **Sample answers (instructors only; this cell is not in the learners' notebook).**
+#
+# 1. Both cost the same: `G` sampled completions, the forward passes of the policy, the old
+#    policy and the reference over them, and a backward whose policy term is exactly zero
+#    (only the KL term acts). Neither teaches anything: the exact-match run had a group with
+#    reward variance at 1 step of 40 and learned nothing. An all-0 prompt is beyond the
+#    policy's reach (pass@G = 0): drop it, make the reward separate wrong answers, or warm
+#    the model up with SFT. An all-1 prompt is solved: drop it or resample (DAPO's dynamic
+#    sampling), as the partial-credit run shows when its variance share falls back towards 0
+#    at the end. Measuring pass@G of the starting policy on every prompt says in advance how
+#    much of the budget each kind would waste.
+# 2. With 1 right of 8: mean 0.125, Bessel std √(0.875 / 7) = 0.354, so the right answer gets
+#    +2.47 and each wrong one −0.35; without the division +0.875 and −0.125. With 7 right of
+#    8: the same std, so each right answer gets +0.35 and the wrong one −2.47; without it
+#    +0.125 and −0.875. Dividing by the std gives every group the same spread of advantages:
+#    it raises lopsided groups (1 or 7 of 8, std 0.354) above a balanced one (4 of 8, std
+#    0.535, advantages ±0.94). It favours prompts that are almost always failed or almost
+#    always solved, and the rare outcome in each gets the large push; Dr. GRPO drops the
+#    division for that reason.
+# 3. Each sequence contributes its mean token loss, so with a positive advantage a short
+#    right answer pushes each of its tokens harder than a long one does, and with a negative
+#    advantage a long wrong answer spreads its penalty thinly over many tokens. Together that
+#    favours short right answers and lets wrong answers grow longer at little cost, which is
+#    the length drift reported for GRPO. DAPO's token-level average gives every completion
+#    token the same weight in the batch (long answers count in proportion to their length);
+#    Dr. GRPO divides by a fixed maximum length instead, so no answer's tokens weigh more for
+#    being in a short or a long sequence.
+# 4. Near `1e4` float32 values are `2⁻¹⁰ ≈ 9.8e-4` apart, so `lse = m + log s` is rounded by up
+#    to `4.9e-4`. Then `logp = z − lse` is off by that much, and `p = exp(z − lse)` by a factor
+#    `e^{±4.9e-4}`, a relative error of `5e-4` in every probability and in every entry of the
+#    gradient: fifty times the tests' `1e-5` (the visible `offset=1e4` launches fail by that).
+#    Keeping the two apart, `z − m` is exact (two close float32 numbers subtract without
+#    rounding) and `log s` is a number of order 1, so `(z − m) − log s` rounds like any O(1)
+#    value, about `1e-7`.
+# 5. The logits are `4096 · 151 936 · 2 B = 1.24 GB` in bf16, held by the model's autograd
+#    anyway. Keeping the softmax keeps another 1.24 GB (2.5 GB in float32) and costs the
+#    forward a 1.24 GB write; its backward reads the softmax (1.24 GB) and writes `dlogits`
+#    (1.24 GB). The streaming kernel keeps `2 · 4 · 4096 = 32 KiB` (two floats per row); its
+#    forward reads the logits and writes three floats per row, its backward reads the logits
+#    again (1.24 GB) and writes `dlogits` (1.24 GB). So the backward reads the same bytes
+#    either way, and recomputing saves the forward's 1.24 GB write and 1.24 GB of memory.
+#    On a bandwidth-bound GPU (0.37 ms per 1.24 GB at 3.35 TB/s) that makes the streaming
+#    version faster, because the `exp` it recomputes costs arithmetic, not bytes.

@@ -1,4 +1,5 @@
-"""python -m labkit run|reproduce|fingerprint|readme|course|grade|check-exercises|check|work|lab —
+"""python -m labkit run|reproduce|fingerprint|readme|course|grade|check-exercises|check|mine|
+times|work|lab —
 see README.md.
 
 Exit codes: 0 success; 1 a reproduce that did not reproduce, a stale fingerprint, or failing
@@ -166,6 +167,29 @@ def _check(args) -> int:
                            timeout=_cell_timeout(args)) else 1
 
 
+def _mine(args) -> int:
+    from .course.mine import default_root, status
+
+    return status(Path(args.root).resolve() if args.root else default_root())
+
+
+def _times(args) -> int:
+    from .course.build import lab_names
+    from .course.runtimes import TABLE, measure, problems, write
+
+    root = Path(args.root).resolve()
+    labs = args.labs or lab_names(root)
+    table = None if args.fill else measure(root, labs, repeat=args.repeat)
+    if table is not None and args.labs:      # a partial run updates those labs only
+        old = json.loads((root / TABLE).read_text())
+        table = {**table, "labs": {**old["labs"], **table["labs"]}}
+    for path in write(root, table):
+        print(f"refilled the runtime markers of {path.relative_to(root)}")
+    found = problems(root, lab_names(root))
+    print("\n".join(found) or f"{TABLE}: every stated runtime agrees with the table")
+    return 1 if found else 0
+
+
 def _work(args) -> int:
     from .course.learner import make_work_copies, report_work_copies
 
@@ -260,6 +284,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", default=".")
     p.add_argument("--timeout", type=_positive_int, default=None, help=timeout_help)
     p.set_defaults(func=_check)
+    p = sub.add_parser("mine", help="which of your saved pieces `use(\"mine\")` swaps in")
+    p.add_argument("--root", default=None, help="the course checkout (default: found from "
+                   "the working directory, or $MINIQLORA_ROOT)")
+    p.set_defaults(func=_mine)
+    p = sub.add_parser("times", help="run every solution notebook; write labs/runtimes.json "
+                       "and the runtime markers of the guides, notebooks and README")
+    p.add_argument("--root", default=".")
+    p.add_argument("--repeat", type=_positive_int, default=1, help="runs per lab (median)")
+    p.add_argument("--fill", action="store_true", help="refill the markers from the committed "
+                   "table; measure nothing")
+    p.add_argument("labs", nargs="*", help="lab names (default: all)")
+    p.set_defaults(func=_times)
     p = sub.add_parser("work", help="copy each lab's release to work/NN-name.ipynb where "
                        "there is no copy yet (never overwrites)")
     p.add_argument("--root", default=".")

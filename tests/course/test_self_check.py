@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -33,17 +34,23 @@ def test_the_release_fails_every_test(checkout):
     for grade_id in release_test_ids():
         assert f"FAIL  {grade_id} " in proc.stdout, proc.stdout
     assert "PASS" not in proc.stdout
+    assert not (checkout / "work" / "mine").exists()      # nothing of the blank release saved
 
 
-def test_the_solution_passes_every_test(tmp_path):
+def test_the_solution_passes_every_test(tmp_path, checkout):
     notebook = tmp_path / "mine.ipynb"
     nbformat.write(source_notebook(ROOT / "solutions" / f"{LAB}.py"), notebook)
     before = notebook.read_bytes()
-    proc = check(LAB, "--notebook", str(notebook))
+    proc = check(LAB, "--notebook", str(notebook), "--root", str(checkout))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for grade_id in release_test_ids():
         assert f"PASS  {grade_id} " in proc.stdout, proc.stdout
     assert notebook.read_bytes() == before          # the learner's file is never written
+    # ... but its definitions are saved for `use("mine")`, with the tests that passed
+    record = json.loads((checkout / "work" / "mine" / f"{LAB}.json").read_text())
+    assert record["passed"] == sorted(release_test_ids()) and record["failed"] == []
+    assert "def make_training_pair" in (checkout / "work" / "mine" / f"{LAB}.py").read_text()
+    assert f"saved to work/mine/{LAB}.py" in proc.stdout
 
 
 @pytest.mark.parametrize("args, message", [

@@ -32,6 +32,9 @@ GENERATED = ".generated.sha256"
 # Interpreter-mode Triton kernels are slow on a laptop CPU: give each cell minutes, not the
 # 30 s nbgrader default. A submission that loops forever costs this much, once per cell.
 CELL_TIMEOUT_S = 300
+# A cell tagged so (`# %% [markdown] tags=["instructor"]` in solutions/) is for instructors
+# only: sample answers to the reflection questions. It never reaches nbgrader or labs/.
+INSTRUCTOR_TAG = "instructor"
 # What nbgrader puts in place of a solution region in the release (and check-exercises too).
 CODE_STUB = "raise NotImplementedError()"
 NBGRADER_CONFIG = '''\
@@ -72,12 +75,14 @@ def nbgrader(course: Path, *args: str, timeout: float | None = None, check: bool
 
 
 def source_notebook(solution: Path) -> nbformat.NotebookNode:
-    """The instructor notebook of a jupytext solution file, with stable cell ids.
+    """The notebook nbgrader is given for a jupytext solution file, with stable cell ids.
 
-    Cell ids are derived from the position (and the grade_id where there is one) so that
-    regenerating the course gives byte-identical notebooks.
+    Cells tagged `instructor` (sample answers) are left out. Cell ids are derived from the
+    position (and the grade_id where there is one) so that regenerating the course gives
+    byte-identical notebooks.
     """
     nb = jupytext.read(solution, fmt="py:percent")
+    nb.cells = [c for c in nb.cells if INSTRUCTOR_TAG not in c.metadata.get("tags", [])]
     for i, cell in enumerate(nb.cells):
         grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
         cell.id = f"c{i:02d}-{grade_id}" if grade_id else f"c{i:02d}"

@@ -18,6 +18,7 @@ from nbclient.exceptions import DeadKernelError
 from ..errors import InputError
 from .build import CELL_TIMEOUT_S, CODE_STUB, graded_test_cells, lab_names, source_notebook
 from .learner import WORK, notebook_to_check, release_notebook_path, released_labs
+from .mine import save
 
 REGION = re.compile(r"^([ \t]*)### BEGIN SOLUTION\n.*?^[ \t]*### END SOLUTION[ \t]*$",
                     re.MULTILINE | re.DOTALL)
@@ -136,4 +137,8 @@ def self_check(root: Path, lab: str, notebook: Path | None = None,
               f"{0 if error else points:g} / {points:g}" + (f"   {error[:100]}" if error else ""))
     print(f"{earned:g} / {total:g} points from the visible tests "
           "(the grader also runs hidden tests)")
+    if path != release_notebook_path(root, lab).resolve() and any(passed.values()):
+        saved = save(root, lab, nbformat.read(path, as_version=4), passed, path)
+        print(f"your definitions are saved to {saved.relative_to(root)}: `use(\"mine\")` runs "
+              f"the pieces whose tests passed (`python -m labkit mine` lists them)")
     return all(passed.values())

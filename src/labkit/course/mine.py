@@ -1,0 +1,275 @@
+"""Your own code, all the way: a learner's saved lab code, swapped into the packages.
+
+`make check LAB=NN-name` runs the learner's notebook; afterwards `save` writes the notebook's
+definitions to work/mine/NN-name.py (in the spirit of d2l's `#@save`, but automatic): from
+every code cell that is not a test, the top-level imports, functions and classes, and the
+UPPER_CASE constants whose values need nothing but what is saved before them. Beside it,
+work/mine/NN-name.json records which visible tests passed and the module's sha256.
+
+`use("mine")` then swaps each piece of `pieces.PIECES` whose tests passed into the packages,
+wherever they call the reference (by object, as the lab tests' `swap` does), and prints for
+every piece whether it is yours or, and why, the reference's:
+
+    with use("mine"):
+        train(model, ...)          # quantize_nf4, lora_linear, parallel_linear: yours
+
+Grading never reads work/: a graded notebook runs on the reference alone (`use` says so).
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+
+from ..atomic import atomic_write_text
+from ..errors import InputError
+from .learner import WORK
+
+MINE = "mine"                      # work/mine/: the learner's saved modules
+MODULE_PREFIX = "labkit_mine_"     # sys.modules names of the loaded modules
+
+
+def mine_dir(root: Path) -> Path:
+    return root / WORK / MINE
+
+
+def default_root() -> Path:
+    """The course checkout: $MINIQLORA_ROOT, else the first folder up from the working
+    directory holding work/ or labs/ (a notebook runs in work/), else this package's checkout."""
+    if os.environ.get("MINIQLORA_ROOT"):
+        return Path(os.environ["MINIQLORA_ROOT"]).resolve()
+    here = Path.cwd().resolve()
+    for folder in (here, *here.parents):
+        if (folder / WORK / MINE).is_dir() or (folder / "labs").is_dir():
+            return folder
+    return Path(__file__).resolve().parents[3]
+
+
+# ---------------------------------------------------------------------------------- saving
+
+
+def _is_test(cell) -> bool:
+    return bool(cell.metadata.get("nbgrader", {}).get("grade")) and not \
+        cell.metadata.get("nbgrader", {}).get("solution")
+
+
+def _targets(node: ast.stmt) -> list[str] | None:
+    """The names an UPPER_CASE constant assignment binds, or None if it is not one."""
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    names = []
+    for t in targets:
+        parts = t.elts if isinstance(t, ast.Tuple) else [t]
+        if not all(isinstance(p, ast.Name) for p in parts):
+            return None
+        names += [p.id for p in parts]
+    ok = all(len(n) > 1 and n.isupper() and not n.startswith("_") for n in names)
+    return names if ok else None
+
+
+def _bound(node: ast.stmt) -> list[str]:
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return [(a.asname or a.name).split(".")[0] for a in node.names]
+    return [node.name]
+
+
+def definitions(nb: nbformat.NotebookNode) -> str:
+    """The saved source of a notebook: imports, public functions and classes, and UPPER_CASE
+    constants computable from what is saved before them, from its non-test code cells, in
+    notebook order. A cell that does not parse is skipped (its test failed anyway)."""
+    known = set(dir(builtins))
+    kept: list[tuple[bool, str]] = []
+    for cell in nb.cells:
+        if cell.cell_type != "code" or _is_test(cell):
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and \
+                    not (isinstance(node, ast.ImportFrom) and node.module == "__future__"):
+                names = _bound(node)
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and \
+                    not node.name.startswith("_"):
+                names = _bound(node)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None \
+                    and (names := _targets(node)) is not None:
+                used = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+                if not used <= known:
+                    continue
+            else:
+                continue
+            known.update(names)
+            first = min([node.lineno] + [d.lineno for d in
+                                         getattr(node, "decorator_list", [])])   # @triton.jit
+            kept.append((isinstance(node, (ast.Import, ast.ImportFrom)),
+                         "\n".join(cell.source.splitlines()[first - 1:node.end_lineno])))
+    # imports one per line; two blank lines around everything else
+    return "".join(("" if i == 0 else "\n" if imp and kept[i - 1][0] else "\n\n\n") + text
+                   for i, (imp, text) in enumerate(kept)) + "\n"
+
+
+@dataclass
+class Saved:
+    """What work/mine/NN-name.json says about a lab's saved module."""
+    lab: str
+    passed: list[str]
+    failed: list[str]
+    sha256: str
+    notebook: str = ""
+    saved_at: str = ""
+    path: Path = field(default=Path(), compare=False)
+
+
+def save(root: Path, lab: str, nb: nbformat.NotebookNode, passed: dict[str, bool],
+         notebook: Path) -> Path:
+    """Write work/mine/<lab>.py and its record (each atomically; the record last, so a
+    record always describes the module beside it). Returns the module's path."""
+    source = (f"# Saved by `make check LAB={lab}` from {notebook.name}: your definitions, "
+              f"for `use(\"mine\")`.\n# Rewritten at every check: edit the notebook, not "
+              f"this file.\n\n" + definitions(nb))
+    folder = mine_dir(root)
+    folder.mkdir(parents=True, exist_ok=True)
+    module = folder / f"{lab}.py"
+    atomic_write_text(module, source)
+    record = {"lab": lab, "notebook": str(notebook), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "passed": sorted(k for k, v in passed.items() if v),
+              "failed": sorted(k for k, v in passed.items() if not v),
+              "sha256": hashlib.sha256(source.encode()).hexdigest()}
+    atomic_write_text(folder / f"{lab}.json", json.dumps(record, indent=1) + "\n")
+    return module
+
+
+def saved(root: Path, lab: str) -> Saved | None:
+    """The record of `lab`'s saved module, or None when there is none (or it is unreadable,
+    or the module no longer matches it: edited by hand since the check)."""
+    folder = mine_dir(root)
+    try:
+        record = json.loads((folder / f"{lab}.json").read_text())
+        source = (folder / f"{lab}.py").read_bytes()
+        s = Saved(**{k: record[k] for k in ("lab", "passed", "failed", "sha256")},
+                  notebook=record.get("notebook", ""), saved_at=record.get("saved_at", ""),
+                  path=folder / f"{lab}.py")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return s if hashlib.sha256(source).hexdigest() == s.sha256 else None
+
+
+def load(s: Saved):
+    """Import a saved module (the learner's own code, in the learner's own process) with the
+    process as it was: loading runs setup lines such as `harness.triton_setup()`, which seed
+    torch and set its thread count, and print."""
+    import torch
+
+    name = MODULE_PREFIX + s.lab.replace("-", "_")
+    spec = importlib.util.spec_from_file_location(name, s.path)
+    module = importlib.util.module_from_spec(spec)
+    rng, threads = torch.random.get_rng_state(), torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            spec.loader.exec_module(module)
+    finally:
+        torch.random.set_rng_state(rng)
+        torch.set_num_threads(threads)
+    sys.modules[name] = module
+    return module
+
+
+# ----------------------------------------------------------------------------------- using
+
+
+@dataclass
+class Choice:
+    piece: str
+    lab: str
+    yours: bool
+    why: str
+
+
+def choose(root: Path) -> list[Choice]:
+    """For each piece: yours (its lab saved, its tests passed) or the reference, and why."""
+    from .pieces import PIECES
+
+    out = []
+    for p in PIECES:
+        s = saved(root, p.lab)
+        missing = sorted(set(p.tests) - set(s.passed)) if s else None
+        if os.environ.get("NBGRADER_EXECUTION"):
+            why = "grading runs every notebook on the reference alone"
+        elif s is None:
+            why = f"nothing saved from {p.lab} yet (`make check LAB={p.lab}` saves it)"
+        elif missing:
+            why = f"{p.lab}: visible tests not passed yet: {', '.join(missing)}"
+        else:
+            why = f"from {WORK}/{MINE}/{p.lab}.py"
+        out.append(Choice(p.name, p.lab, why.startswith("from "), why))
+    return out
+
+
+@contextlib.contextmanager
+def use(which: str = "mine", root: Path | None = None, quiet: bool = False
+        ) -> Iterator[list[Choice]]:
+    """Inside the block, the packages run the learner's pieces where they are done
+    (`which="mine"`), or the reference everywhere (`which="reference"`); prints the choice for
+    each piece unless `quiet`. A piece whose module fails to load falls back, saying why."""
+    if which not in ("mine", "reference"):
+        raise ValueError(f"which must be 'mine' or 'reference', got {which!r}")
+    from .forbid import swap
+    from .pieces import ADAPTERS, PIECES, resolve
+
+    root = (root or default_root()).resolve()
+    choices = choose(root) if which == "mine" else [
+        Choice(p.name, p.lab, False, "use('reference')") for p in PIECES]
+    modules: dict[str, object] = {}
+    with contextlib.ExitStack() as stack:
+        # Target by target in PIECES order, each lab's module loaded just before its first
+        # swap: a later lab's `from minimoe import scatter2scatter` then binds the learner's.
+        for target in dict.fromkeys(p.target for p in PIECES):
+            mine = [(p, c) for p, c in zip(PIECES, choices, strict=True)
+                    if p.target == target and c.yours]
+            try:
+                for piece, _ in mine:
+                    if piece.lab not in modules:
+                        modules[piece.lab] = load(saved(root, piece.lab))
+                if mine:
+                    ref = resolve(target)
+                    stack.enter_context(swap(ref, ADAPTERS[target](
+                        ref, {p.name: modules[p.lab] for p, _ in mine})))
+            except Exception as e:  # the learner's module: any error means "not usable"
+                for piece, choice in mine:
+                    choice.yours, choice.why = False, (
+                        f"{piece.lab}'s saved code failed to load: {type(e).__name__}: {e}")[:200]
+        if not quiet:
+            print(describe(choices))
+        yield choices
+
+
+def describe(choices: list[Choice]) -> str:
+    width = max(len(c.piece) for c in choices)
+    return "\n".join(f"  {c.piece:<{width}}  {'yours    ' if c.yours else 'reference'}  {c.why}"
+                     for c in choices)
+
+
+def status(root: Path) -> int:
+    """`python -m labkit mine`: which pieces are yours now."""
+    print(f"pieces `use(\"mine\")` swaps in ({mine_dir(root)}):")
+    print(describe(choose(root)))
+    return 0
+
+
+def require_lab(lab: str, labs: list[str]) -> None:
+    if lab not in labs:
+        raise InputError(f"unknown lab {lab!r}; available: {labs}")
