@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from labkit import RunContext, sha256_json  # noqa: E402
 from minigpt import CharTokenizer, base_path, evaluate, load_checkpoint, tasks  # noqa: E402
 from minituner import SequenceData, TrainConfig, save_adapter, train, trainable_summary, wrap_lora  # noqa: E402
+from minituner.lora_norms import total_norm  # noqa: E402
 from minituner.qlora import BLOCK_LINEARS  # noqa: E402
 
 
@@ -53,8 +54,7 @@ def finetune(name: str, spec: dict, cfg: dict, base: Path, ctx: RunContext) -> d
                    eval_fn=eval_fn)
     ctx.timings[f"{name}_train_s"] = round(result.wall_time_s, 1)
     save_adapter(model, ctx.out_dir / f"adapter_{name}")
-    for file in ("adapter_model.safetensors", "adapter_config.json"):
-        ctx.artifact(f"adapter_{name}/{file}")
+    ctx.artifact_files(f"adapter_{name}")
     return {
         "examples": len(pairs),
         "trainable_params": trainable,
@@ -64,6 +64,7 @@ def finetune(name: str, spec: dict, cfg: dict, base: Path, ctx: RunContext) -> d
         "log_every": train_cfg.log_every,
         "evals": result.evals,
         "exact_match_after": exact_match(model, cfg),
+        "adapter_norm": total_norm(ctx.out_dir / f"adapter_{name}"),
     }
 
 

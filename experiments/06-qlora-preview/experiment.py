@@ -31,6 +31,7 @@ from minituner import (  # noqa: E402
     wrap_lora,
 )
 from minituner.activations import saved_activation_bytes  # noqa: E402
+from minituner.lora_norms import total_norm  # noqa: E402
 from minituner.qlora import BLOCK_LINEARS, wrap_minigpt_qlora  # noqa: E402
 
 MB = 2**20
@@ -107,8 +108,7 @@ def epoch(base: Path, cfg: dict, ctx: RunContext) -> dict:
     ctx.timings["qlora_epoch_train_s"] = round(result.wall_time_s, 1)
     losses = result.losses
     save_adapter(model, ctx.out_dir / "adapter_qlora")
-    for file in ("adapter_model.safetensors", "adapter_config.json"):
-        ctx.artifact(f"adapter_qlora/{file}")
+    ctx.artifact_files("adapter_qlora")
     return {
         "steps": steps,
         "loss_curve": losses,
@@ -118,6 +118,7 @@ def epoch(base: Path, cfg: dict, ctx: RunContext) -> dict:
         "loss_fell": losses[-1] < losses[0],
         "exact_match_after": {t: evaluate(model, t, n=cfg["eval_n"], seed=cfg["seed"])
                               for t in tasks.TASKS},
+        "adapter_norm": total_norm(ctx.out_dir / "adapter_qlora"),
     }
 
 

@@ -5,9 +5,11 @@ LoRA norms per expert; the memory bill measured beside the predictor, and extrap
 
 Run:        python -m labkit run experiments/11-qlora-moe
 Reproduce:  python -m labkit reproduce experiments/11-qlora-moe/manifest.json
-Outputs: metrics.json, <run>.jsonl (trainer logs), curves.png, routing.png, lora_norms.png,
-memory.png, REPORT.md, manifest.json. `write_report` makes REPORT.md from the metrics, the
-config and the timings of the same run, so a report is always that of the manifest beside it.
+Outputs: adapter_<run>/ (each run's final adapter, PEFT format with expert LoRA as
+`target_parameters`, hashed in the manifest), metrics.json, <run>.jsonl (trainer logs),
+curves.png, routing.png, lora_norms.png, memory.png, REPORT.md, manifest.json.
+`write_report` makes REPORT.md from the metrics, the config and the timings of the same run,
+so a report is always that of the manifest beside it.
 
 The long runs use the MoE's sort-based PyTorch backend (`backend="torch"`): on a CPU the
 Triton kernels run in the interpreter, about a thousand times slower. `triton_check` runs one
@@ -39,9 +41,11 @@ from minituner import (  # noqa: E402
     TrainConfig,
     memory,
     peak_step_bytes,
+    save_adapter,
     saved_activation_bytes,
     train,
 )
+from minituner.lora_norms import TargetNorms, adapter_norms, grid, total_norm  # noqa: E402
 from minituner.qlora import wrap_minigpt_qlora  # noqa: E402
 
 MB = 2**20
@@ -88,22 +92,6 @@ def routing_counts(model, cfg: dict) -> dict[str, list[list[int]]]:
     return out
 
 
-def lora_norms(model) -> dict[str, list[float]]:
-    """‖s·B_e·A_e‖_F per expert of every expert projection, and ‖s·B·A‖_F per attention
-    projection (a list of one)."""
-    out = {}
-    for name, m in model.named_modules():
-        A, B = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
-        if not isinstance(A, torch.Tensor):
-            continue
-        A, B = A.detach(), B.detach()
-        E = getattr(m, "n_experts", 1)
-        r = A.shape[0] // E
-        out[name] = [float((m.scaling * B[:, e * r:(e + 1) * r] @ A[e * r:(e + 1) * r]).norm())
-                     for e in range(E)]
-    return out
-
-
 def finetune(name: str, model, data: SequenceData, cfg: dict, ctx: RunContext,
              diagnose: bool = False) -> dict:
     """Train, then evaluate (and with `diagnose`, the routing and LoRA norms after). A run
@@ -119,8 +107,12 @@ def finetune(name: str, model, data: SequenceData, cfg: dict, ctx: RunContext,
             out["routing_after"] = routing_counts(model, cfg)
     except FloatingPointError as err:
         out["exact_match_after"], out["not_evaluated"] = None, str(err)
-    if diagnose:
-        out["lora_norms"] = lora_norms(model)
+    save_adapter(model, ctx.out_dir / f"adapter_{name}")
+    ctx.artifact_files(f"adapter_{name}")
+    norms = adapter_norms(ctx.out_dir / f"adapter_{name}")
+    out["adapter_norm"] = total_norm(norms)
+    if diagnose:        # what `python -m minituner.lora_norms adapter_<run>` prints
+        out["lora_norms"] = {t.name: t.experts for t in norms}
     return out
 
 
@@ -601,13 +593,6 @@ def _norms(metrics: dict) -> str:
     attn = {name: v[0] for name, v in norms.items() if len(v) == 1}
     n_exp = len(next(iter(experts.values())))
     sums = [sum(v[e] for v in experts.values()) for e in range(n_exp)]
-    rows = [[name] + [f"{x:.2f}" for x in v] for name, v in experts.items()]
-    rows.append(["**sum**"] + [f"**{x:.1f}**" for x in sums])
-    expert_table = table(["expert projection"] + [f"e{e}" for e in range(n_exp)], rows)
-    blocks = sorted({name.split(".attn.")[0] for name in attn}, key=lambda s: int(s.split(".")[1]))
-    projs = list(dict.fromkeys(name.split(".attn.")[1] for name in attn))
-    attn_table = table(["attention projection"] + [f"b{b.split('.')[1]}" for b in blocks],
-                       [[p] + [f"{attn[f'{b}.attn.{p}']:.2f}" for b in blocks] for p in projs])
     hi = max(range(n_exp), key=sums.__getitem__)
     lo = min(range(n_exp), key=sums.__getitem__)
     spread = (f"expert {hi}'s update ({sums[hi]:.1f}) is {sums[hi] / sums[lo]:.1f}× expert "
@@ -618,11 +603,12 @@ def _norms(metrics: dict) -> str:
     top = sorted(attn, key=attn.get, reverse=True)[:2]
     text = paragraph(
         "The figure and the tables show ‖s·B_e·A_e‖_F per expert for every expert projection, "
-        "from the `lora_norms` entry of `metrics.json`. Summed over the "
-        f"{len(experts)} expert projections, {spread}. Each expert has its own adapter, so how "
-        "far it moves is set by the tokens routed to it. Among the attention adapters, "
+        "read from the saved adapter: `python -m minituner.lora_norms "
+        "experiments/11-qlora-moe/adapter_qlora_moe --grid` prints these tables. Summed over "
+        f"the {len(experts)} expert projections, {spread}. Each expert has its own adapter, so "
+        "how far it moves is set by the tokens routed to it. Among the attention adapters, "
         + " and ".join(f"`{name}` ({attn[name]:.1f})" for name in top) + " moved most.")
-    return f"{expert_table}\n\n{attn_table}\n\n{text}"
+    return grid([TargetNorms(name, v) for name, v in norms.items()]) + "\n\n" + text
 
 
 def _memory(metrics: dict, cfg: dict) -> str:

@@ -23,7 +23,9 @@ start from it, and their gains are measured against it.
 
 Run:        python -m labkit run experiments/12-grpo
 Reproduce:  python -m labkit reproduce experiments/12-grpo/manifest.json
-Outputs: metrics.json, grpo_<run>.jsonl (one record per iteration), curves.png, tasks.png,
+Outputs: adapter_<run>_<model>/ (each run's final adapter, PEFT format, hashed in the manifest;
+`python -m minituner.lora_norms DIR` reads one), metrics.json, grpo_<run>.jsonl (one record
+per iteration), curves.png, tasks.png,
 REPORT.md, manifest.json. The MoE runs use its PyTorch backend (on a CPU the Triton kernels
 run in the interpreter); the log-probabilities use the PyTorch path for the same reason
 (`minirl.IMPLEMENTATIONS["triton"]` computes the same numbers, tested to 1e-6).
@@ -55,7 +57,8 @@ from minirl import (  # noqa: E402
     sft_pairs,
 )
 from minirl.weighting import group_weights  # noqa: E402
-from minituner import SequenceData, TrainConfig, reward_weights, train  # noqa: E402
+from minituner import SequenceData, TrainConfig, reward_weights, save_adapter, train  # noqa: E402
+from minituner.lora_norms import total_norm  # noqa: E402
 from minituner.qlora import wrap_minigpt_qlora  # noqa: E402
 
 MODELS = ("dense", "moe")
@@ -187,6 +190,10 @@ def one_model(kind: str, cfg: dict, ctx: RunContext) -> tuple[dict, dict]:
                        spec.get("reward", cfg["reward"]), cfg, ctx)
         ctx.timings[f"{name}_{kind}_train_s"] = round(out.pop("train_s"), 1)
         out["after"] = scores(model, cfg)
+        folder = f"adapter_{name}_{kind}"
+        save_adapter(model, ctx.out_dir / folder)
+        ctx.artifact_files(folder)
+        out["adapter_norm"] = total_norm(ctx.out_dir / folder)
         out["gain"] = out["after"][cfg["held_out"]] - start[spec["start"]][cfg["held_out"]]
         out["start"] = spec["start"]
         runs[name] = out

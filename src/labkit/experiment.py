@@ -52,6 +52,18 @@ class RunContext:
         self.artifacts.append(check_artifact_name(name, "ctx.artifact"))
         return self.out_dir / name
 
+    def artifact_files(self, folder: str) -> list[str]:
+        """Record every file already written under `folder` (a saved adapter, say) as an
+        artifact; returns their names."""
+        root = self.out_dir / check_artifact_name(folder, "ctx.artifact_files")
+        names = sorted(p.relative_to(self.out_dir).as_posix() for p in root.rglob("*")
+                       if p.is_file())
+        if not names:
+            raise ValueError(f"ctx.artifact_files: {root} holds no file")
+        for name in names:
+            self.artifact(name)
+        return names
+
     def output(self, name: str) -> Path:
         """Path for an output file that is kept but not hashed (figures, reports)."""
         return self.out_dir / check_artifact_name(name, "ctx.output")

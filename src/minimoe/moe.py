@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from miniquant.nf4 import check_nested_rounding
+
 from .experts import ExpertLinear
 from .nf4_experts import NF4Experts
 from .parallel_experts import parallel_linear
@@ -120,6 +122,10 @@ class MoEMLP(nn.Module):
     `attach_expert_lora` turns w_gate / w_up / w_down into expert modules (a frozen float or
     NF4 base plus per-expert LoRA); the routing and the forward stay the same."""
 
+    # PEFT reads this when it puts LoRA on a 3-D parameter (`target_parameters`): the stacked
+    # weights here are [E, in, out], not the [E, out, in] of nn.Linear it assumes otherwise.
+    is_transposed = True
+
     def __init__(self, n_embd: int, d_ff: int, n_experts: int, top_k: int,
                  backend: str = "torch", renormalize: bool | None = None,
                  shared_d_ff: int = 0):
@@ -159,11 +165,25 @@ class MoEMLP(nn.Module):
         for p in (self.router.weight, self.w_gate, self.w_up, self.w_down, *self._shared()):
             nn.init.normal_(p, std=std)
 
+    def router_weight(self) -> torch.Tensor:
+        """The router's weight [E, C]. A router wrapped with LoRA (`wrap_lora(model,
+        ["router"])`, a `LoRALinear`) adds its update s·B·A here: E×C is small, and the logits
+        stay one float32 matmul whatever the wrapper's dtype."""
+        router = self.router
+        if isinstance(router, nn.Linear):
+            return router.weight
+        if not isinstance(getattr(router, "base", None), nn.Linear):
+            raise ValueError(f"the router must be an nn.Linear or a LoRA wrapper of one, got "
+                             f"{type(router).__name__}")
+        if router.merged:
+            return router.base.weight
+        return router.base.weight + router.delta_weight()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                        # [T, C]
         # Router in float32 whatever the model dtype (see routing.py).
-        logits = F.linear(x.float(), self.router.weight.float())           # [T, E]
+        logits = F.linear(x.float(), self.router_weight().float())         # [T, E]
         # By default k=1 keeps the softmax probability (Switch): renormalised it would be
         # exactly 1 and the router would learn from the balancing loss alone.
         renormalize = self.top_k > 1 if self.renormalize is None else self.renormalize
@@ -182,23 +202,36 @@ class MoEMLP(nn.Module):
 
 
 def attach_expert_lora(mlp: nn.Module, r: int = 8, alpha: float = 16.0, nf4: bool = False,
-                       blocksize: int = 64, double_quant: bool = True) -> list[str]:
+                       blocksize: int = 64, double_quant: bool = True,
+                       nested_rounding: str = "nearest",
+                       projections: tuple[str, ...] = PROJECTIONS) -> list[str]:
     """Replace a MoEMLP's w_gate / w_up / w_down by expert linears with LoRA, in place.
 
     nf4=False: `ExpertLinear` over the same float Parameter (frozen); nf4=True: `NF4Experts`
-    (NF4 + double quant at `blocksize`; each expert's K·N must be whole blocks). The router
+    (NF4 + double quant at `blocksize`; each expert's K·N must be whole blocks), its nested
+    absmax codes rounded by `nested_rounding` (miniquant.quantize_nf4's: "nearest", or
+    "bnb_cpu" for bitsandbytes' CPU codes bit for bit; checked whatever `nf4`). The router
     is left as it is, and so is a shared expert. Returns the names replaced. Everything is
     built before anything is swapped in, so a bad argument leaves `mlp` untouched. The
     modules keep no backend of the MLP's: it passes its own at each call.
+
+    `projections` names those that get LoRA (rank r); with nf4 the others are NF4 without
+    LoRA, without nf4 they stay the frozen float Parameters they were.
     """
+    check_nested_rounding(nested_rounding)
     current = {name: getattr(mlp, name, None) for name in PROJECTIONS}
     if not all(isinstance(w, nn.Parameter) for w in current.values()):
         raise ValueError(f"mlp must be a MoEMLP with float {PROJECTIONS} parameters (not yet "
                          f"wrapped), got {[type(w).__name__ for w in current.values()]}")
-    new = {name: (NF4Experts.from_weight(w.detach(), blocksize, double_quant, r=r, alpha=alpha)
+    if not projections or any(p not in PROJECTIONS for p in projections):
+        raise ValueError(f"projections must be a non-empty subset of {PROJECTIONS}, "
+                         f"got {projections!r}")
+    new = {name: (NF4Experts.from_weight(w.detach(), blocksize, double_quant,
+                                         r=r if name in projections else 0, alpha=alpha,
+                                         nested_rounding=nested_rounding)
                   if nf4 else ExpertLinear(w, r=r, alpha=alpha))
-           for name, w in current.items()}
+           for name, w in current.items() if nf4 or name in projections}
     for name, module in new.items():
         delattr(mlp, name)
         setattr(mlp, name, module)
-    return list(PROJECTIONS)
+    return [p for p in PROJECTIONS if p in projections]

@@ -30,7 +30,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from miniquant.linear import NF4Buffers
-from miniquant.nf4 import NF4Weight, quantize_nf4
+from miniquant.nf4 import NF4Weight, check_nested_rounding, quantize_nf4
 from miniquant.triton_dequant import selective_dequantize_nf4, selective_dequantize_nf4_torch
 
 from .experts import init_expert_lora, routing_args
@@ -41,16 +41,19 @@ from .sort import Routing
 __all__ = ["NF4Experts", "active_experts", "nf4_parallel_linear", "quantize_experts"]
 
 
-def quantize_experts(W: torch.Tensor, blocksize: int = 64, double_quant: bool = True
-                     ) -> NF4Weight:
-    """W [E, K, N] -> NF4Weight of that shape; each expert's K·N must be whole blocks."""
+def quantize_experts(W: torch.Tensor, blocksize: int = 64, double_quant: bool = True,
+                     nested_rounding: str = "nearest") -> NF4Weight:
+    """W [E, K, N] -> NF4Weight of that shape; each expert's K·N must be whole blocks.
+    `nested_rounding` is quantize_nf4's ("bnb_cpu": bitsandbytes' CPU nested codes)."""
+    check_nested_rounding(nested_rounding)
     if W.dim() != 3:
         raise ValueError(f"W must be [E, K, N], got shape {tuple(W.shape)}")
     E, K, N = W.shape
     if (K * N) % blocksize:
         raise ValueError(f"each expert's K·N = {K * N} elements must be a multiple of the "
                          f"blocksize {blocksize}, so that no block spans two experts")
-    return quantize_nf4(W.detach(), blocksize=blocksize, double_quant=double_quant)
+    return quantize_nf4(W.detach(), blocksize=blocksize, double_quant=double_quant,
+                        nested_rounding=nested_rounding)
 
 
 def active_experts(expert_offsets: torch.Tensor) -> torch.Tensor:
@@ -165,9 +168,12 @@ class NF4Experts(NF4Buffers):
 
     @classmethod
     def from_weight(cls, W: torch.Tensor, blocksize: int = 64, double_quant: bool = True,
-                    r: int = 0, alpha: float = 16.0, backend: str = "triton") -> NF4Experts:
-        return cls(quantize_experts(W, blocksize, double_quant), r=r, alpha=alpha,
-                   backend=backend)
+                    r: int = 0, alpha: float = 16.0, backend: str = "triton",
+                    nested_rounding: str = "nearest") -> NF4Experts:
+        """`quantize_experts(W, blocksize, double_quant, nested_rounding)`, held as buffers,
+        with expert LoRA of rank `r` (none for r=0)."""
+        return cls(quantize_experts(W, blocksize, double_quant, nested_rounding), r=r,
+                   alpha=alpha, backend=backend)
 
     def forward(self, x, routing, *args, **kwargs):
         """`forward(x, routing, gates=None, grouped_in=False, grouped_out=False, backend=None)`

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .nf4 import NF4Weight, check_float_dtype, quantize_nf4
+from .nf4 import NF4Weight, check_float_dtype, check_nested_rounding, quantize_nf4
 
 
 class NF4Buffers(nn.Module):
@@ -72,12 +72,16 @@ class QuantizedLinear(NF4Buffers):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, blocksize: int = 64, double_quant: bool = True,
-                    compute_dtype: torch.dtype | None = None) -> QuantizedLinear:
-        """Quantize `linear.weight` to NF4; the bias (if any) is kept, frozen, as is."""
+                    compute_dtype: torch.dtype | None = None,
+                    nested_rounding: str = "nearest") -> QuantizedLinear:
+        """Quantize `linear.weight` to NF4; the bias (if any) is kept, frozen, as is.
+        `nested_rounding` is quantize_nf4's ("bnb_cpu": bitsandbytes' CPU nested codes)."""
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         check_float_dtype("compute_dtype", compute_dtype)
-        q = quantize_nf4(linear.weight.detach(), blocksize=blocksize, double_quant=double_quant)
+        check_nested_rounding(nested_rounding)
+        q = quantize_nf4(linear.weight.detach(), blocksize=blocksize, double_quant=double_quant,
+                         nested_rounding=nested_rounding)
         return cls(q, linear.bias, compute_dtype=compute_dtype)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -105,13 +109,14 @@ class QuantizedLinear(NF4Buffers):
 
 
 def quantize_model(model: nn.Module, target: str, blocksize: int = 64,
-                   double_quant: bool = True, compute_dtype: torch.dtype | None = None
-                   ) -> list[str]:
+                   double_quant: bool = True, compute_dtype: torch.dtype | None = None,
+                   nested_rounding: str = "nearest") -> list[str]:
     """Replace, in place, every nn.Linear whose full name matches the regex `target`.
 
-    Returns the names replaced; raises ValueError when `target` is not a valid regex or
-    matches no nn.Linear.
+    Returns the names replaced; raises ValueError, with the model untouched, when `target` is
+    not a valid regex or matches no nn.Linear, or `nested_rounding` is not one of quantize_nf4's.
     """
+    check_nested_rounding(nested_rounding)
     pattern = compile_target("target", target)
     names = [name for name, m in model.named_modules()
              if isinstance(m, nn.Linear) and pattern.fullmatch(name)]
@@ -121,7 +126,8 @@ def quantize_model(model: nn.Module, target: str, blocksize: int = 64,
                          f"linear layers are e.g. {linears[:6]}")
     # Quantize every layer before replacing any, so that a bad weight leaves the model as it was.
     quantized = {name: QuantizedLinear.from_linear(model.get_submodule(name), blocksize,
-                                                   double_quant, compute_dtype) for name in names}
+                                                   double_quant, compute_dtype, nested_rounding)
+                 for name in names}
     for name, layer in quantized.items():
         model.set_submodule(name, layer)
     return names

@@ -181,8 +181,7 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = 64, double_quant: bool = Fals
     check_blocksize(blocksize)
     if not isinstance(double_quant, bool):
         raise ValueError(f"double_quant must be a bool, got {double_quant!r}")
-    if nested_rounding not in ROUNDINGS:
-        raise ValueError(f"nested_rounding must be one of {ROUNDINGS}, got {nested_rounding!r}")
+    check_nested_rounding(nested_rounding)
     scaled, absmax = scale_blocks(w.reshape(-1).float(), blocksize)
     idx = nearest_code(scaled, NF4_CODE.to(w.device)).to(torch.uint8)
     packed = pack_nibbles(idx)
@@ -229,6 +228,15 @@ def check_float_dtype(name: str, dtype) -> None:
         return
     raise ValueError(f"{name} must be a floating-point torch.dtype (e.g. torch.float32) or "
                      f"None, got {dtype!r}")
+
+
+def check_nested_rounding(nested_rounding) -> None:
+    """Raise ValueError unless `nested_rounding` is one of ROUNDINGS ("nearest", "bnb_cpu").
+    Every entry point that quantizes to NF4 (quantize_nf4, QuantizedLinear.from_linear,
+    quantize_model, minimoe's quantize_experts / NF4Experts.from_weight / attach_expert_lora,
+    minituner's wrap_minigpt_qlora) calls it up front, before changing anything."""
+    if nested_rounding not in ROUNDINGS:
+        raise ValueError(f"nested_rounding must be one of {ROUNDINGS}, got {nested_rounding!r}")
 
 
 def check_blocksize(blocksize) -> None:

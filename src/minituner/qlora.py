@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from minimoe import MoEMLP, attach_expert_lora
 from miniquant import quantize_model
+from miniquant.nf4 import check_nested_rounding
 
 from .adapters import wrap_lora
 from .lora import LoRALinear, check_lora_args
@@ -50,17 +51,20 @@ def wrap_minigpt_qlora(model: nn.Module, r: int = 8, alpha: float = 16.0,
                        quant_scheme: str = "nf4_per_group_64", double_quant: bool = True,
                        dropout: float = 0.0, use_rslora: bool = False,
                        target: str = BLOCK_LINEARS, quantize: bool = True,
-                       train_router: bool = False) -> list[str]:
+                       train_router: bool = False, nested_rounding: str = "nearest"
+                       ) -> list[str]:
     """Quantize the linears matching `target` to NF4, then wrap the same layers with LoRA;
     in a MoE model also give every expert NF4 weights and its own LoRA (see the module doc).
 
     In place; returns the names wrapped (expert projections as `<mlp>.w_gate` ...).
     Afterwards the only trainable parameters are the float32 `lora_A` / `lora_B` factors (and
     the routers' weights with `train_router`); everything else is frozen (NF4 buffers, and
-    the float embeddings, norms and head). `quantize=False` keeps the base in float. Raises
+    the float embeddings, norms and head). `quantize=False` keeps the base in float.
+    `nested_rounding` goes to every NF4 quantization, linears and experts (quantize_nf4's:
+    "nearest", or "bnb_cpu" for bitsandbytes' CPU double-quant codes bit for bit). Raises
     ValueError, with the model untouched, for a model that already holds LoRA layers (wrong
-    order), an unknown `quant_scheme`, expert shapes that don't fit the NF4 blocks, or a
-    `target` matching nothing.
+    order), an unknown `quant_scheme` or `nested_rounding`, expert shapes that don't fit the
+    NF4 blocks, or a `target` matching nothing.
     """
     wrapped = [name for name, m in model.named_modules() if isinstance(m, LoRALinear)]
     if wrapped:
@@ -70,6 +74,7 @@ def wrap_minigpt_qlora(model: nn.Module, r: int = 8, alpha: float = 16.0,
             f"would skip the wrapped layers (a LoRALinear is not an nn.Linear) and keep their "
             f"base in float. Start from the plain model: wrap_minigpt_qlora(load_base(...)).")
     blocksize = parse_quant_scheme(quant_scheme)
+    check_nested_rounding(nested_rounding)
     check_lora_args(r, alpha, dropout)   # before quantizing: fail with the model untouched
     moes = {name: m for name, m in model.named_modules() if isinstance(m, MoEMLP)}
     if quantize:
@@ -84,11 +89,12 @@ def wrap_minigpt_qlora(model: nn.Module, r: int = 8, alpha: float = 16.0,
                         f"{w[0].numel()} weights must be a multiple of the NF4 blocksize "
                         f"{blocksize} (quant_scheme {quant_scheme!r}), so that no block spans "
                         f"two experts")
-        quantize_model(model, target, blocksize=blocksize, double_quant=double_quant)
+        quantize_model(model, target, blocksize=blocksize, double_quant=double_quant,
+                       nested_rounding=nested_rounding)
     names = wrap_lora(model, target, r=r, alpha=alpha, dropout=dropout, use_rslora=use_rslora)
     for name, mlp in moes.items():
         attach_expert_lora(mlp, r=r, alpha=alpha, nf4=quantize, blocksize=blocksize,
-                           double_quant=double_quant)
+                           double_quant=double_quant, nested_rounding=nested_rounding)
         mlp.router.weight.requires_grad_(train_router)
         names += [f"{name}.{proj}" for proj in ("w_gate", "w_up", "w_down")]
     return names

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import minimoe.experts
 import minimoe.moe
 from minimoe import MoEMLP, Routing, attach_expert_lora, reference
+from minimoe.hf import moe_from_hf
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -122,21 +123,9 @@ def _hf_block(kind: str, k: int):
 
 
 def _ours_from_hf(block, k: int, renormalize: bool, shared_d_ff: int, backend: str) -> MoEMLP:
-    """HF stores gate_up_proj [E, 2F, C] (gate rows first), down_proj [E, C, F] as (out, in);
-    ours are [E, C, F], [E, F, C] as (in, out)."""
-    m = MoEMLP(C, FF, E, k, backend=backend, renormalize=renormalize, shared_d_ff=shared_d_ff)
-    gate_up, down = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
-    with torch.no_grad():
-        m.router.weight.copy_(block.gate.weight)
-        m.w_gate.copy_(gate_up[:, :FF].transpose(1, 2))
-        m.w_up.copy_(gate_up[:, FF:].transpose(1, 2))
-        m.w_down.copy_(down.transpose(1, 2))
-        if shared_d_ff:
-            s = block.shared_expert
-            m.shared_w_gate.copy_(s.gate_proj.weight.T)
-            m.shared_w_up.copy_(s.up_proj.weight.T)
-            m.shared_w_down.copy_(s.down_proj.weight.T)
-            m.shared_gate.copy_(block.shared_expert_gate.weight.T)
+    """minimoe.hf.moe_from_hf, with the options it reads from the block checked."""
+    m = moe_from_hf(block, backend=backend)
+    assert (m.top_k, m.renormalize, m.shared_d_ff) == (k, renormalize, shared_d_ff)
     return m
 
 
@@ -158,7 +147,8 @@ def test_matches_transformers_blocks(kind, k, renormalize, shared, backend):
 def test_switch_default_differs_from_mixtral_at_k1():
     """The reason for the switch: with k = 1 the default keeps the softmax mass, Mixtral 1."""
     block = _hf_block("mixtral", 1)
-    ours = _ours_from_hf(block, 1, None, 0, "torch")
+    ours = _ours_from_hf(block, 1, True, 0, "torch")
+    ours.renormalize = None                     # the Switch default
     x = torch.randn(1, 4, C, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert not torch.allclose(ours(x), block(x), rtol=1e-3, atol=1e-4)

@@ -7,21 +7,34 @@ is compared with code[idx] · absmax computed from bitsandbytes' own codes, beca
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+import torch.nn as nn
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
-from miniquant import (  # noqa: E402  (after the importorskip)
+from minigpt import MiniGPT, MiniGPTConfig  # noqa: E402  (after the importorskip)
+from minimoe import (  # noqa: E402
+    MoEMLP,
+    NF4Experts,
+    attach_expert_lora,
+    quantize_experts,
+)
+from miniquant import (  # noqa: E402
     DYNAMIC_CODE,
     NF4_CODE,
+    QuantizedLinear,
     dequantize_blockwise_8bit,
     from_bnb,
     nf4_codebook,
+    quantize_model,
     quantize_nf4,
     to_bnb,
 )
 from miniquant.dynamic import dynamic_map, lut_code, nearest_code  # noqa: E402
+from minituner.qlora import BLOCK_LINEARS, wrap_minigpt_qlora  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -267,3 +280,167 @@ def test_finding_bnb_cpu_dequantize_4bit_wrong_when_rows_do_not_end_on_a_block(s
     theirs = bnb_functional.dequantize_4bit(packed, state)
     assert torch.equal(q.dequantize(), ref)
     assert not torch.equal(theirs, ref), "bitsandbytes fixed this: update the lab's finding"
+
+
+# ---------------------------------------------------------------------------------------------
+# nested_rounding at every entry point that quantizes
+#
+# Each entry point is fed the weight of the recorded case ((4, 128, 512), blocksize 64; 3 nested
+# codes of "nearest" differ from bitsandbytes'), reshaped to the layout it quantizes ([out, in]
+# for a linear, [E, K, N] for experts): the same 262,144 values row-major, so bitsandbytes'
+# codes for it are those of the recorded case.
+
+RECORDED = ((4, 128, 512), 64)
+
+
+def recorded_weight():
+    shape, _ = RECORDED
+    return randn(*shape, seed=6)
+
+
+def fill(param, w):
+    with torch.no_grad():
+        param.copy_(w.reshape(param.shape))
+
+
+def via_from_linear(**kw):
+    linear = nn.Linear(512, 512, bias=False)
+    fill(linear.weight, recorded_weight())
+    return [QuantizedLinear.from_linear(linear, blocksize=64, **kw).weight_nf4]
+
+
+def via_quantize_model(**kw):
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 3))
+    fill(model[0].weight, recorded_weight())
+    assert quantize_model(model, r"0", blocksize=64, **kw) == ["0"]
+    assert isinstance(model[2], nn.Linear)
+    return [model[0].weight_nf4]
+
+
+def via_quantize_experts(**kw):
+    return [quantize_experts(recorded_weight(), blocksize=64, **kw)]
+
+
+def via_nf4_experts_from_weight(**kw):
+    return [NF4Experts.from_weight(recorded_weight(), blocksize=64, r=2, **kw).weight_nf4]
+
+
+def via_attach_expert_lora(**kw):
+    mlp = MoEMLP(n_embd=128, d_ff=512, n_experts=4, top_k=2)      # w_down: [4, 512, 128]
+    for proj in ("w_gate", "w_up", "w_down"):
+        fill(getattr(mlp, proj), recorded_weight())
+    attach_expert_lora(mlp, r=2, nf4=True, blocksize=64, **kw)
+    return [getattr(mlp, proj).weight_nf4 for proj in ("w_gate", "w_up", "w_down")]
+
+
+def via_wrap_minigpt_qlora(**kw):
+    # n_embd 512, d_ff 128, 4 experts: q/k/v/o are [512, 512], the experts [4, 512, 128] and
+    # [4, 128, 512]: every weight it quantizes can hold the recorded values.
+    model = MiniGPT(MiniGPTConfig(block_size=8, n_layer=1, n_head=4, n_embd=512, d_ff=128,
+                                  n_experts=4, top_k=2))
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and re.fullmatch(BLOCK_LINEARS, name):
+            fill(m.weight, recorded_weight())
+        if isinstance(m, MoEMLP):
+            for proj in ("w_gate", "w_up", "w_down"):
+                fill(getattr(m, proj), recorded_weight())
+    wrap_minigpt_qlora(model, r=2, quant_scheme="nf4_per_group_64", **kw)
+    linears = [m.weight_nf4 for m in model.modules() if isinstance(m, QuantizedLinear)]
+    experts = [m.weight_nf4 for m in model.modules() if isinstance(m, NF4Experts)]
+    assert len(linears) == 4 and len(experts) == 3     # q, k, v, o; w_gate, w_up, w_down
+    return linears + experts
+
+
+ENTRY_POINTS = {"QuantizedLinear.from_linear": via_from_linear,
+                "quantize_model": via_quantize_model,
+                "quantize_experts": via_quantize_experts,
+                "NF4Experts.from_weight": via_nf4_experts_from_weight,
+                "attach_expert_lora": via_attach_expert_lora,
+                "wrap_minigpt_qlora": via_wrap_minigpt_qlora}
+
+
+@pytest.fixture(scope="module")
+def recorded_bnb_state():
+    shape, blocksize = RECORDED
+    packed, state = bnb_quantize(recorded_weight(), blocksize, double_quant=True)
+    return packed.reshape(-1), state
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_nested_rounding_reaches_every_entry_point(entry, recorded_bnb_state):
+    packed, state = recorded_bnb_state
+    for q in ENTRY_POINTS[entry](nested_rounding="bnb_cpu"):
+        assert q.double_quant and q.blocksize == 64 and q.numel == packed.numel() * 2
+        assert torch.equal(q.packed, packed)
+        assert torch.equal(q.absmax_offset, state.offset)
+        assert torch.equal(q.absmax_scales, state.state2.absmax)
+        assert torch.equal(q.absmax_codes, state.absmax), f"{entry}: bnb_cpu nested codes differ"
+    # The default is still "nearest": the recorded number of codes differ from theirs (so the
+    # equality above is the option passed through, not a coincidence of this weight).
+    for q in ENTRY_POINTS[entry]():
+        differ = (q.absmax_codes != state.absmax).sum().item()
+        assert differ == NESTED_MISMATCHES[RECORDED] > 0
+
+
+def rejects(call, bad):
+    """`call(nested_rounding=bad)` raises the ValueError that names the argument and values."""
+    match = r"nested_rounding must be one of \('nearest', 'bnb_cpu'\), got " + re.escape(repr(bad))
+    with pytest.raises(ValueError, match=match):
+        call(nested_rounding=bad)
+
+
+def reject_from_linear(bad):
+    linear = nn.Linear(64, 2)
+    rejects(lambda **kw: QuantizedLinear.from_linear(linear, **kw), bad)
+
+
+def reject_quantize_model(bad):
+    model = nn.Sequential(nn.Linear(64, 2), nn.ReLU(), nn.Linear(2, 64))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rejects(lambda **kw: quantize_model(model, r"0|2", **kw), bad)
+    assert isinstance(model[0], nn.Linear) and isinstance(model[2], nn.Linear)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def reject_quantize_experts(bad):
+    rejects(lambda **kw: quantize_experts(randn(2, 8, 8), **kw), bad)
+
+
+def reject_from_weight(bad):
+    rejects(lambda **kw: NF4Experts.from_weight(randn(2, 8, 8), r=2, **kw), bad)
+
+
+def reject_attach_expert_lora(bad):
+    for nf4 in (True, False):    # checked even where nothing is quantized
+        mlp = MoEMLP(n_embd=8, d_ff=16, n_experts=2, top_k=1)
+        rejects(lambda mlp=mlp, nf4=nf4, **kw: attach_expert_lora(mlp, nf4=nf4, **kw), bad)
+        assert all(isinstance(getattr(mlp, proj), nn.Parameter)
+                   for proj in ("w_gate", "w_up", "w_down"))
+
+
+def reject_wrap_minigpt_qlora(bad):
+    for quantize in (True, False):
+        model = MiniGPT(MiniGPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16, d_ff=16,
+                                      n_experts=2, top_k=1))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        rejects(lambda model=model, quantize=quantize, **kw:
+                wrap_minigpt_qlora(model, quantize=quantize, **kw), bad)
+        assert isinstance(model.blocks[0].attn.q_proj, nn.Linear)
+        assert all(isinstance(getattr(model.blocks[0].mlp, proj), nn.Parameter)
+                   for proj in ("w_gate", "w_up", "w_down"))
+        assert model.state_dict().keys() == before.keys()
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+REJECTS = {"QuantizedLinear.from_linear": reject_from_linear,
+           "quantize_model": reject_quantize_model,
+           "quantize_experts": reject_quantize_experts,
+           "NF4Experts.from_weight": reject_from_weight,
+           "attach_expert_lora": reject_attach_expert_lora,
+           "wrap_minigpt_qlora": reject_wrap_minigpt_qlora}
+
+
+@pytest.mark.parametrize("bad", ["lut", "BNB_CPU", None])
+@pytest.mark.parametrize("entry", list(REJECTS))
+def test_bad_nested_rounding_rejected_at_every_entry_point(entry, bad):
+    REJECTS[entry](bad)

@@ -1,0 +1,562 @@
+"""How far a LoRA adapter moved each weight: ‖s·B·A‖_F per module and, for experts, per expert.
+
+Reads any PEFT-format adapter directory (minituner's `save_adapter`, or PEFT's
+`save_pretrained`, expert LoRA included); weights only through safetensors, never pickle.
+
+    for each LoRA target (key prefix P, E experts, rank r, scaling s):
+        A = P + "lora_A.weight"   [r·E, in]    expert e owns rows e·r:(e+1)·r
+        B = P + "lora_B.weight"   [out, r·E]   PEFT's order: column j·E + e is B_e's column j
+        ‖s·B_e·A_e‖_F = |s|·sqrt(Σ (B_eᵀB_e) ⊙ (A_e·A_eᵀ))      two r×r Gram matrices
+
+The identity is ‖BA‖²_F = tr(AᵀBᵀBA) = tr((BᵀB)(AAᵀ)): r²·(in+out) work per expert, and no
+[out, in] product is ever formed, however large the layer.
+
+Where E, r and s come from: our files carry safetensors metadata "minituner.targets" (name,
+E, r, s per key prefix). PEFT's files do not; then r and alpha follow adapter_config.json
+(`rank_pattern` / `alpha_pattern` by PEFT's rule), a prefix is an expert parameter when a
+`target_parameters` entry names a parameter of its module, and E = rows of A // r. PEFT nests
+one wrapper per targeted parameter of a module (`<module>.base_layer.….lora_A.weight`) in the
+module's registration order, which the file does not record: such targets are named
+`<module>[base_layer×d]`.
+
+CLI: python -m minituner.lora_norms DIR [--plot PNG] [--grid] [--top N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import safetensors
+import torch
+
+from minigpt.atomic import atomic_path
+
+from .adapter_targets import KEY_PREFIX, matches, pattern_value
+from .adapters import CONFIG_NAME, METADATA_KEY, WEIGHTS_NAME
+
+_A, _B = "lora_A.weight", "lora_B.weight"
+_NESTED = "[base_layer×"
+
+
+class AdapterError(ValueError):
+    """An adapter directory this module cannot read; the message names the file or key."""
+
+
+@dataclass
+class TargetNorms:
+    """‖s·B_e·A_e‖_F of one LoRA target: one entry for a module, E for an expert parameter."""
+
+    name: str
+    experts: list[float]
+    total: float = field(init=False)    # ‖whole update‖_F = sqrt(Σ_e experts[e]²)
+
+    def __post_init__(self):
+        self.total = math.sqrt(sum(x * x for x in self.experts))
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One LoRA pair in the file: key prefix, display name, experts E, rank r, scaling s."""
+
+    prefix: str
+    name: str
+    experts: int
+    r: int
+    scaling: float
+
+
+def update_norms(lora_A: torch.Tensor, lora_B: torch.Tensor, experts: int,
+                 scaling: float) -> torch.Tensor:
+    """‖s·B_e·A_e‖_F for e < E, float64 [E], without forming any [out, in] product.
+
+    lora_A [r·E, in] (expert e: rows e·r:(e+1)·r); lora_B [out, r·E] in PEFT's column order
+    (column j·E + e is expert e's j-th). A module is E = 1.
+    """
+    if experts < 1 or lora_A.ndim != 2 or lora_B.ndim != 2 or lora_A.shape[0] % experts \
+            or lora_B.shape[1] != lora_A.shape[0]:
+        raise ValueError(f"expected lora_A [r·E, in] and lora_B [out, r·E] with E={experts}, "
+                         f"got {list(lora_A.shape)} and {list(lora_B.shape)}")
+    A, B = lora_A.detach().to(torch.float64), lora_B.detach().to(torch.float64)
+    r = A.shape[0] // experts
+    A3 = A.reshape(experts, r, A.shape[1])                  # [E, r, in]
+    B3 = B.reshape(B.shape[0], r, experts).permute(2, 0, 1)  # [E, out, r]
+    gram_A = A3 @ A3.transpose(1, 2)                        # [E, r, r]
+    gram_B = B3.transpose(1, 2) @ B3                        # [E, r, r]
+    # Σ of the product of two PSD matrices is ≥ 0; rounding may dip a zero just below it.
+    squares = (gram_A * gram_B).sum(dim=(1, 2)).clamp_min(0.0)   # [E]
+    return abs(scaling) * squares.sqrt()
+
+
+# --- reading the directory ---------------------------------------------------------------
+
+def _number(where: str, name: str, value, integer: bool = False):
+    """`value` if it is a positive int (`integer`) or a finite real; else AdapterError."""
+    ok = not isinstance(value, bool) and (
+        isinstance(value, int) and value > 0 if integer
+        else isinstance(value, int | float) and math.isfinite(value))
+    if not ok:
+        raise AdapterError(f"{where}: {name} is {value!r}, expected "
+                           + ("a positive int" if integer else "a finite number"))
+    return value
+
+
+def _read_config(dir: Path) -> dict:
+    """adapter_config.json, checked: a LoRA (not DoRA) config with usable r, alpha, patterns."""
+    if not dir.is_dir():
+        raise AdapterError(f"{dir}: no such directory")
+    path = dir / CONFIG_NAME
+    if not path.is_file():
+        raise AdapterError(f"{dir}: no {CONFIG_NAME}, so not a PEFT adapter directory")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    if config.get("peft_type") != "LORA":
+        raise AdapterError(f"{path}: peft_type is {config.get('peft_type')!r}, expected "
+                           f"'LORA' (only a LoRA adapter has s·B·A updates)")
+    if config.get("use_dora"):
+        raise AdapterError(f"{path}: use_dora is true; a DoRA update is not s·B·A")
+    _number(str(path), "r", config.get("r"), integer=True)
+    _number(str(path), "lora_alpha", config.get("lora_alpha"))
+    for key, integer in (("rank_pattern", True), ("alpha_pattern", False)):
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict):
+            raise AdapterError(f"{path}: {key} is {patterns!r}, expected an object")
+        for p, v in patterns.items():
+            _number(str(path), f"{key}[{p!r}]", v, integer)
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise AdapterError(f"{path}: {key} key {p!r} is not a regex ({e})") from None
+    params = config.get("target_parameters") or []
+    if not isinstance(params, list) or not all(isinstance(t, str) for t in params):
+        raise AdapterError(f"{path}: target_parameters is {params!r}, expected a list of "
+                           f"'module.param' strings or null")
+    return config
+
+
+def _pairs(keys: list[str], path: Path) -> tuple[list[str], list[str]]:
+    """The key prefixes holding a lora_A / lora_B pair, and the keys that are neither."""
+    a = {k[:-len(_A)] for k in keys if k.endswith("." + _A)}
+    b = {k[:-len(_B)] for k in keys if k.endswith("." + _B)}
+    for have, lack in ((a, b), (b, a)):
+        for p in sorted(have - lack):
+            key, other = (p + _A, p + _B) if have is a else (p + _B, p + _A)
+            raise AdapterError(f"{path}: {key} has no {other} beside it")
+    if not a:
+        raise AdapterError(f"{path}: no *.lora_A.weight / *.lora_B.weight tensors")
+    for p in sorted(a):
+        if not p.startswith(KEY_PREFIX):
+            raise AdapterError(f"{path}: {p}{_A} is not under {KEY_PREFIX!r} (PEFT's layout)")
+    ignored = sorted(k for k in keys if not k.endswith(("." + _A, "." + _B)))
+    return sorted(a), ignored
+
+
+def _shape(f, path: Path, key: str) -> list[int]:
+    """The shape of tensor `key` (read from the header only), which must be a matrix."""
+    shape = list(f.get_slice(key).get_shape())
+    if len(shape) != 2:
+        raise AdapterError(f"{path}: {key} has shape {shape}, expected a matrix (only "
+                           f"linear / parameter LoRA, not conv or embedding LoRA)")
+    return shape
+
+
+def _load(f, path: Path, key: str) -> torch.Tensor:
+    """Tensor `key` as float64; it must be a floating-point matrix with finite values."""
+    t = f.get_tensor(key)
+    if not t.is_floating_point():
+        raise AdapterError(f"{path}: {key} has dtype {t.dtype}, expected a floating-point type")
+    t = t.to(torch.float64)
+    if not torch.isfinite(t).all():
+        raise AdapterError(f"{path}: {key} holds NaN or Inf; the weights must be finite")
+    return t
+
+
+def _check_shapes(path: Path, t: _Target, a: list[int], b: list[int]) -> None:
+    """A [r·E, in] and B [out, r·E] for the target's r and E."""
+    rows = t.r * t.experts
+    if a[0] != rows:
+        raise AdapterError(f"{path}: {t.prefix}{_A} is {a}, expected {rows} rows "
+                           f"(r·E = {t.r}·{t.experts} for {t.name})")
+    if b[1] != rows:
+        raise AdapterError(f"{path}: {t.prefix}{_B} is {b}, expected {rows} columns "
+                           f"(as many as {_A} has rows)")
+
+
+# --- E, r and s of each pair: from our metadata ------------------------------------------
+
+def _metadata_targets(raw: str, path: Path, prefixes: list[str]) -> list[_Target]:
+    """The targets "minituner.targets" describes; it must describe exactly the file's pairs."""
+    where = f"{path}: metadata {METADATA_KEY}"
+    try:
+        entries = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"{where} is not valid JSON ({e})") from None
+    if not isinstance(entries, list):
+        raise AdapterError(f"{where} is a {type(entries).__name__}, expected a list")
+    targets = []
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or not {"prefix", "name", "experts", "r", "scaling"} <= set(e):
+            raise AdapterError(f"{where}[{i}] is {e!r}, expected an object with prefix, "
+                               f"name, experts, r, scaling")
+        at = f"{where}[{e['prefix']!r}]"
+        targets.append(_Target(str(e["prefix"]), str(e["name"]),
+                               _number(at, "experts", e["experts"], integer=True),
+                               _number(at, "r", e["r"], integer=True),
+                               float(_number(at, "scaling", e["scaling"]))))
+    described = [t.prefix for t in targets]
+    for p in described:
+        if p not in prefixes or described.count(p) > 1:
+            raise AdapterError(f"{where} names prefix {p!r} " + (
+                "twice" if p in prefixes else f"but the file has no {p}{_A}"))
+    for p in prefixes:
+        if p not in described:
+            raise AdapterError(f"{path}: {p}{_A} is not described in metadata {METADATA_KEY}")
+    return targets
+
+
+# --- E, r and s of each pair: from adapter_config.json, as PEFT does ----------------------
+
+def _targets_module(name: str, target_modules, path: Path) -> bool:
+    try:
+        return bool(target_modules) and matches(name, target_modules)
+    except re.error as e:
+        raise AdapterError(f"{path}: target_modules {target_modules!r} is not a regex "
+                           f"({e})") from None
+
+
+def _rank_alpha(config: dict, key: str) -> tuple[int, float]:
+    return (pattern_value(config.get("rank_pattern") or {}, key, config["r"]),
+            pattern_value(config.get("alpha_pattern") or {}, key, config["lora_alpha"]))
+
+
+def _scaling(config: dict, r: int, alpha: float) -> float:
+    return alpha / (math.sqrt(r) if config.get("use_rslora") else r)
+
+
+def _module_and_depth(prefix: str) -> tuple[str, int]:
+    """'base_model.model.m.base_layer.base_layer.' -> ('m', 2)."""
+    module, depth = prefix[len(KEY_PREFIX):-1], 0
+    while module.endswith(".base_layer"):
+        module, depth = module[:-len(".base_layer")], depth + 1
+    return module, depth
+
+
+def _param_keys(config: dict, module: str) -> list[str]:
+    """`module.param` for every target_parameters entry naming a parameter of `module`
+    (entry "experts.down_proj": module suffix "experts"; an entry without a dot: any)."""
+    keys = []
+    for entry in config.get("target_parameters") or []:
+        suffix, _, param = entry.rpartition(".")
+        if not suffix or module == suffix or module.endswith("." + suffix):
+            keys.append(f"{module}.{param}")
+    return list(dict.fromkeys(keys))
+
+
+def _config_targets(config: dict, prefixes: list[str], rows: dict[str, int],
+                    path: Path) -> list[_Target]:
+    """Targets of a file without our metadata: modules and expert parameters, grouped by the
+    module holding them (one prefix per nesting depth)."""
+    groups: dict[str, dict[int, str]] = {}
+    for p in prefixes:
+        module, depth = _module_and_depth(p)
+        groups.setdefault(module, {})[depth] = p
+    targets = []
+    for module, levels in groups.items():
+        keys = _param_keys(config, module)
+        nested = max(levels) > 0
+        if keys and (nested or not _targets_module(module, config.get("target_modules"), path)):
+            targets += _param_targets(config, module, levels, keys, rows, path)
+        elif nested:
+            raise AdapterError(f"{path}: {levels[max(levels)]}{_A} is nested in base_layer, "
+                               f"but no target_parameters entry names a parameter of {module}")
+        else:
+            r, alpha = _rank_alpha(config, module)
+            targets.append(_Target(levels[0], module, 1, r, _scaling(config, r, alpha)))
+    return targets
+
+
+def _param_targets(config: dict, module: str, levels: dict[int, str], keys: list[str],
+                   rows: dict[str, int], path: Path) -> list[_Target]:
+    """The expert-parameter targets of one module. Which parameter sits at which depth is the
+    model's registration order, not in the file: try every assignment of the candidate
+    parameters to the depths whose ranks divide the rows of A, preferring those that give
+    every depth the same E (one experts module); r and alpha must come out the same."""
+    depths = sorted(levels)
+    if len(depths) > len(keys):
+        raise AdapterError(f"{path}: {module} holds {len(depths)} nested LoRA pairs, but "
+                           f"target_parameters names only {keys} of its parameters")
+    cands = [(k, *_rank_alpha(config, k)) for k in keys]          # (key, r, alpha)
+    for d in depths:
+        n = rows[levels[d]]
+        if not any(n % r == 0 for _, r, _ in cands):
+            raise AdapterError(f"{path}: {levels[d]}{_A} has {n} rows, expected a multiple "
+                               f"of r = {' or '.join(sorted({str(r) for _, r, _ in cands}))} "
+                               f"(r / rank_pattern of {CONFIG_NAME} for {keys})")
+    fits = [a for a in itertools.permutations(cands, len(depths))
+            if all(rows[levels[d]] % c[1] == 0 for d, c in zip(depths, a, strict=True))]
+    same_e = [a for a in fits
+              if len({rows[levels[d]] // c[1] for d, c in zip(depths, a, strict=True)}) == 1]
+    fits = same_e or fits
+    targets = []
+    for i, d in enumerate(depths):
+        choices = {(a[i][1], a[i][2]) for a in fits}
+        if len(choices) != 1:
+            raise AdapterError(f"{path}: cannot tell r and alpha of {levels[d]}{_A} "
+                               f"({rows[levels[d]]} rows): {keys} fit as {sorted(choices)}")
+        (r, alpha), = choices
+        name = keys[0] if len(keys) == 1 and depths == [0] else f"{module}{_NESTED}{d}]"
+        targets.append(_Target(levels[d], name, rows[levels[d]] // r, r,
+                               _scaling(config, r, alpha)))
+    return targets
+
+
+def _natural(name: str) -> list:
+    """Sort key putting blocks.2 before blocks.10."""
+    return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", name)]
+
+
+def _read(dir: Path) -> tuple[list[TargetNorms], list[str]]:
+    """The norms of every target of the adapter in `dir`, and the tensor keys ignored."""
+    config = _read_config(dir)
+    path = dir / WEIGHTS_NAME
+    if not path.is_file():
+        found = sorted(p.name for p in dir.glob("adapter_model.*"))
+        raise AdapterError(f"{dir}: no {WEIGHTS_NAME}" + (
+            f" (found {found}; only safetensors are read, never pickle)" if found else ""))
+    try:
+        with safetensors.safe_open(str(path), "pt") as f:
+            prefixes, ignored = _pairs(list(f.keys()), path)
+            shapes = {k: _shape(f, path, k) for p in prefixes for k in (p + _A, p + _B)}
+            raw = (f.metadata() or {}).get(METADATA_KEY)
+            if raw is not None:
+                targets = _metadata_targets(raw, path, prefixes)
+            else:
+                rows = {p: shapes[p + _A][0] for p in prefixes}
+                targets = sorted(_config_targets(config, prefixes, rows, path),
+                                 key=lambda t: _natural(t.name))
+            for t in targets:
+                _check_shapes(path, t, shapes[t.prefix + _A], shapes[t.prefix + _B])
+            norms = [TargetNorms(t.name, update_norms(_load(f, path, t.prefix + _A),
+                                                      _load(f, path, t.prefix + _B),
+                                                      t.experts, t.scaling).tolist())
+                     for t in targets]
+    except safetensors.SafetensorError as e:
+        raise AdapterError(f"{path}: not a readable safetensors file ({e})") from None
+    return norms, ignored
+
+
+def adapter_norms(dir: str | Path) -> list[TargetNorms]:
+    """‖s·B_e·A_e‖_F of every target of the PEFT-format adapter in `dir`: in our metadata's
+    order, else by name. Raises AdapterError (a ValueError) naming the file and key."""
+    return _read(Path(dir))[0]
+
+
+def total_norm(source: str | Path | list[TargetNorms]) -> float:
+    """‖the adapter's whole update‖_F = sqrt(Σ over targets of total²), from a directory or
+    from `adapter_norms`' list."""
+    norms = source if isinstance(source, list) else adapter_norms(source)
+    return math.sqrt(sum(t.total ** 2 for t in norms))
+
+
+# --- text and figure ---------------------------------------------------------------------
+
+def _updates(norms: list[TargetNorms]) -> list[tuple[str, float]]:
+    """(label, norm) per update matrix: a module's, or one expert's as `name[e3]`."""
+    return [(t.name if len(t.experts) == 1 else f"{t.name}[e{e}]", x)
+            for t in norms for e, x in enumerate(t.experts)]
+
+
+def norms_table(norms: list[TargetNorms], top: int | None = None) -> str:
+    """One line per update, largest ‖s·B·A‖_F first (ties in file order); `top` keeps the
+    first `top` lines and says how many were left out."""
+    rows = sorted(_updates(norms), key=lambda row: -row[1])
+    shown = rows if top is None else rows[:top]
+    lines = [f"{'‖s·B·A‖_F':>11}  update"] + [f"{x:11.5g}  {label}" for label, x in shown]
+    if len(shown) < len(rows):
+        lines.append(f"{'':11}  … and {len(rows) - len(shown)} smaller")
+    return "\n".join(lines)
+
+
+def _markdown(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def _cell(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def _expert_grid(experts: list[TargetNorms]) -> str:
+    """expert projection | e0 … e(E-1), one row per expert target, then the column sums."""
+    E = max(len(t.experts) for t in experts)
+    rows = [[t.name] + [_cell(x) for x in t.experts] + [""] * (E - len(t.experts))
+            for t in experts]
+    sums = [sum(t.experts[e] for t in experts if e < len(t.experts)) for e in range(E)]
+    rows.append(["**sum**"] + [f"**{_cell(x)}**" for x in sums])
+    return _markdown(["expert projection"] + [f"e{e}" for e in range(E)], rows)
+
+
+def _block_split(name: str) -> tuple[str, str]:
+    """'blocks.3.attn.q_proj' -> ('3', 'attn.q_proj'): the first index, what follows it."""
+    parts = name.split(".")
+    i = next((i for i, p in enumerate(parts[:-1]) if p.isdigit()), None)
+    return ("", name) if i is None else (parts[i], ".".join(parts[i + 1:]))
+
+
+def _shortest(labels: list[str]) -> dict[str, str]:
+    """Each label cut to its last k dot-parts, for the smallest k that keeps them distinct."""
+    for k in range(1, max(len(s.split(".")) for s in labels) + 1):
+        short = {s: ".".join(s.split(".")[-k:]) for s in labels}
+        if len(set(short.values())) == len(short):
+            return short
+    return {s: s for s in labels}
+
+
+def _module_grid(modules: list[TargetNorms]) -> str:
+    """projection × block (b0, b1, …; '-' for a name without a block index)."""
+    cells = {_block_split(t.name): t.experts[0] for t in modules}
+    if len(cells) < len(modules):        # two names share a (block, projection): list them
+        return _markdown(["module", "‖s·B·A‖_F"], [[t.name, _cell(t.total)] for t in modules])
+    blocks = sorted({b for b, _ in cells}, key=lambda b: (b == "", int(b) if b else 0))
+    projs = list(dict.fromkeys(p for _, p in cells))
+    short = _shortest(projs)
+    head = "attention projection" if all("attn" in t.name for t in modules) else "module"
+    rows = [[short[p]] + [_cell(cells[b, p]) if (b, p) in cells else "" for b in blocks]
+            for p in projs]
+    return _markdown([head] + [f"b{b}" if b else "-" for b in blocks], rows)
+
+
+def grid(norms: list[TargetNorms]) -> str:
+    """Markdown: the expert targets × experts table (with a sum row), then the module targets
+    as projection × block, as in experiments/11-qlora-moe/REPORT.md."""
+    experts = [t for t in norms if len(t.experts) > 1]
+    modules = [t for t in norms if len(t.experts) == 1]
+    parts = ([_expert_grid(experts)] if experts else []) + (
+        [_module_grid(modules)] if modules else [])
+    return "\n\n".join(parts)
+
+
+def plot_norms(norms: list[TargetNorms], path: str | Path) -> None:
+    """A PNG: heatmap of expert targets × experts, bars for module targets; written atomically
+    (a temporary file beside `path`, then a rename). Agg canvas, no pyplot state."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    experts = [t for t in norms if len(t.experts) > 1]
+    modules = [t for t in norms if len(t.experts) == 1]
+    groups = [g for g in (experts, modules) if g]
+    if not groups:
+        raise ValueError("no targets to plot")
+    heights = [0.9 + 0.2 * len(g) for g in groups]
+    fig = Figure(figsize=(8, sum(heights) + 0.8))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(groups), 1, squeeze=False,
+                        gridspec_kw={"height_ratios": heights})[:, 0]
+    if experts:
+        _heatmap(fig, axes[0], experts)
+    if modules:
+        _bars(axes[-1], modules)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+
+
+def _heatmap(fig, ax, experts: list[TargetNorms]) -> None:
+    E = max(len(t.experts) for t in experts)
+    data = [t.experts + [math.nan] * (E - len(t.experts)) for t in experts]   # [targets, E]
+    im = ax.imshow(data, aspect="auto", cmap="magma", interpolation="nearest")
+    ax.set_yticks(range(len(experts)), [t.name for t in experts], fontsize=7)
+    ax.set_xticks(range(E))
+    ax.set(xlabel="expert", title="‖s·B_e·A_e‖_F per expert")
+    fig.colorbar(im, ax=ax)
+
+
+def _bars(ax, modules: list[TargetNorms]) -> None:
+    ax.barh(range(len(modules)), [t.total for t in modules], color="C0")
+    ax.set_yticks(range(len(modules)), [t.name for t in modules], fontsize=7)
+    ax.invert_yaxis()
+    ax.set(xlabel="‖s·B·A‖_F", title="module targets")
+
+
+# --- command line ------------------------------------------------------------------------
+
+def _summary(dir: Path, norms: list[TargetNorms]) -> str:
+    experts = [t for t in norms if len(t.experts) > 1]
+    n = sum(len(t.experts) for t in norms)
+    text = (f"{dir}: {n} updates in {len(norms)} LoRA targets "
+            f"({len(norms) - len(experts)} modules")
+    if experts:
+        sizes = "/".join(str(e) for e in sorted({len(t.experts) for t in experts}))
+        text += f", {len(experts)} expert parameters × {sizes} experts"
+    return text + ")"
+
+
+def _notes(norms: list[TargetNorms], ignored: list[str]) -> list[str]:
+    notes = []
+    if any(_NESTED in t.name for t in norms):
+        notes.append("a name ending [base_layer×d] is the parameter PEFT wrapped d levels deep; "
+                     "with n parameters of a module targeted, the i-th in the module's "
+                     "registration order sits at d = n-1-i (HF Mixtral experts: gate_up_proj "
+                     "×1, down_proj ×0); the file does not record that order")
+    if ignored:
+        notes.append(f"ignored {len(ignored)} tensors that are not lora_A / lora_B weights, "
+                     f"e.g. {ignored[0]}")
+    return notes
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m minituner.lora_norms",
+        description="‖s·B·A‖_F of every LoRA update in a PEFT-format adapter directory, per "
+                    "module and per expert, largest first.")
+    p.add_argument("dir", type=Path, help="adapter directory (adapter_config.json + "
+                                          "adapter_model.safetensors)")
+    p.add_argument("--plot", type=Path, metavar="PNG", help="also write a heatmap / bar chart")
+    p.add_argument("--grid", action="store_true",
+                   help="print markdown tables (targets × experts, projections × blocks) "
+                        "instead of the ranking")
+    p.add_argument("--top", type=int, metavar="N", help="print only the N largest updates")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CLI: 0 on success; 2 with a one-line `error:` on stderr for a bad argument or an
+    adapter this module cannot read."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:             # argparse has printed usage and the error
+        return e.code if isinstance(e.code, int) else 2
+    problem = ("--top must be at least 1" if args.top is not None and args.top < 1 else
+               "--top ranks the lines; --grid prints every target" if args.top and args.grid
+               else None)
+    try:
+        if problem:
+            raise AdapterError(problem)
+        norms, ignored = _read(args.dir)
+        if args.plot:
+            plot_norms(norms, args.plot)
+    except (AdapterError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not args.grid:
+        print(_summary(args.dir, norms))
+    print(grid(norms) if args.grid else norms_table(norms, args.top))
+    for note in _notes(norms, ignored):
+        print(f"note: {note}")
+    if args.plot:
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
