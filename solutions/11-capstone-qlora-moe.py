@@ -53,8 +53,11 @@
 # the notebook runs in <!-- runtime:11-capstone-qlora-moe -->about 23 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 
 # %%
+import json
 import logging
 import math
+import tempfile
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
@@ -81,6 +84,8 @@ from minituner import (  # noqa: E402
     wrap_lora,
 )
 from minituner.activations import saved_activation_bytes  # noqa: E402
+from minituner.adapters import save_adapter  # noqa: E402
+from minituner.lora_norms import adapter_norms, norms_table  # noqa: E402
 from minituner.qlora import wrap_minigpt_qlora  # noqa: E402
 
 torch.set_num_threads(1)   # small matrices: one thread is faster than several on a busy CPU
@@ -917,6 +922,32 @@ print(f"largest relative difference to the PyTorch path (output, dX, every LoRA 
 assert worst < 1e-4, "the Triton path disagrees with the PyTorch path"
 
 # %% [markdown]
+# ## Part G — Your adapter, out of the course
+#
+# `save_adapter` writes your model's adapters as Hugging Face PEFT does: attention LoRA under
+# `target_modules`; each expert projection under `target_parameters`, PEFT's form for a
+# stacked `[E, ·, ·]` weight. PEFT keeps expert e's rows of A where you do (`e·r:(e+1)·r`) but
+# orders B's columns expert-fastest (`j·E + e`), and nests the three projections of one
+# `MoEMLP` as `…mlp.base_layer.base_layer.lora_A.weight` (w_gate), `…mlp.base_layer.…` (w_up),
+# `…mlp.lora_A.weight` (w_down); the saver converts. `python -m minituner.lora_norms DIR`
+# reads any such folder (yours, or one PEFT wrote) and prints ‖s·B·A‖_F per module and per
+# expert from two r×r products, never building B·A. The cell saves your trained adapter,
+# reads it back, and compares with your `expert_lora_norms` from Part B.
+
+# %%
+adapter_dir = Path(tempfile.mkdtemp(prefix="capstone-adapter-"))
+save_adapter(mine_model, adapter_dir)
+saved_config = json.loads((adapter_dir / "adapter_config.json").read_text())
+print("saved to", adapter_dir)
+print("target_modules:", saved_config["target_modules"],
+      "| target_parameters:", saved_config["target_parameters"])
+saved_norms = {t.name: t.experts for t in adapter_norms(adapter_dir)}
+gap = max(abs(a - b) for name, v in mine_norms.items() for a, b in zip(v, saved_norms[name]))
+print(f"largest difference between your expert_lora_norms and the saved file's: {gap:.1e}")
+assert gap < 1e-4, "the saved adapter's norms disagree with expert_lora_norms"
+print(norms_table(adapter_norms(adapter_dir), top=6))
+
+# %% [markdown]
 # ## Where this ends
 #
 # You have composed QLoRA on a Mixture-of-Experts from your own parts: NF4 codes (Lab 02)
@@ -924,7 +955,9 @@ assert worst < 1e-4, "the Triton path disagrees with the PyTorch path"
 # expert (Lab 10), the routed forward and backward (Labs 07–09), trained it against the
 # reference and read which experts learned. `experiments/11-qlora-moe` runs the long version
 # (and a reward-weighted run on the model's own samples) and writes `REPORT.md`: compare its
-# curves, routing and norms with your forty steps.
+# curves, routing and norms with your forty steps; it saves every run's adapter as Part G
+# did (`adapter_qlora_moe/`), and `python -m minituner.lora_norms
+# experiments/11-qlora-moe/adapter_qlora_moe --grid` prints its report's tables from that file.
 #
 # ### Reflection
 #
@@ -941,6 +974,9 @@ assert worst < 1e-4, "the Triton path disagrees with the PyTorch path"
 # 5. Part E measured your model's bill beside the reference's. If they differ, which part
 #    differs and which line of your code holds the extra bytes? If they agree, what would a
 #    LoRA Function that saves `W` for its backward cost at Qwen3-30B-A3B's size?
+# 6. Part G's file stores B's columns expert-fastest (`j·E + e`) where your model blocks them
+#    by expert (`e·r + j`). Which layout lets a kernel read one expert's B as one contiguous
+#    slice, and why can the file use the other without costing a kernel anything?
 
 # %% [markdown] tags=["instructor"]
 # **Sample answers (instructors only; this cell is not in the learners' notebook).**

@@ -335,7 +335,10 @@ def write_report(metrics: dict, cfg: dict, ctx: RunContext) -> None:
         f"temperature 1. The reward is `{cfg['reward']}` unless a run names another. "
         f"GRPO runs {g['steps']} iterations of {g['prompts_per_step']} prompts × "
         f"{g['group_size']} samples, one AdamW step each at lr {g['lr']}. Times are wall "
-        "seconds of training and sampling on the recording machine (the manifest's env).")
+        "seconds of training and sampling on the recording machine (the manifest's env). "
+        "Each run's final adapter is in `adapter_<run>_<model>/` (PEFT format, expert LoRA "
+        "as `target_parameters`, hashed in the manifest); `python -m minituner.lora_norms` "
+        "prints how far each of its modules and experts moved.")
     shares_intro = paragraph(
         "Share of the training weight per task in the reward-weighted runs (dense; the warm "
         f"start's own samples of {cfg['rw']['prompts']} `{held}` prompts and as many "

@@ -393,7 +393,8 @@ def _markdown(head: list[str], rows: list[list[str]]) -> str:
 
 
 def _cell(x: float) -> str:
-    return f"{x:.3g}"
+    """Three significant digits, trailing zeros kept (3.50, 34.0, 123)."""
+    return f"{x:#.3g}".rstrip(".")
 
 
 def _expert_grid(experts: list[TargetNorms]) -> str:

@@ -233,13 +233,13 @@ def test_grid_is_experts_then_projections_by_block():
     assert grid(NORMS) == "\n".join([
         "| expert projection | e0 | e1 |",
         "|---|---|---|",
-        "| blocks.0.mlp.w_gate | 1 | 2.5 |",
-        "| **sum** | **1** | **2.5** |",
+        "| blocks.0.mlp.w_gate | 1.00 | 2.50 |",
+        "| **sum** | **1.00** | **2.50** |",
         "",
         "| attention projection | b0 | b1 |",
         "|---|---|---|",
-        "| q_proj | 0.5 | 3 |",
-        "| v_proj |  | 0.25 |",
+        "| q_proj | 0.500 | 3.00 |",
+        "| v_proj |  | 0.250 |",
     ])
 
 
