@@ -1012,3 +1012,10 @@ print(norms_table(adapter_norms(adapter_dir), top=6))
 #    K·N·4 bytes per attention projection until the backward; at Qwen3-30B-A3B's size (48
 #    layers, four attention projections each) that is several GB of float32 weights for one
 #    step, on top of a 4-bit base whose whole point was not to hold them.
+# 6. Blocked by expert (`e·r + j`, the model's layout): expert e's B is the contiguous column
+#    slice `e·r:(e+1)·r`, so the fused kernel reads the columns of the expert a tile belongs to
+#    as one block, and the compact path (`index_select` of the active experts) gathers whole
+#    slices. The file is read once at load time: `from_peft_B` is one reshape–transpose of a
+#    `[out, r·E]` tensor, a permutation that costs one copy of the (small) factor and nothing
+#    per step. PEFT's expert-fastest order suits its own einsum, which folds all experts into
+#    one delta weight; either order holds the same numbers.

@@ -8,7 +8,9 @@ autograd and expert LoRA as one `ExpertLoRA` value) behind
 `MoEMLP(backend="triton")`; frozen NF4 experts (`NF4Experts`, `nf4_parallel_linear`) that
 dequantize only the experts with tokens; expert LoRA fused into the kernels
 (`scatter2scatter_lora`, `group_bwd_lora`) or split, and `attach_expert_lora` to put it on a
-`MoEMLP` over a float or an NF4 base. See BLUEPRINT.md.
+`MoEMLP` over a float or an NF4 base; `minimoe.hf` for Hugging Face MoE blocks (their
+weights into a `MoEMLP`, their experts through the dispatch with expert LoRA). See
+BLUEPRINT.md.
 """
 
 from . import reference

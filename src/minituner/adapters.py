@@ -341,9 +341,21 @@ def save_adapter(model: nn.Module, dir: str | Path,
                 "scaling": e.scaling} for e in entries]
     dir = Path(dir)
     with atomic_path(dir / CONFIG_NAME) as cfg_tmp, atomic_path(dir / WEIGHTS_NAME) as w_tmp:
-        safetensors.torch.save_file(tensors, str(w_tmp), metadata={
-            "format": "pt", METADATA_KEY: json.dumps(targets)})
+        w_tmp.write_bytes(_safetensors_bytes(tensors, {"format": "pt",
+                                                       METADATA_KEY: json.dumps(targets)}))
         cfg_tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _safetensors_bytes(tensors: dict, metadata: dict) -> bytes:
+    """A safetensors file whose bytes depend on the tensors and metadata alone. safetensors
+    writes `__metadata__` from a hash map, so with two entries their order (and the file's
+    sha256) changes from process to process; the header is re-written with sorted keys. The
+    tensors' offsets are relative to the data after the header, so they stay valid."""
+    raw = safetensors.torch.save(tensors, metadata=metadata)
+    n = int.from_bytes(raw[:8], "little")
+    header = json.dumps(json.loads(raw[8:8 + n]), sort_keys=True, separators=(",", ":"))
+    header += " " * (-len(header) % 8)             # the format pads the header to 8 bytes
+    return len(header).to_bytes(8, "little") + header.encode() + raw[8 + n:]
 
 
 # --- loading ----------------------------------------------------------------------------------

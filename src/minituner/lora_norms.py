@@ -381,7 +381,7 @@ def norms_table(norms: list[TargetNorms], top: int | None = None) -> str:
     first `top` lines and says how many were left out."""
     rows = sorted(_updates(norms), key=lambda row: -row[1])
     shown = rows if top is None else rows[:top]
-    lines = [f"{'‖s·B·A‖_F':>11}  update"] + [f"{x:11.5g}  {label}" for label, x in shown]
+    lines = [f"{'‖s·B·A‖_F':>11}  update"] + [f"{x:11.4f}  {label}" for label, x in shown]
     if len(shown) < len(rows):
         lines.append(f"{'':11}  … and {len(rows) - len(shown)} smaller")
     return "\n".join(lines)

@@ -291,3 +291,19 @@ def test_environment_fields():
 
 def test_git_state_outside_a_repo(tmp_path):
     assert git_state(tmp_path) == {"commit": "unknown", "dirty": True}
+
+
+def test_artifact_files_records_every_file_of_a_folder(tmp_path):
+    from labkit import RunContext
+    ctx = RunContext(exp_dir=tmp_path, out_dir=tmp_path)
+    (tmp_path / "adapter" / "sub").mkdir(parents=True)
+    for name in ("b.json", "a.safetensors", "sub/c.bin"):
+        (tmp_path / "adapter" / name).write_text(name)
+    assert ctx.artifact_files("adapter") == ["adapter/a.safetensors", "adapter/b.json",
+                                             "adapter/sub/c.bin"]
+    assert ctx.artifacts == ["adapter/a.safetensors", "adapter/b.json", "adapter/sub/c.bin"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no file"):
+        ctx.artifact_files("empty")
+    with pytest.raises(ManifestError, match="climbs out|relative"):
+        ctx.artifact_files("../elsewhere")

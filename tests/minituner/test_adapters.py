@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -343,12 +344,12 @@ def test_failed_save_leaves_nothing_half_written(base, saved, monkeypatch):
     before = {p.name: p.read_bytes() for p in dir.iterdir()}
     wrap_lora(base, ["q_proj", "v_proj"], r=4, alpha=8.0)
 
-    def broken(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:                       # a torn write, then the error
-            f.write(b"partial")
+    def broken(path, data):
+        with open(path, "wb") as f:                           # a torn write, then the error
+            f.write(data[:7])
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    monkeypatch.setattr(Path, "write_bytes", broken)
     with pytest.raises(OSError, match="disk full"):
         save_adapter(base, dir)                               # over an existing adapter
     assert {p.name: p.read_bytes() for p in dir.iterdir()} == before

@@ -4,7 +4,11 @@ loading into a QLoRA model, part of the projections, and the metadata lora_norms
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import safetensors
@@ -169,3 +173,24 @@ def test_bad_rank_pattern_named(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"rank_pattern\['q_proj'\] must be a positive int"):
         load_adapter(minigpt(), tmp_path)
+
+
+def test_saved_bytes_do_not_depend_on_the_process(tmp_path):
+    """safetensors orders `__metadata__` by a per-process hash: the adapter file must not."""
+    script = ("import sys, torch\n"
+              "from peft_roundtrip import minigpt, randomize_B\n"
+              "from minituner import save_adapter, wrap_lora\n"
+              "m = minigpt()\n"
+              "wrap_lora(m, ['q_proj'], r=2, alpha=4, target_parameters=['w_down'])\n"
+              "randomize_B(m)\n"
+              "save_adapter(m, sys.argv[1])\n")
+    tests = str(Path(__file__).resolve().parent)
+    digests = set()
+    for i in range(6):            # an unsorted header matches 6 times in a row 1 time in 32
+        out = tmp_path / f"a{i}"
+        subprocess.run([sys.executable, "-c", script, str(out)], check=True,
+                       env={**os.environ, "PYTHONPATH": tests, "PYTHONHASHSEED": "random"})
+        digests.add((out / "adapter_model.safetensors").read_bytes())
+    assert len(digests) == 1
+    with safetensors.safe_open(tmp_path / "a0" / "adapter_model.safetensors", "pt") as f:
+        assert f.metadata()["format"] == "pt"

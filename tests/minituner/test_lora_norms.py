@@ -222,9 +222,9 @@ NORMS = [TargetNorms("blocks.0.mlp.w_gate", [1.0, 2.5]),
 def test_norms_table_is_sorted_largest_first():
     assert norms_table(NORMS, top=3).splitlines() == [
         "  ‖s·B·A‖_F  update",
-        "          3  blocks.1.attn.q_proj",
-        "        2.5  blocks.0.mlp.w_gate[e1]",
-        "          1  blocks.0.mlp.w_gate[e0]",
+        "     3.0000  blocks.1.attn.q_proj",
+        "     2.5000  blocks.0.mlp.w_gate[e1]",
+        "     1.0000  blocks.0.mlp.w_gate[e0]",
         "             … and 2 smaller",
     ]
 
