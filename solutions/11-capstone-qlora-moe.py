@@ -942,7 +942,7 @@ print("saved to", adapter_dir)
 print("target_modules:", saved_config["target_modules"],
       "| target_parameters:", saved_config["target_parameters"])
 saved_norms = {t.name: t.experts for t in adapter_norms(adapter_dir)}
-gap = max(abs(a - b) for name, v in mine_norms.items() for a, b in zip(v, saved_norms[name]))
+gap = max(abs(a - b) for name, v in mine_norms.items() for a, b in zip(v, saved_norms[name], strict=True))
 print(f"largest difference between your expert_lora_norms and the saved file's: {gap:.1e}")
 assert gap < 1e-4, "the saved adapter's norms disagree with expert_lora_norms"
 print(norms_table(adapter_norms(adapter_dir), top=6))
