@@ -932,7 +932,7 @@ assert worst < 1e-4, "the Triton path disagrees with the PyTorch path"
 # `…mlp.lora_A.weight` (w_down); the saver converts. `python -m minituner.lora_norms DIR`
 # reads any such folder (yours, or one PEFT wrote) and prints ‖s·B·A‖_F per module and per
 # expert from two r×r products, never building B·A. The cell saves your trained adapter,
-# reads it back, and compares with your `expert_lora_norms` from Part B.
+# reads it back, and compares with your `expert_lora_norms` (Part B) of the same model.
 
 # %%
 adapter_dir = Path(tempfile.mkdtemp(prefix="capstone-adapter-"))
@@ -942,7 +942,9 @@ print("saved to", adapter_dir)
 print("target_modules:", saved_config["target_modules"],
       "| target_parameters:", saved_config["target_parameters"])
 saved_norms = {t.name: t.experts for t in adapter_norms(adapter_dir)}
-gap = max(abs(a - b) for name, v in mine_norms.items() for a, b in zip(v, saved_norms[name], strict=True))
+yours = expert_lora_norms(mine_model)      # now: Part E's bill took one AdamW step on it
+gap = max(abs(a - b) for name, v in yours.items()
+          for a, b in zip(v, saved_norms[name], strict=True))
 print(f"largest difference between your expert_lora_norms and the saved file's: {gap:.1e}")
 assert gap < 1e-4, "the saved adapter's norms disagree with expert_lora_norms"
 print(norms_table(adapter_norms(adapter_dir), top=6))

@@ -73,10 +73,14 @@ def _check_targets(name: str, targets) -> None:
 
 
 def _select(model: nn.Module, target_modules: str | Sequence[str]) -> list[str]:
-    """The linear layers `target_modules` names; a module it names that is not one is an error
-    saying why (never a silent skip)."""
+    """The linear layers `target_modules` names. A regex string is a filter over the linear
+    layers (it also matches containers such as `blocks.1`, which hold the layers it means);
+    a suffix in a list names modules one by one, and one that is not a linear layer is an
+    error saying why and what to name instead (never a silent skip)."""
     _check_targets("target_modules", target_modules)
-    named = [(n, m) for n, m in module_slots(model).items() if matches(n, target_modules)]
+    by_name = not isinstance(target_modules, str)
+    named = [(n, m) for n, m in module_slots(model).items() if matches(n, target_modules)
+             and (by_name or isinstance(m, (LoRALinear, *LINEAR_TYPES)))]
     bad = [unsupported(model, n, m) for n, m in named
            if not isinstance(m, (LoRALinear, *LINEAR_TYPES))]
     if bad:
