@@ -1,12 +1,20 @@
 # MiniQLoRA-MoE Labs. Every target creates .venv first if it is missing or out of date.
+# Without make (Windows): each target's `python -m labkit ...` equivalent is in the README.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
-PY := $(VENV)/bin/python
+# INSTALLER=uv|pip (default: uv when it is on PATH); TORCH=cpu takes torch from PyTorch's
+# CPU-only index (smaller than the CUDA build PyPI serves on Linux). See scripts/venv.py.
+INSTALLER ?= auto
+TORCH ?= auto
+ifeq ($(OS),Windows_NT)
+BIN := $(VENV)/Scripts
+else
+BIN := $(VENV)/bin
+endif
+PY := $(BIN)/python
 STAMP := $(VENV)/.installed
-# torch's version is pinned in constraints.txt alone; it is read here for the torch-first install.
-TORCH := $(shell grep -m1 '^torch==' constraints.txt)
-export PATH := $(abspath $(VENV))/bin:$(PATH)
+export PATH := $(abspath $(BIN)):$(PATH)
 
 EXP ?= experiments/00-pretrain-base
 SUBMISSIONS ?= submissions
@@ -22,20 +30,14 @@ MODE ?= learner
 
 venv: $(STAMP)
 
-# torch first and pinned, so that nothing later can pull a CUDA build onto a CPU machine.
-$(STAMP): pyproject.toml constraints.txt
-	@echo "== setting up $(VENV) =="
-	@test -n "$(TORCH)" || { echo "constraints.txt has no torch==VERSION line"; exit 1; }
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
-	@touch $@
+$(STAMP): pyproject.toml uv.lock constraints.txt scripts/venv.py
+	$(PYTHON) scripts/venv.py --installer $(INSTALLER) --torch $(TORCH) --venv $(VENV)
 
 lab: $(STAMP)  ## copy each lab to work/ (once; never overwritten), serve JupyterLab [MODE=instructor]
 	$(PY) -m labkit lab --mode $(MODE) $(LAB_ARGS)
 
 test: $(STAMP)  ## everything CI runs: lint, unit tests, notebooks pipeline, experiments
-	$(VENV)/bin/ruff check src tests solutions experiments benchmarks
+	$(PY) -m ruff check src tests solutions experiments benchmarks
 	$(PY) -m pytest --durations=15
 
 test-fast: $(STAMP)  ## unit tests only (no notebooks, no experiment re-runs)
@@ -75,12 +77,14 @@ mine: $(STAMP)  ## which of your saved lab pieces `use("mine")` runs in the caps
 	$(PY) -m labkit mine
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests solutions experiments benchmarks
+	$(PY) -m ruff check src tests solutions experiments benchmarks
 
-lock: $(STAMP)  ## re-freeze constraints.txt from the current .venv
-	{ echo "# Exact versions the course is tested with (pip freeze of a fresh .venv, CPU machine)."; \
+lock: $(STAMP)  ## (course developers) re-resolve uv.lock from PyPI and export it to constraints.txt
+	$(PY) -m uv lock --no-config
+	{ echo "# pip's view of uv.lock: the exact versions of every platform, with markers (uv export)."; \
 	  echo "# Regenerate with: make lock"; \
-	  $(PY) -m pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; } > constraints.txt.tmp
+	  $(PY) -m uv export --no-config --frozen --extra dev --no-hashes --no-emit-project \
+	    --no-header --no-annotate; } > constraints.txt.tmp
 	mv constraints.txt.tmp constraints.txt
 
 clean:
