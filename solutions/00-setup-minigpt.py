@@ -29,12 +29,27 @@
 # test cell: run it, and if it fails, read the message — it says what was expected and what
 # your code returned. The test cells you see are not all of the tests: grading runs more
 # (hidden) checks of the same specification, so make your function right, not just green.
-# Nothing here trains a model, and nothing needs a GPU: the whole notebook runs in
-# <!-- runtime:00-setup-minigpt -->about 5 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
+# Nothing here trains a model, and nothing needs a GPU: the whole notebook
+# runs in <!-- runtime:00-setup-minigpt -->about 5 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 #
 # Each exercise states its **specification** first: the inputs, the output, the rules that
 # matter and what is off-limits. That is enough to solve it. Below it, folded **hints** go
 # from the idea to pseudocode; open them when you want them, one at a time.
+
+# %%
+# Colab only (anywhere else this cell does nothing): fetch the course, install what Colab
+# lacks while keeping its torch (scripts/hosted.py says what and why), import from the clone.
+import sys
+
+if "google.colab" in sys.modules:
+    import os
+    import subprocess
+
+    if not os.path.isdir("/content/miniqlora-moe-labs"):
+        subprocess.run(["git", "clone", "--depth", "1", "https://github.com/miniqlora-moe/miniqlora-moe-labs", "/content/miniqlora-moe-labs"], check=True)
+    subprocess.run([sys.executable, "/content/miniqlora-moe-labs/scripts/hosted.py"], check=True)
+    sys.path.insert(0, "/content/miniqlora-moe-labs/src")
+    os.chdir("/content/miniqlora-moe-labs")
 
 # %%
 import hashlib

@@ -57,12 +57,31 @@
 # runs in <!-- runtime:12-grpo -->about 9 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 
 # %%
+# Colab only (anywhere else this cell does nothing): fetch the course, install what Colab
+# lacks while keeping its torch (scripts/hosted.py says what and why), import from the clone.
+import sys
+
+if "google.colab" in sys.modules:
+    import os
+    import subprocess
+
+    if not os.path.isdir("/content/miniqlora-moe-labs"):
+        subprocess.run(["git", "clone", "--depth", "1", "https://github.com/miniqlora-moe/miniqlora-moe-labs", "/content/miniqlora-moe-labs"], check=True)
+    subprocess.run([sys.executable, "/content/miniqlora-moe-labs/scripts/hosted.py"], check=True)
+    sys.path.insert(0, "/content/miniqlora-moe-labs/src")
+    os.chdir("/content/miniqlora-moe-labs")
+
+# %%
 import math
 import os
 import time
 import warnings
 
 import torch
+
+from labkit.course.harness import require_triton  # noqa: E402
+
+require_triton("12-grpo")   # no triton (its wheels are Linux-only): say where to run
 
 # The interpreter must be chosen before triton is imported (see Lab 03): @triton.jit decides
 # at decoration time whether a function is compiled or interpreted.

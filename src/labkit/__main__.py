@@ -175,10 +175,11 @@ def _mine(args) -> int:
 
 def _times(args) -> int:
     from .course.build import lab_names
-    from .course.runtimes import TABLE, measure, problems, write
+    from .course.runtimes import TABLE, measure, problems, require_inline_markers, write
 
     root = Path(args.root).resolve()
     labs = args.labs or lab_names(root)
+    require_inline_markers(root)             # before minutes of measuring, not after
     table = None if args.fill else measure(root, labs, repeat=args.repeat)
     if table is not None and args.labs:      # a partial run updates those labs only
         old = json.loads((root / TABLE).read_text())

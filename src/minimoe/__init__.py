@@ -11,7 +11,15 @@ dequantize only the experts with tokens; expert LoRA fused into the kernels
 `MoEMLP` over a float or an NF4 base; `minimoe.hf` for Hugging Face MoE blocks (their
 weights into a `MoEMLP`, their experts through the dispatch with expert LoRA). See
 BLUEPRINT.md.
+
+`import minimoe` needs no triton (wheels for Linux only) and sets no environment variable:
+the Triton kernels (`minimoe.kernels`) load at their first launch, or at the first access of
+`minimoe.kernels`, and only then is triton imported, with its interpreter chosen on a machine
+without CUDA. Without triton the torch backend works and a launch raises
+`TritonUnavailableError`.
 """
+
+import importlib
 
 from . import reference
 from .experts import ExpertLinear
@@ -34,6 +42,13 @@ from .routing import (
     update_selection_bias,
 )
 from .sort import Routing, flatten_sort_count
+
+
+def __getattr__(name: str):
+    if name == "kernels":                  # the kernel module, as `minimoe.kernels.…`
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["ExpertLinear", "ExpertLoRA", "MoEMLP", "NF4Experts", "NonFiniteLogitsError",
            "Routing", "attach_expert_lora",

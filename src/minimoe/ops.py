@@ -11,6 +11,10 @@ them to no register spills. Float32 products are exact ("ieee") unless the calle
 TF32 the way PyTorch's own matmuls are allowed it, `torch.set_float32_matmul_precision("high")`
 (or "medium"); the interpreter always computes in float32.
 
+The kernels (kernels.py) load at the first launch, when `_kernels()` imports them: that
+imports triton (choosing its interpreter without CUDA), so `import minimoe` needs no triton and
+sets nothing; without triton a launch raises `TritonUnavailableError`.
+
 Index values: called alone, a launcher checks the index values it reads (in range, sorted,
 a permutation, consistent offsets) with one host sync. `trusted=True` skips that look: the
 caller vouches that the indices come from a validated `sort.Routing` (`parallel_linear`
@@ -21,13 +25,14 @@ always checked (no sync).
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 
 import torch
 
-from miniquant.triton_env import not_on_cuda, triton
+from miniquant.triton_env import not_on_cuda
 
-from . import kernels, sort
+from . import sort
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -37,8 +42,17 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @functools.cache
+def _kernels():
+    """minimoe.kernels, imported at the first launch (which imports triton, or raises
+    TritonUnavailableError without it; a failure is not cached)."""
+    return importlib.import_module(".kernels", __package__)
+
+
+@functools.cache
 def _autotuned(name: str, bits: int, aligned: bool):
     """kernels.`name` autotuned over kernels.configs(name, bits, aligned) (on first use)."""
+    kernels = _kernels()
+    triton = kernels.triton
     configs = [triton.Config({k: v for k, v in c.items() if k.startswith("BLOCK_")},
                              num_warps=c["num_warps"], num_stages=c["num_stages"])
                for c in kernels.configs(name, bits, aligned)]
@@ -48,6 +62,7 @@ def _autotuned(name: str, bits: int, aligned: bool):
 def _launch(name: str, grid: Callable[[dict], tuple], dtype: torch.dtype, *args, **consts):
     """Launch kernels.`name` on grid(meta) (meta: the BLOCK_* sizes chosen): autotuned on a
     GPU, the interpreter's fixed configuration otherwise."""
+    kernels = _kernels()
     if kernels.interpreting():
         meta = kernels.INTERPRETER_CONFIG[name]
         kernels.KERNELS[name][grid(meta)](*args, **consts, **meta)
@@ -66,7 +81,8 @@ def aligned(names: list[str], args: tuple) -> bool:
 
 def _precision(dtype: torch.dtype) -> str:
     """tl.dot's input_precision: "tf32" for float32 when PyTorch's matmuls may use it."""
-    allowed = torch.get_float32_matmul_precision() != "highest" and not kernels.interpreting()
+    interpreting = _kernels().interpreting()
+    allowed = torch.get_float32_matmul_precision() != "highest" and not interpreting
     return "tf32" if dtype == torch.float32 and allowed else "ieee"
 
 
@@ -100,7 +116,7 @@ def _check_float(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
     if t.dtype not in DTYPES:
         raise ValueError(f"{name} must be one of {DTYPES}, got {t.dtype}")
-    if kernels.interpreting():
+    if _kernels().interpreting():
         if t.dtype != torch.float32:
             raise ValueError(f"{name} is {t.dtype}, but the Triton interpreter is float32-only")
     elif t.device.type != "cuda":
@@ -230,13 +246,14 @@ def _scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_group
     Y = torch.empty(M, N, dtype=X.dtype, device=X.device)                  # [M, N]
     if M == 0:
         return Y
-    start, end = expert_tiles(sei, E, kernels.TILE_M)
+    tile_m = _kernels().TILE_M
+    start, end = expert_tiles(sei, E, tile_m)
     _launch("scatter2scatter", lambda meta: (start.shape[0], _cdiv(N, meta["BLOCK_N"])),
             X.dtype, X, W, Y, sei, ssi, start, end, K, N, X.stride(0), X.stride(1),
             W.stride(0), W.stride(1), W.stride(2), Y.stride(0), Y.stride(1),
             A, B, r, scaling, A.stride(0), A.stride(1), B.stride(0), B.stride(1),
             FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped, HAS_LORA=lora is not None,
-            PRECISION=_precision(X.dtype), BLOCK_M=kernels.TILE_M,
+            PRECISION=_precision(X.dtype), BLOCK_M=tile_m,
             BLOCK_R=_rank_block(max(r, 1)))
     return Y
 

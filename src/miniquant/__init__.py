@@ -6,9 +6,12 @@ bitsandbytes itself is imported only when those two functions are called), Quant
 and quantize_model (linear), and the Triton dequantization kernels, whole or per expert
 (triton_dequant). See BLUEPRINT.md.
 
-`import miniquant` leaves the environment alone: the Triton names are loaded on first use
-(module `__getattr__`), and only then does `miniquant.triton_env` choose Triton's interpreter
-on a machine without CUDA (the one place that sets `TRITON_INTERPRET`).
+`import miniquant` leaves the environment alone and needs no triton (which has wheels for
+Linux only): the Triton names are loaded on first use (module `__getattr__`), and their
+kernel at its first launch, when `miniquant.triton_env` imports triton, choosing Triton's
+interpreter on a machine without CUDA (the one place that sets `TRITON_INTERPRET`). Without
+triton the names still resolve (a lab may switch them off by name); a launch raises
+`TritonUnavailableError`.
 """
 
 import importlib
@@ -24,7 +27,7 @@ from .intquant import (
 from .linear import QuantizedLinear, quantize_model
 from .nf4 import NF4_CODE, NF4Weight, dequantize_nf4, nf4_bytes, nf4_codebook, quantize_nf4
 
-# Loaded on first access, so that importing the package does not import triton.
+# Loaded on first access: the Triton launchers (their kernel loads at the first launch).
 _TRITON_NAMES = {"selective_dequantize_nf4": "triton_dequant",
                  "triton_dequantize_nf4": "triton_dequant"}
 

@@ -4,14 +4,40 @@ bitsandbytes is a test dependency, not a runtime one: it is imported inside the 
 so `import miniquant` works without it. The bytes need no conversion (our packed layout is
 theirs); only the container differs: they shape the packed codes [ceil(n/2), 1] and keep
 the scales in a `QuantState`, nested in a second QuantState under double quantization.
+
+`quiet_bitsandbytes()` drops, at its logger, the one warning bitsandbytes 0.50 logs at import
+on a CPU with AVX512-BF16 ("Failed to load CPU gemm_4bit_forward from kernels-community"):
+it looks for an optional package of faster CPU kernels that nothing here needs. `to_bnb`
+calls it before importing bitsandbytes; so does the kernel of `make check` (labkit.course).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from .dynamic import DYNAMIC_CODE
 from .nf4 import NESTED_BLOCKSIZE, NF4_CODE, NF4Weight
+
+CPU_KERNEL_LOGGER = "bitsandbytes.backends.cpu.ops"
+CPU_KERNEL_WARNING = "Failed to load CPU gemm_4bit_forward"
+
+
+class _NoCpuKernelWarning(logging.Filter):
+    """Drops the record that starts with CPU_KERNEL_WARNING; passes every other one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(CPU_KERNEL_WARNING)
+
+
+_NO_CPU_KERNEL_WARNING = _NoCpuKernelWarning()
+
+
+def quiet_bitsandbytes() -> None:
+    """Drop bitsandbytes' warning about its optional CPU kernel package (see the module
+    docstring); call it before bitsandbytes is imported. Adding it twice is a no-op."""
+    logging.getLogger(CPU_KERNEL_LOGGER).addFilter(_NO_CPU_KERNEL_WARNING)
 
 
 def to_bnb(q: NF4Weight):
@@ -19,6 +45,7 @@ def to_bnb(q: NF4Weight):
 
     `bitsandbytes.functional.dequantize_4bit(*to_bnb(q))` dequantizes it with their kernels.
     """
+    quiet_bitsandbytes()
     from bitsandbytes.functional import QuantState
 
     common = dict(shape=q.shape, dtype=q.dtype, blocksize=q.blocksize, quant_type="nf4",

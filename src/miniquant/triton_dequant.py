@@ -1,5 +1,11 @@
 """Triton NF4 dequantization: the whole weight, or only the experts a batch routed to (Lab 03).
 
+This module checks, allocates and launches; the kernel itself is in dequant_kernel.py, which
+imports triton and is imported at the first launch, so that this module (and with it
+`NF4Experts`' PyTorch path, `selective_dequantize_nf4_torch`) works without triton. There a
+launch raises `triton_env.TritonUnavailableError`. `_nf4_dequant_kernel` is reachable here
+too (module `__getattr__`), loading the kernel module on first access.
+
 An `NF4Weight` of n elements holds `packed` (ceil(n/2) uint8, bitsandbytes' order: element 2i
 in the high nibble of byte i, element 2i+1 in the low nibble, an odd count padded) and one
 float32 scale (`absmax`) per block of `blocksize` consecutive row-major elements:
@@ -33,15 +39,15 @@ experts, so a neighbour's group scale may be read, never its codes) and the offs
 Running on a CPU: the Triton interpreter. `triton.jit` decides at *decoration* time whether
 a function becomes a compiled `JITFunction` or an `InterpretedFunction`, by reading
 `triton.knobs.runtime.interpret`, which (triton 3.x) reads the environment variable
-`TRITON_INTERPRET` at each access. So `miniquant.triton_env` (where this module gets triton)
-sets `TRITON_INTERPRET=1` when no CUDA device is present and the variable is unset, before
-it imports triton, and the kernel is interpreted even if triton was imported earlier by
+`TRITON_INTERPRET` at each access. So `miniquant.triton_env` (where the kernel module gets
+triton) sets `TRITON_INTERPRET=1` when no CUDA device is present and the variable is unset,
+before it imports triton, and the kernel is interpreted even if triton was imported earlier by
 something else. What that cannot fix: the helpers in `triton.language.standard`
 (`tl.interleave`, `tl.cdiv`, `tl.sum`, `tl.sigmoid`, ...) are themselves `@triton.jit`
 functions, decorated when triton was first imported; if that happened with the variable
 unset they stay compiled, and calling one from an interpreted kernel fails with "Cannot call
-@triton.jit'd outside of the scope of a kernel" (seen with triton 3.9). The kernel below
-therefore uses builtins only (`tl.join` + `tl.reshape` rather than `tl.interleave`), and
+@triton.jit'd outside of the scope of a kernel" (seen with triton 3.9). The kernel therefore
+uses builtins only (`tl.join` + `tl.reshape` rather than `tl.interleave`), and
 runs whichever module imported triton first; the tests check this in a fresh process. An
 explicit `TRITON_INTERPRET` (0 or 1) is always respected; note that setting it affects every
 kernel decorated afterwards in the process, which on a machine without CUDA is the only way
@@ -56,12 +62,13 @@ conversion.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
 from .dynamic import DYNAMIC_CODE
 from .nf4 import NESTED_BLOCKSIZE, NF4_CODE, NF4_DTYPES, NF4Weight
-from .triton_env import interpreted, not_on_cuda, tl, triton
+from .triton_env import not_on_cuda
 
 __all__ = ["selective_dequantize_nf4", "triton_dequantize_nf4"]
 
@@ -70,68 +77,6 @@ __all__ = ["selective_dequantize_nf4", "triton_dequantize_nf4"]
 # cost is per program, so large tiles are also the fast choice there.
 BYTES_PER_PROGRAM = 1024
 NUM_WARPS = 4
-
-
-@triton.jit
-def _nf4_dequant_kernel(
-    packed_ptr,  # *uint8, flat: 2 codes per byte, element 2i in the high nibble of byte i
-    absmax_ptr,  # *float32, flat: one scale per BLOCKSIZE consecutive elements
-    code_ptr,  # *float32 [16]: the NF4 levels, indexed by the 4-bit code
-    src_ptr,  # *int64 [n_rows]: the stored segment (expert) each output row reads; if GATHER
-    out_ptr,  # *float32 | *float16 | *bfloat16 [n_rows, seg_numel], contiguous
-    seg_numel,  # M: elements per segment (the whole tensor, or one expert; even if GATHER)
-    seg_bytes,  # ceil(M / 2): packed bytes per segment (its own argument: see below)
-    BLOCKSIZE: tl.constexpr,  # elements per scale; constexpr so that // is a shift
-    BYTES: tl.constexpr,  # packed bytes per program (a power of two); it writes 2*BYTES values
-    GATHER: tl.constexpr,  # True: segment = src[row]; False: segment = row (the one row, 0)
-    SCALES_BY_ROW: tl.constexpr,  # True: row r's scales sit at r * M/BLOCKSIZE (compacted)
-    BF16_BY_HAND: tl.constexpr,  # True: bf16 output rounded with integer ops (interpreter only)
-):
-    tile = tl.program_id(0).to(tl.int64)  # int64: an expert stack can pass 2**31 elements
-    row = tl.program_id(1).to(tl.int64)
-    if GATHER:
-        seg = tl.load(src_ptr + row).to(tl.int64)
-    else:
-        seg = row
-    if SCALES_BY_ROW:
-        scale_seg = row
-    else:
-        scale_seg = seg
-
-    # [BYTES] byte offsets inside the segment; M is even whenever seg > 0, so segment seg
-    # starts at byte seg * seg_bytes. The bound is an argument rather than (M + 1) // 2 because
-    # Triton vectorises a masked load only if it can prove the mask constant over a vector:
-    # an argument that is a multiple of 16 is specialized as such at launch, M + 1 is not.
-    k = tile * BYTES + tl.arange(0, BYTES)
-    b = tl.load(packed_ptr + seg * seg_bytes + k, mask=k < seg_bytes, other=0)
-
-    # [2*BYTES] codes in element order: join makes [BYTES, 2] (high, low) pairs and the
-    # row-major reshape lays them out hi0, lo0, hi1, lo1, ... This is what tl.interleave
-    # does, but join and reshape are builtins (see the module docstring for why it matters).
-    idx = tl.reshape(tl.join(b >> 4, b & 15), [2 * BYTES]).to(tl.int32)
-
-    # [2*BYTES] element offsets inside the segment; an odd M's pad nibble lands on j == M.
-    j = tile * (2 * BYTES) + tl.arange(0, 2 * BYTES)
-    in_seg = j < seg_numel
-
-    # The table is 64 bytes: these gathers stay in L1. idx is in [0, 16) even where masked.
-    level = tl.load(code_ptr + idx)
-    # Segments are whole blocks (or seg = 0), so the segment's first block plus j's block:
-    # written this way the compiler sees BLOCKSIZE equal neighbours and loads each scale once.
-    first_block = (scale_seg * seg_numel) // BLOCKSIZE
-    scale = tl.load(absmax_ptr + first_block + j // BLOCKSIZE, mask=in_seg, other=0.0)
-
-    # One float32 multiply, exactly the reference's; rounded once (to nearest even) at the store.
-    w = level * scale
-    if BF16_BY_HAND:
-        # Round float32 -> bfloat16 to nearest even on the bits: add 0x7FFF plus the lowest
-        # kept bit, keep the high 16 bits (a carry into the exponent is the right answer).
-        bits = w.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        y = w.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * seg_numel + j, y, mask=in_seg)
 
 
 # Why the levels come from a tensor in memory rather than a constexpr chain of 15 tl.where
@@ -146,9 +91,22 @@ def _on_device(table: str, device: torch.device) -> torch.Tensor:
     return source.to(device=device, dtype=torch.float32).contiguous()
 
 
+@functools.cache
+def _kernel_module():
+    """miniquant.dequant_kernel, imported at the first launch: that imports triton (choosing
+    the interpreter without CUDA), or raises TritonUnavailableError without it (not cached)."""
+    return importlib.import_module(".dequant_kernel", __package__)
+
+
+def __getattr__(name: str):
+    if name == "_nf4_dequant_kernel":      # read where it is bound, so that a swap is seen
+        return _kernel_module()._nf4_dequant_kernel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _interpreting() -> bool:
-    """Whether our kernel was built for the interpreter (decided when this module loaded)."""
-    return interpreted(_nf4_dequant_kernel)
+    """Whether our kernel was built for the interpreter (decided when it was first loaded)."""
+    return _kernel_module().interpreting()
 
 
 def _check_weight(q, name: str, dtype: torch.dtype | None, kernel: bool = True) -> torch.dtype:
@@ -167,15 +125,16 @@ def _check_weight(q, name: str, dtype: torch.dtype | None, kernel: bool = True) 
 def _launch(q, scales, src, out, seg_numel, gather, scales_by_row):
     """Run the kernel over out's rows ([n_rows, seg_numel] view); see the module docstring."""
     packed = q.packed.reshape(-1).contiguous()
-    grid = (triton.cdiv((seg_numel + 1) // 2, BYTES_PER_PROGRAM), out.shape[0])
-    _nf4_dequant_kernel[grid](
+    seg_bytes = (seg_numel + 1) // 2
+    grid = (-(-seg_bytes // BYTES_PER_PROGRAM), out.shape[0])             # cdiv: byte tiles
+    _kernel_module()._nf4_dequant_kernel[grid](
         packed,
         scales,
         _on_device("nf4", packed.device),
         src,
         out,
         seg_numel,
-        (seg_numel + 1) // 2,
+        seg_bytes,
         BLOCKSIZE=q.blocksize,
         BYTES=BYTES_PER_PROGRAM,
         GATHER=gather,

@@ -1,29 +1,79 @@
-"""Import triton so that the course's kernels can run on any machine.
+"""Where the course's kernels get triton: imported at the first kernel, never at package import.
 
-Without a CUDA device, Triton kernels only run through its interpreter, which must be chosen
-before `triton` is imported (`TRITON_INTERPRET=1`; see miniquant/triton_dequant.py for what
-that decision can and cannot affect). This module is the one place that makes the choice:
-every kernel module (miniquant.triton_dequant, minimoe.kernels) imports `triton` and `tl` from
-here, and nothing imports it before Triton code is needed (`import miniquant` does not; its
-Triton names load on first access). An explicit `TRITON_INTERPRET` is always respected.
+triton has wheels for Linux only, so every package here imports without it (`import
+miniquant`, `minimoe`, ... load no kernel module) and changes no environment variable. The
+kernel modules (miniquant.dequant_kernel, minimoe.kernels, minirl.logprob_kernels) load at
+the first launch, and each takes `triton` and `tl` from here (`from miniquant.triton_env
+import tl, triton`, resolved by the module `__getattr__` below): that import is the moment
+the Triton mode is chosen. Without a CUDA device, Triton kernels only run through its
+interpreter, which must be chosen before `triton` is imported (`TRITON_INTERPRET=1`; see
+miniquant/triton_dequant.py for what that decision can and cannot affect), so `import_triton`
+sets it then, when CUDA is absent and the variable unset. An explicit `TRITON_INTERPRET` is
+always respected.
+
+Without triton, the first kernel raises `TritonUnavailableError`, the one error for it
+(also raised by the kernel labs' setup cells, through `labkit.course.harness.require_triton`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+TRITON_MISSING = ("the Triton kernels need triton, which has wheels for Linux only; on macOS "
+                  "or Windows open the lab in Colab, a GitHub Codespace, or WSL2 (see the "
+                  "README's \"Where it runs\")")
 
-import triton  # noqa: E402  (must follow the TRITON_INTERPRET decision above)
-import triton.language as tl  # noqa: E402
+
+class TritonUnavailableError(ImportError):
+    """triton is not installed: raised by the first kernel launch (or a kernel lab's setup),
+    one line saying where the kernels run. `where` (a lab, a function) prefixes it."""
+
+    def __init__(self, where: str | None = None):
+        super().__init__(f"{where}: {TRITON_MISSING}" if where else TRITON_MISSING,
+                         name="triton")
+
+
+def triton_installed() -> bool:
+    """Whether `import triton` can work, found without importing it (so without choosing the
+    Triton mode)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):      # a module left half-imported, or blocked
+        return False
+
+
+def import_triton():
+    """(triton, triton.language), importing triton on the first call: TRITON_INTERPRET=1 first
+    when there is no CUDA device and the variable is unset. TritonUnavailableError without
+    triton (then nothing is set)."""
+    if not triton_installed():
+        raise TritonUnavailableError()
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    import triton
+    import triton.language as tl
+
+    return triton, tl
+
+
+def __getattr__(name: str):
+    # `triton` and `tl` are imported on first access (a kernel module's import line).
+    if name in ("triton", "tl"):
+        triton, tl = import_triton()
+        globals().update(triton=triton, tl=tl)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def interpreted(kernel) -> bool:
-    """Whether a @triton.jit kernel was built for the interpreter (decided at decoration)."""
-    return not isinstance(kernel, triton.runtime.JITFunction)
+    """Whether a @triton.jit kernel was built for the interpreter (decided at decoration;
+    triton is imported already, since the kernel was built with it)."""
+    from triton.runtime import JITFunction
+
+    return not isinstance(kernel, JITFunction)
 
 
 def not_on_cuda(name: str, device: torch.device) -> ValueError:
@@ -32,4 +82,6 @@ def not_on_cuda(name: str, device: torch.device) -> ValueError:
                       "GPU, or run on CPU with TRITON_INTERPRET=1 set before triton is imported")
 
 
-__all__ = ["interpreted", "not_on_cuda", "tl", "triton"]
+# Not `triton` and `tl`: a star import must not import triton.
+__all__ = ["TRITON_MISSING", "TritonUnavailableError", "import_triton", "interpreted",
+           "not_on_cuda", "triton_installed"]

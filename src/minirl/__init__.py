@@ -8,9 +8,13 @@ base) and `grpo_loss`. Offline, reward-weighted SFT reads a rewarded JSONL file
 `SequenceData`, and `mix_replay` / `add_replay` keep the pretraining tasks in the data.
 See BLUEPRINT.md.
 
-The Triton log-softmax kernels (`selective_log_softmax_triton`, `entropy_from_logits_triton`,
+The Triton log-softmax functions (`selective_log_softmax_triton`, `entropy_from_logits_triton`,
 `logprobs_and_entropy_triton`, `LogSoftmaxStats`) load on first access (module
-`__getattr__`), as miniquant's do; `token_logprobs(..., backend="triton")` loads them too.
+`__getattr__`), as miniquant's do, and their kernels (`logprob_kernels`, which imports triton)
+at the first launch or the first access of `minirl.logprob_kernels`;
+`token_logprobs(..., backend="triton")` loads them too. `import minirl` needs no triton (Linux
+only) and sets no environment variable; without triton a launch raises
+`TritonUnavailableError`.
 """
 
 import importlib
@@ -45,6 +49,8 @@ _TRITON_NAMES = {name: "logprob_triton" for name in
 
 
 def __getattr__(name: str):
+    if name == "logprob_kernels":          # the kernel module, as `minirl.logprob_kernels.…`
+        return importlib.import_module(f".{name}", __name__)
     if name in _TRITON_NAMES:
         value = getattr(importlib.import_module(f".{_TRITON_NAMES[name]}", __name__), name)
         globals()[name] = value

@@ -17,18 +17,28 @@ only.
 
 `selective_log_softmax(..., backend="triton")` and `token_logprobs(..., backend="triton")`
 (hence the GRPO loss) reach this module through `minirl.logprobs.IMPLEMENTATIONS`, which
-imports it on first use.
+imports it on first use. This module imports without triton; the kernels
+(logprob_kernels.py, which imports triton) load at the first launch, and without triton that
+launch raises `TritonUnavailableError`.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import torch
 
-from .logprob_kernels import Stats, logsoftmax_stats_backward, logsoftmax_stats_forward
 from .logprobs import NonFiniteLogitsError
 
 __all__ = ["LogSoftmaxStats", "entropy_from_logits_triton", "logprobs_and_entropy_triton",
            "selective_log_softmax_triton"]
+
+
+@functools.cache
+def _kernels():
+    """minirl.logprob_kernels, imported at the first launch (a failure is not cached)."""
+    return importlib.import_module(".logprob_kernels", __package__)
 
 
 def _check_finite(log_sum: torch.Tensor) -> None:
@@ -49,8 +59,8 @@ class LogSoftmaxStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, block_v=None, block_rows=None, trusted=False):
-        stats = logsoftmax_stats_forward(logits, ids, block_v=block_v, block_rows=block_rows,
-                                         trusted=trusted)
+        stats = _kernels().logsoftmax_stats_forward(logits, ids, block_v=block_v,
+                                                    block_rows=block_rows, trusted=trusted)
         if not trusted:
             _check_finite(stats.log_sum)
         ctx.set_materialize_grads(False)        # an unused output's gradient stays None
@@ -63,8 +73,10 @@ class LogSoftmaxStats(torch.autograd.Function):
         logits, ids, entropy, row_max, log_sum = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        dlogits = logsoftmax_stats_backward(logits, ids, Stats(None, entropy, row_max, log_sum),
-                                            g_logp, g_entropy, trusted=True, **ctx.blocks)
+        kernels = _kernels()
+        stats = kernels.Stats(None, entropy, row_max, log_sum)
+        dlogits = kernels.logsoftmax_stats_backward(logits, ids, stats, g_logp, g_entropy,
+                                                    trusted=True, **ctx.blocks)
         return dlogits, None, None, None, None
 
 

@@ -1,16 +1,29 @@
-"""What the course's text promises: runtimes from the measured table, sample answers for
-instructors that never reach learners, and help that stays collapsed until asked for."""
+"""What the course's text promises: runtimes from the measured table, in markers that never
+split a paragraph, links that open a file, sample answers for instructors that never reach
+learners, and help that stays collapsed until asked for."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from urllib.parse import unquote
 
 import jupytext
 import pytest
 
+from labkit.__main__ import main
 from labkit.course.build import INSTRUCTOR_TAG, lab_names
-from labkit.course.runtimes import fill, problems, typed_claims
+from labkit.course.learner import released_labs
+from labkit.course.runtimes import (
+    fill,
+    line_start_markers,
+    misplaced_markers,
+    problems,
+    typed_claims,
+    write,
+)
+from labkit.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[2]
 LABS = lab_names(ROOT)
@@ -50,6 +63,112 @@ def test_markers_are_filled_from_the_table():
     assert fill(text, table) == ("runs in <!-- runtime:02-nf4 -->about 9 s (the solution, "
                                  "measured on a 2-core CPU)<!-- /runtime -->; "
                                  "<!-- runtime:99-x -->?<!-- /runtime -->")
+
+
+MARKER = "<!-- runtime:02-nf4 -->about 9 s<!-- /runtime -->"
+
+
+def test_no_runtime_marker_starts_a_line():
+    """Rule: a marker that starts a line opens an HTML block and splits its paragraph."""
+    assert misplaced_markers(ROOT) == []
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("guide.md", f"The whole notebook runs in\n{MARKER}.\n"),
+    ("guide.md", f"- Stay on the CPU; the whole notebook runs in\n  {MARKER}.\n"),
+    ("guide.md", f"Intro.\n\n- {MARKER} for the solution.\n"),
+    ("guide.md", f"> Quoted: the notebook runs in\n> {MARKER}.\n"),
+    ("lab.py", f"# %% [markdown]\n# The whole notebook runs in\n# {MARKER}.\n"),
+    ("lab.py", f"# %% [markdown]\n# - The notebook runs in\n#   {MARKER}.\n"),
+])
+def test_a_marker_starting_a_line_is_caught(name, text):
+    assert line_start_markers(Path(name), text) == [text.count("\n", 0, text.index("<!--")) + 1]
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("guide.md", f"The whole notebook\nruns in {MARKER}.\n"),
+    ("guide.md", f"- Stay on the CPU; the whole notebook\n  runs in {MARKER}.\n"),
+    ("lab.py", f"# %% [markdown]\n# The whole notebook\n# runs in {MARKER}.\n"),
+])
+def test_a_marker_after_a_word_is_accepted(name, text):
+    assert line_start_markers(Path(name), text) == []
+
+
+def test_the_writer_refuses_a_marker_that_starts_a_line(tmp_path, capsys):
+    """Rule: `make times` names file and line and writes nothing while a marker starts one."""
+    guide = tmp_path / "labs" / "02-nf4" / "README.md"
+    guide.parent.mkdir(parents=True)
+    guide.write_text(f"# Lab 02\n\nThe whole notebook runs in\n{MARKER}.\n")
+    for other in ("README.md", "labs/INSTRUCTORS.md"):
+        (tmp_path / other).write_text("# Notes\n")
+    table = {"cores": 2, "labs": {"02-nf4": {"seconds": 5.0}}}
+    (tmp_path / "labs" / "runtimes.json").write_text(json.dumps(table))
+    found = misplaced_markers(tmp_path)
+    assert len(found) == 1 and found[0].startswith("labs/02-nf4/README.md:4: a runtime marker "
+                                                   "starts the line"), found
+    assert found[0] in problems(tmp_path, ["02-nf4"])
+    with pytest.raises(InputError, match="README.md:4"):
+        write(tmp_path, {**table, "cores": 16})
+    assert "about 9 s" in guide.read_text()
+    assert json.loads((tmp_path / "labs" / "runtimes.json").read_text()) == table
+    assert main(["times", "--root", str(tmp_path), "02-nf4"]) == 2     # before measuring
+    assert "labs/02-nf4/README.md:4: a runtime marker starts the line" in capsys.readouterr().err
+
+
+# A relative link: inline `[text](target)` or `![alt](target)`, `href="target"`, or a
+# reference definition `[id]: target`; code spans and fenced code are cut out first.
+LINKS = re.compile(r"\]\(\s*<?([^)\s>]+)|href=\"([^\"]+)\"|^\s*\[[^\]]+\]:\s*<?([^\s>]+)", re.M)
+CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+
+
+def relative_links(markdown: str) -> list[str]:
+    """The links of `markdown` to a path (no scheme, not an anchor of the page itself),
+    without their #fragment or ?query, %-escapes decoded."""
+    targets = ["".join(groups) for groups in LINKS.findall(CODE.sub("", markdown))]
+    return [unquote(re.split(r"[#?]", t)[0]) for t in targets
+            if not re.match(r"[a-zA-Z][\w+.-]*:|#", t)]
+
+
+def broken_link(base: Path, link: str) -> str | None:
+    """Why `link`, opened from folder `base` of the served checkout, opens no file (or None):
+    a folder opens an error dialog in JupyterLab. A learner's copy work/NN-name.ipynb counts
+    as a file for every released lab."""
+    target = (ROOT / link.lstrip("/") if link.startswith("/") else base / link).resolve()
+    if not target.is_relative_to(ROOT):
+        return "leaves the checkout"
+    if target.parent == ROOT / "work" and target.stem in released_labs(ROOT):
+        return None
+    return None if target.is_file() else "is a folder" if target.is_dir() else "resolves to nothing"
+
+
+def test_relative_links_open_a_file():
+    """Rule: every relative link of a lab guide and of a notebook's markdown opens a file,
+    never a folder or nothing. A notebook's links are read from its release folder
+    labs/NN-name/ and from the learner's copy's folder work/: both must open."""
+    sources = [(guide, guide.read_text(), [guide.parent])
+               for guide in sorted(ROOT.glob("labs/*/README.md"))]
+    sources += [(ROOT / "solutions" / f"{lab}.py",
+                 "\n\n".join(c.source for c in jupytext.read(
+                     ROOT / "solutions" / f"{lab}.py", fmt="py:percent").cells
+                     if c.cell_type == "markdown"), [ROOT / "labs" / lab, ROOT / "work"])
+                for lab in LABS]
+    bad = [f"{path.relative_to(ROOT)}: ({link}) {why} from {base.relative_to(ROOT)}/"
+           for path, text, bases in sources for link in relative_links(text)
+           for base in bases if (why := broken_link(base, link))]
+    assert bad == [], "a relative link must open a file, not a folder:\n" + "\n".join(bad)
+
+
+def test_link_rule_catches_folders_and_nothing():
+    links = relative_links("[a](../../experiments) · [b](../../src/x.md#top) "
+                           '[c](https://example.org) <a href="../../nope.md">d</a> '
+                           "`kernel[grid](x)` [e](#here)\n\n[f]: ../../experiments/\n")
+    assert links == ["../../experiments", "../../src/x.md", "../../nope.md",
+                     "../../experiments/"]
+    base = ROOT / "labs" / LABS[0]
+    assert [broken_link(base, link) for link in links] == [
+        "is a folder", "resolves to nothing", "resolves to nothing", "is a folder"]
+    assert broken_link(base, "README.md") is None
+    assert broken_link(base, f"../../work/{LABS[0]}.ipynb") is None
 
 
 @pytest.mark.parametrize("lab", LABS)

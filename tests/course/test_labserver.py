@@ -1,6 +1,7 @@
 """`make lab`: JupyterLab on the checkout, opened on work/, as root too, nbgrader's instructor
-tools hidden unless MODE=instructor. The server test starts a real server (headless, a free
-localhost port, a token) on a scratch checkout and stops it; it is bounded in time."""
+tools hidden unless MODE=instructor, lab guides opened rendered in both modes. The server
+test starts a real server (headless, a free localhost port, a token) on a scratch checkout
+and stops it; it is bounded in time."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from labkit.course.build import CELL_TIMEOUT_S, prepare_course
 from labkit.course.labserver import (
     INSTRUCTOR_LAB_PLUGINS,
     INSTRUCTOR_SERVER_EXTENSIONS,
+    LAB_SETTINGS,
     lab_command,
 )
 from labkit.course.learner import released_labs
@@ -59,11 +61,40 @@ def test_lab_command(tmp_path, monkeypatch, uid0):
     assert nbgrader["Execute"]["timeout"] == CELL_TIMEOUT_S
     argv, env = lab_command(tmp_path, "instructor", ["--allow-root"])
     assert argv.count("--allow-root") == 1
-    assert env.get("JUPYTER_CONFIG_PATH") == os.environ.get("JUPYTER_CONFIG_PATH")
+    instructor = config.parent / "instructor"
+    assert env["JUPYTER_CONFIG_PATH"].split(os.pathsep)[0] == str(instructor)
+    assert not (instructor / "labconfig").exists()       # nbgrader's tools stay in view
     (config.parent.parent / "course").mkdir()
     (config.parent.parent / "course" / "nbgrader_config.py").write_text("")   # make course
     _, env = lab_command(tmp_path, "instructor")
-    assert env["JUPYTER_CONFIG_PATH"].split(os.pathsep)[0] == str(config.parent.parent / "course")
+    assert env["JUPYTER_CONFIG_PATH"].split(os.pathsep)[:2] == [
+        str(config.parent.parent / "course"), str(instructor)]
+
+
+@pytest.mark.parametrize("mode", ["learner", "instructor"])
+def test_markdown_opens_rendered_over_the_installed_app_settings(tmp_path, monkeypatch, mode):
+    """Rule: in both modes JupyterLab's app settings open a .md file (a lab guide) in the
+    Markdown preview; what the installed app settings directory says stays underneath."""
+    installed = tmp_path / "installed"
+    (installed / "overrides.d").mkdir(parents=True)
+    (installed / "overrides.d" / "theme.json").write_text(json.dumps(
+        {"@jupyterlab/apputils-extension:themes": {"theme": "JupyterLab Dark"}}))
+    (installed / "overrides.json").write_text(json.dumps(
+        {"@jupyterlab/docmanager-extension:plugin": {"defaultViewers": {"csv": "CSVTable"},
+                                                     "autosave": False}}))
+    (installed / "page_config.json").write_text('{"exposeAppInBrowser": true}')
+    monkeypatch.setattr(labserver, "installed_app_settings", lambda: installed)
+    _, env = lab_command(tmp_path / "checkout", mode)
+    config = Path(env["JUPYTER_CONFIG_PATH"].split(os.pathsep)[0])
+    settings = Path(json.loads((config / "jupyter_server_config.json").read_text())
+                    ["LabApp"]["app_settings_dir"])
+    assert settings.is_relative_to(config)
+    overrides = json.loads((settings / "overrides.json").read_text())
+    docmanager = overrides["@jupyterlab/docmanager-extension:plugin"]
+    assert docmanager == {"defaultViewers": {"csv": "CSVTable", "markdown": "Markdown Preview"},
+                          "autosave": False}
+    assert overrides["@jupyterlab/apputils-extension:themes"] == {"theme": "JupyterLab Dark"}
+    assert json.loads((settings / "page_config.json").read_text()) == {"exposeAppInBrowser": True}
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
@@ -124,6 +155,16 @@ def page_config(port: int) -> dict:
     return json.loads(m.group(1))
 
 
+def default_settings(port: int) -> dict:
+    """The served defaults of the settings LAB_SETTINGS names (the schemas' defaults, which
+    the app settings' overrides.json rewrites)."""
+    out = {}
+    for plugin, values in LAB_SETTINGS.items():
+        schema = json.loads(get(port, f"/lab/api/settings/{plugin}")[2])["schema"]
+        out[plugin] = {key: schema["properties"][key]["default"] for key in values}
+    return out
+
+
 @pytest.mark.notebooks
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["learner", "instructor"])
@@ -151,6 +192,7 @@ def test_make_lab_serves_the_checkout(checkout, tmp_path, mode):
         for path in ("src/minigpt/BLUEPRINT.md", "experiments/06-qlora-preview/REPORT.md",
                      f"labs/{LAB}/README.md"):
             assert get(port, f"/api/contents/{path}?content=0")[0] == 200, path
+        assert default_settings(port) == LAB_SETTINGS, "guides open in the Markdown preview"
         disabled = set(page_config(port)["disabledExtensions"])
         formgrader = get(port, "/formgrader")[0]
         if mode == "learner":

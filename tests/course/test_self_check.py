@@ -10,6 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from labkit.course import exercises
 from labkit.course.build import graded_test_cells, source_notebook
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,3 +61,17 @@ def test_the_solution_passes_every_test(tmp_path, checkout):
 def test_bad_input_exits_2(args, message):
     proc = check(*args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_the_check_kernel_starts_quietly(tmp_path, capfd):
+    """Neither ipykernel's warning about unencrypted TCP (the kernel's own stderr) nor
+    bitsandbytes' about its optional CPU kernels (a cell's output) reaches the learner."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("import logging\nimport bitsandbytes\n"
+                                          "logging.getLogger('bitsandbytes.backends.cpu.ops')"
+                                          ".warning('other warnings still show')")]
+    exercises.test_results(nb, tmp_path)
+    shown = capfd.readouterr().err + "".join(o.get("text", "") for o in nb.cells[0].outputs)
+    assert "without encryption" not in shown, "start the kernel with CurveZMQ keys"
+    assert "gemm_4bit_forward" not in shown, "filter bitsandbytes' warning at its logger"
+    assert "other warnings still show" in shown, "filter that one warning, not the logger"

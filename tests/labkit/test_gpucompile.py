@@ -132,10 +132,11 @@ def test_tensor_cores_for_bf16_and_tf32_not_for_exact_float32(arch):
 
 
 def test_a_float32_tile_too_large_for_4_warps_spills_and_8_warps_do_not():
-    """An exact float32 dot runs on the FMA units, each thread holding its strip of both
-    operands: 64×64×64 over 4 warps overflows sm_80's 255 registers; 8 warps halve it."""
-    four = _mm(torch.float32, blocks=(64, 64, 64), warps=4, arch="sm_80")
-    eight = _mm(torch.float32, blocks=(64, 64, 64), warps=8, arch="sm_80")
+    """An exact float32 dot runs on the FMA units, each thread holding its strip of the
+    accumulator and of both operands: 128×128 over 4 warps (128 accumulator registers a
+    thread) overflows sm_80's 255 registers; 8 warps halve it."""
+    four = _mm(torch.float32, blocks=(128, 128, 32), warps=4, arch="sm_80")
+    eight = _mm(torch.float32, blocks=(128, 128, 32), warps=8, arch="sm_80")
     assert four.registers == 255 and four.spill_bytes > 0 and four.local_instructions > 0
     assert eight.spill_bytes == 0 and eight.local_instructions == 0
 

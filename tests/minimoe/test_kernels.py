@@ -417,11 +417,11 @@ def test_interpreted_even_after_triton_was_imported():
     code = textwrap.dedent("""
         import os, triton, torch
         from minimoe import flatten_sort_count, group_bwd_W, reference, scatter2scatter
-        assert os.environ["TRITON_INTERPRET"] == "1"
         x, W = torch.randn(5, 24), torch.randn(3, 24, 40)
         e = torch.tensor([[0, 2], [2, 1], [0, 1], [2, 0], [1, 2]])
         sei, ssi, offs = flatten_sort_count(e, 3)
         y = scatter2scatter(x, W, sei, ssi, 2)
+        assert os.environ["TRITON_INTERPRET"] == "1"              # chosen at the first launch
         assert (y - reference.linear_loop(x, W, e)).abs().max() < 1e-4
         assert group_bwd_W(y[ssi], x[ssi // 2], offs, 3).shape == (3, 24, 40)
         print("ok")

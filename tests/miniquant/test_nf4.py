@@ -281,15 +281,19 @@ def test_dequantize_to_a_non_float_dtype_is_refused(dtype):
 
 
 def test_import_leaves_the_environment_alone():
-    """`import miniquant` sets no TRITON_INTERPRET and imports no triton; the first access to
-    a Triton name makes the interpreter choice (here: no CUDA, so "1")."""
+    """`import miniquant` sets no TRITON_INTERPRET and imports no triton, nor does naming a
+    Triton function; its first launch makes the interpreter choice (here: no CUDA, so "1")."""
     code = textwrap.dedent("""
         import os, sys
         import miniquant, miniquant.linear, miniquant.nf4
         assert "TRITON_INTERPRET" not in os.environ, "set at import"
         assert "triton" not in sys.modules, "triton imported at import"
-        miniquant.triton_dequantize_nf4
+        dequantize = miniquant.triton_dequantize_nf4
+        assert "triton" not in sys.modules, "triton imported by naming a launcher"
         import torch
+        q = miniquant.quantize_nf4(torch.randn(4, 64, device="cuda" if torch.cuda.is_available()
+                                               else "cpu"))
+        assert torch.equal(dequantize(q), miniquant.dequantize_nf4(q))
         want = None if torch.cuda.is_available() else "1"
         assert os.environ.get("TRITON_INTERPRET") == want, os.environ.get("TRITON_INTERPRET")
         assert "triton" in sys.modules

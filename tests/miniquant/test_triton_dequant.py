@@ -195,15 +195,16 @@ def run_fresh(code: str, **env) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback only")
 def test_interpreter_chosen_even_after_triton_was_imported():
-    # triton first, with TRITON_INTERPRET unset: the module still gets an interpreted kernel.
+    # triton first, with TRITON_INTERPRET unset: the kernel, loaded at the first launch, is
+    # still interpreted.
     done = run_fresh("""
         import os, triton, torch
         from miniquant.nf4 import dequantize_nf4, quantize_nf4
         from miniquant.triton_dequant import triton_dequantize_nf4
         q = quantize_nf4(torch.randn(3, 77))
-        assert os.environ["TRITON_INTERPRET"] == "1"
         assert torch.equal(triton_dequantize_nf4(q, torch.bfloat16),
                            dequantize_nf4(q, torch.bfloat16))
+        assert os.environ["TRITON_INTERPRET"] == "1"
         print("ok")
     """)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr

@@ -19,6 +19,7 @@ from ..errors import InputError
 from .build import CELL_TIMEOUT_S, CODE_STUB, graded_test_cells, lab_names, source_notebook
 from .learner import WORK, notebook_to_check, release_notebook_path, released_labs
 from .mine import save
+from .quiet import client_options
 
 REGION = re.compile(r"^([ \t]*)### BEGIN SOLUTION\n.*?^[ \t]*### END SOLUTION[ \t]*$",
                     re.MULTILINE | re.DOTALL)
@@ -54,10 +55,25 @@ def test_results(nb: nbformat.NotebookNode, cwd: Path, timeout: int = CELL_TIMEO
     """Execute `nb` in place; return {grade_id: passed} for every graded test cell."""
     # A cell over the time limit is interrupted and counts as an error, like in nbgrader.
     client = NotebookClient(nb, timeout=timeout, allow_errors=True, interrupt_on_timeout=True,
-                            kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
+                            kernel_name="python3", resources={"metadata": {"path": str(cwd)}},
+                            **client_options())
     client.execute()
     return {cell.metadata["nbgrader"]["grade_id"]: error_of(cell) is None
             for cell in graded_test_cells(nb)}
+
+
+def failed_setup(nb: nbformat.NotebookNode) -> tuple[int, int, str] | None:
+    """(cell index, code cell number from 1, error) of an executed notebook's first failing
+    cell when it is a setup cell: neither a test nor a solution, and above every solution
+    cell, so that no learner code has run yet (e.g. an ImportError). None otherwise."""
+    code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    for number, (i, cell) in enumerate(code, start=1):
+        meta = cell.metadata.get("nbgrader", {})
+        if meta.get("solution"):
+            return None
+        if (error := error_of(cell)) is not None:
+            return None if meta.get("grade") else (i, number, error)
+    return None
 
 
 def check_exercises(root: Path, labs: list[str] | None = None) -> bool:
@@ -128,10 +144,17 @@ def self_check(root: Path, lab: str, notebook: Path | None = None,
         raise InputError(f"{path}: the kernel died while running it (a cell ended the Python "
                          "process, e.g. os._exit or out of memory)") from e
     print(f"{lab}: visible tests of {path}")
+    setup = failed_setup(nb)
+    if setup:
+        print(f"  setup cell {setup[1]} failed: {' '.join(setup[2].split())}; the tests below "
+              "it cannot run")
+    below = {id(c) for c in nb.cells[setup[0] + 1:]} if setup else set()
     earned = total = 0
     for cell in graded_test_cells(nb):
         grade_id, points = cell.metadata.nbgrader.grade_id, cell.metadata.nbgrader.points
         error = error_of(cell)
+        if error and id(cell) in below:
+            error = f"cannot run: setup cell {setup[1]} failed"
         earned, total = earned + (0 if error else points), total + points
         print(f"  {'FAIL' if error else 'PASS'}  {grade_id:<40} "
               f"{0 if error else points:g} / {points:g}" + (f"   {error[:100]}" if error else ""))

@@ -8,8 +8,8 @@ pasted (`from labkit.course.harness import ...`).
 - `accept_routing`: let a learner's index-form `parallel_linear` stand in for minimoe's.
 - `expert_routing`, `expert_problem`, `describe`, `leaf`, `loop_grads`, `assert_close`: the
   awkward MoE problems of Labs 08–10 and their naive-loop reference.
-- `triton_setup`, `randn`, `pairs_of`, `randomize_lora`: what the setup cells of several
-  labs share.
+- `require_triton`, `triton_setup`, `randn`, `pairs_of`, `randomize_lora`: what the setup
+  cells of several labs share.
 
 Torch is imported here; minimoe only inside `loop_grads`, so the early labs do not load it.
 """
@@ -26,8 +26,19 @@ from .forbid import Refuse, forbid, refuse, swap
 
 __all__ = ["Refuse", "Spy", "accept_routing", "assert_close", "assert_no_atomics",
            "assert_rejects", "describe", "expert_problem", "expert_routing", "forbid", "leaf",
-           "loop_grads", "pairs_of", "randn", "randomize_lora", "refuse", "spy_on", "swap",
-           "triton_setup"]
+           "loop_grads", "pairs_of", "randn", "randomize_lora", "refuse", "require_triton",
+           "spy_on", "swap", "triton_setup"]
+
+
+def require_triton(lab: str) -> None:
+    """For the kernel labs' setup cells, before `import triton`: return if triton can be
+    imported, else raise `TritonUnavailableError`, one line saying where the lab runs (triton
+    has wheels for Linux only). Imports nothing of triton, so the cell can still choose the
+    interpreter afterwards."""
+    from miniquant.triton_env import TritonUnavailableError, triton_installed
+
+    if not triton_installed():
+        raise TritonUnavailableError(lab)
 
 
 def triton_setup() -> tuple[bool, str]:

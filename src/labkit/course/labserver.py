@@ -5,15 +5,21 @@ The server is rooted at the checkout, so the lab guides' relative links
 file browser on work/. As root it adds `--allow-root`. Extra arguments go to `jupyter lab`
 unchanged (LAB_ARGS), after ours, so they win.
 
-Two modes. "learner" (the default) hides nbgrader's instructor tools: a Jupyter config
-directory of this checkout, build/jupyter/learner/, goes first on JUPYTER_CONFIG_PATH (the
-user's ~/.jupyter is left alone) and switches off the formgrader, course-list and
+Each mode has a Jupyter config directory of this checkout, build/jupyter/MODE/, on
+JUPYTER_CONFIG_PATH (the user's ~/.jupyter is left alone). It points JupyterLab's app
+settings directory at its lab-settings/, whose overrides.json opens Markdown files (the lab
+guides) in the rendered preview rather than the text editor; the installed app settings are
+copied in underneath, and the user's own settings still win.
+
+Two modes. "learner" (the default) hides nbgrader's instructor tools: build/jupyter/learner/
+goes first on JUPYTER_CONFIG_PATH and switches off the formgrader, course-list and
 assignment-list server extensions and the matching JupyterLab plugins (Formgrader, Create
 Assignment, Courses, Assignments and the Nbgrader menu, which only opens those). The
 "Validate" notebook button stays, with the cell time limit of `make check` (interpreter
 kernels are slow). "instructor" serves nbgrader as installed, with build/course/ (after
 `make course`) first on JUPYTER_CONFIG_PATH so that its nbgrader_config.py points the
-Formgrader at that course rather than at a gradebook in the checkout's root.
+Formgrader at that course rather than at a gradebook in the checkout's root, and
+build/jupyter/instructor/ after it.
 """
 
 from __future__ import annotations
@@ -36,18 +42,62 @@ INSTRUCTOR_SERVER_EXTENSIONS = ("nbgrader.server_extensions.formgrader",
 INSTRUCTOR_LAB_PLUGINS = ("@jupyter/nbgrader:formgrader", "@jupyter/nbgrader:create-assignment",
                           "@jupyter/nbgrader:course-list", "@jupyter/nbgrader:assignment-list",
                           "@jupyter/nbgrader:menu")
+# JupyterLab settings defaults of both modes: a lab guide (README.md) opens rendered, and no
+# pop-up asks to fetch Jupyter's news (a course machine may have no network).
+LAB_SETTINGS = {"@jupyterlab/docmanager-extension:plugin":
+                {"defaultViewers": {"markdown": "Markdown Preview"}},
+                "@jupyterlab/apputils-extension:notification":
+                {"fetchNews": "false", "checkForUpdates": False}}
 
 
-def learner_config_dir(root: Path) -> Path:
-    """The Jupyter config directory of learner mode, (re)written from the names above."""
-    directory = root / "build" / "jupyter" / "learner"
-    atomic_write_text(directory / "jupyter_server_config.json", json.dumps(
-        {"ServerApp": {"jpserver_extensions": dict.fromkeys(INSTRUCTOR_SERVER_EXTENSIONS,
-                                                            False)}}, indent=2) + "\n")
-    atomic_write_text(directory / "labconfig" / "page_config.json", json.dumps(
-        {"disabledExtensions": dict.fromkeys(INSTRUCTOR_LAB_PLUGINS, True)}, indent=2) + "\n")
-    atomic_write_text(directory / "nbgrader_config.json", json.dumps(   # the Validate button
-        {"Execute": {"timeout": CELL_TIMEOUT_S}}, indent=2) + "\n")
+def installed_app_settings() -> Path:
+    """JupyterLab's own app settings directory (overrides.json, page_config.json there)."""
+    from jupyterlab.commands import get_app_dir
+
+    return Path(get_app_dir()) / "settings"
+
+
+def merge(base: dict, top: dict) -> dict:
+    """`base` updated with `top`, dictionaries merged key by key."""
+    out = dict(base)
+    for key, value in top.items():
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merge(out[key], value) if nested else value
+    return out
+
+
+def write_app_settings(directory: Path) -> Path:
+    """An app settings directory: the installed one's overrides (overrides.d/*.json, then
+    overrides.json) and page_config.json, with LAB_SETTINGS on top."""
+    installed = installed_app_settings()
+    overrides: dict = {}
+    for path in [*sorted(installed.glob("overrides.d/*.json")), installed / "overrides.json"]:
+        if path.is_file():
+            overrides = merge(overrides, json.loads(path.read_text()))
+    overrides = merge(overrides, LAB_SETTINGS)
+    atomic_write_text(directory / "overrides.json", json.dumps(overrides, indent=2) + "\n")
+    if (installed / "page_config.json").is_file():
+        atomic_write_text(directory / "page_config.json",
+                          (installed / "page_config.json").read_text())
+    return directory
+
+
+def config_dir(root: Path, mode: str) -> Path:
+    """The Jupyter config directory of `mode`, (re)written: JupyterLab's app settings and,
+    for a learner, the instructor tools switched off (the names above)."""
+    directory = root / "build" / "jupyter" / mode
+    server: dict = {"LabApp": {"app_settings_dir": str(
+        write_app_settings(directory / "lab-settings"))}}
+    if mode == "learner":
+        server["ServerApp"] = {"jpserver_extensions": dict.fromkeys(
+            INSTRUCTOR_SERVER_EXTENSIONS, False)}
+        atomic_write_text(directory / "labconfig" / "page_config.json", json.dumps(
+            {"disabledExtensions": dict.fromkeys(INSTRUCTOR_LAB_PLUGINS, True)},
+            indent=2) + "\n")
+        atomic_write_text(directory / "nbgrader_config.json", json.dumps(  # the Validate button
+            {"Execute": {"timeout": CELL_TIMEOUT_S}}, indent=2) + "\n")
+    atomic_write_text(directory / "jupyter_server_config.json",
+                      json.dumps(server, indent=2) + "\n")
     return directory
 
 
@@ -58,13 +108,14 @@ def is_root() -> bool:
 
 def lab_environment(root: Path, mode: str) -> dict[str, str]:
     """os.environ with this Python's bin/ first on PATH (nbgrader runs `alembic` and kernels
-    through it) and the mode's Jupyter config directory first on JUPYTER_CONFIG_PATH."""
+    through it) and the mode's Jupyter config directory on JUPYTER_CONFIG_PATH: first, or
+    after the instructor's nbgrader course."""
     env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent),
                                                   os.environ.get("PATH", "")])}
-    first = learner_config_dir(root) if mode == "learner" else course_dir(root)
-    if mode == "learner" or (first / "nbgrader_config.py").is_file():
-        paths = [str(first), env.get("JUPYTER_CONFIG_PATH", "")]
-        env["JUPYTER_CONFIG_PATH"] = os.pathsep.join(p for p in paths if p)
+    paths = [config_dir(root, mode), env.get("JUPYTER_CONFIG_PATH", "")]
+    if mode == "instructor" and (course_dir(root) / "nbgrader_config.py").is_file():
+        paths.insert(0, course_dir(root))
+    env["JUPYTER_CONFIG_PATH"] = os.pathsep.join(str(p) for p in paths if p)
     return env
 
 

@@ -10,8 +10,13 @@ fills every marker
 in the guides, the solutions' markdown, labs/INSTRUCTORS.md and README.md from it (then
 `make course` carries the notebooks' text to labs/). `--fill` refills the markers from the
 committed table without measuring. `labkit.course.runtimes.problems` is what the test holds:
-markers that disagree with the table, a lab missing from it or over the budget, and runtime
-claims typed into the text instead of taken from the table.
+markers that disagree with the table, a lab missing from it or over the budget, runtime
+claims typed into the text instead of taken from the table, and markers that start a line.
+
+A marker never starts a line (nor a percent file's `# ` line, a list item or a quote): there
+CommonMark opens an HTML block, which splits the sentence into two paragraphs. At least one
+word goes before it on its line ("... the whole notebook\nruns in <!-- runtime:... -->").
+The writer refuses to fill, and `make times` to measure, while one does.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import time
 from pathlib import Path
 
 from ..atomic import atomic_write_text
+from ..errors import InputError
 
 TABLE = Path("labs") / "runtimes.json"
 BUDGET_S = 30.0             # issue 19: every solution notebook within 30 s on the 2-core CPU
@@ -38,6 +44,9 @@ CLAIM = re.compile(r"\b(notebook|cell|lab|solution)s?\b(\s+\d+)?[^.;]{0,60}?"
                    r"(\b(\d+([.,]\d+)?|a|one|two|few|several)\s*([–-]\s*\d+\s*)?"
                    r"(s|secs?|seconds?|min|minutes?)\b|\ba (few )?(seconds?|minutes?)\b)",
                    re.I)
+# What may stand before a marker at the start of a line and still leave it opening an HTML
+# block: indentation, list markers and quote marks (after a percent file's `#`).
+BLOCK_PREFIX = r"[ \t]*(?:(?:[-*+>]|\d+[.)])[ \t]+)*"
 
 
 def text_files(root: Path) -> list[Path]:
@@ -59,6 +68,28 @@ def fill(text: str, table: dict) -> str:
         body = render(entry, table["cores"]) if entry else m["text"]
         return f"<!-- runtime:{m['lab']} -->{body}<!-- /runtime -->"
     return MARKER.sub(sub, text)
+
+
+def line_start_markers(path: Path, text: str) -> list[int]:
+    """The lines (from 1) of `text` where a runtime marker starts the line's Markdown."""
+    comment = r"[ \t]*#[ \t]?" if path.suffix == ".py" else ""
+    start = re.compile(rf"^{comment}{BLOCK_PREFIX}<!-- runtime:", re.M)
+    return [text.count("\n", 0, m.start()) + 1 for m in start.finditer(text)]
+
+
+def misplaced_markers(root: Path) -> list[str]:
+    """`file:line: ...` for every marker that starts a line of the text files."""
+    return [f"{path.relative_to(root)}:{line}: a runtime marker starts the line, which "
+            "splits its sentence into two paragraphs (an HTML block in CommonMark); put at "
+            "least one word before it on its line"
+            for path in text_files(root) if path.is_file()
+            for line in line_start_markers(path, path.read_text())]
+
+
+def require_inline_markers(root: Path) -> None:
+    """Raise InputError naming every marker that starts a line (see the module's doc)."""
+    if found := misplaced_markers(root):
+        raise InputError("\n".join(found))
 
 
 def _paragraphs(path: Path, text: str) -> list[str]:
@@ -99,7 +130,7 @@ def problems(root: Path, labs: list[str]) -> list[str]:
                 if m["lab"] not in table["labs"]]
         out += [f"{rel}: a runtime typed instead of a marker: {claim!r}"
                 for claim in typed_claims(path, text)]
-    return out
+    return out + misplaced_markers(root)
 
 
 def _measure_one(root: Path, lab: str) -> float:
@@ -157,7 +188,8 @@ def measure(root: Path, labs: list[str], repeat: int = 1) -> dict:
 
 def write(root: Path, table: dict | None = None) -> list[Path]:
     """Write the table (if given) and refill every marker from the committed one; return the
-    files changed."""
+    files changed. Refuses (InputError, nothing written) while a marker starts a line."""
+    require_inline_markers(root)
     if table is not None:
         atomic_write_text(root / TABLE, json.dumps(table, indent=1) + "\n")
     table = json.loads((root / TABLE).read_text())
