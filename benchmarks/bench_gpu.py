@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -221,7 +221,7 @@ def build_manifest(runs: dict, timings: dict, *, tiny: bool, cuda: bool, git: di
         "experiment": "bench-gpu", "command": command,
         "config": {"seed": 0, "tiny": tiny, "device": "cuda" if cuda else "cpu"},
         "seed": 0,                  # each script seeds its own inputs with 0
-        "recorded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "git": git, "code": code_digests(), "env": env,
         "data": {}, "inputs": {}, "artifacts": {},
         "metrics": {"device_name": env["device"], "gpu_tests": runs["gpu_tests"],
