@@ -44,10 +44,10 @@ METADATA_KEY = "minituner.targets"
 KEY_PREFIX = "base_model.model."
 LORA_A, LORA_B = "lora_A.weight", "lora_B.weight"
 
-# LoraConfig options at anything but these values change the update: DoRA is not s·B·A, so
-# no reader here takes it; the others change how a model applies the factors (a bias, a
-# transposed base, extra trained modules, ...), so `load_adapter` refuses them, while
-# `lora_norms`, which reads only the factors, does not need to.
+# LoraConfig options this package reads only at these values. DoRA's update is not s·B·A, so
+# no reader here takes it; the others change which layers hold the factors or how a model
+# applies them (a bias, a transposed base, extra trained modules, ...), so `load_adapter`
+# refuses them, while `lora_norms`, which reads only the factors, need not.
 CHANGES_THE_UPDATE = {"use_dora": False}
 CHANGES_THE_MODEL = {"bias": "none", "fan_in_fan_out": False, "lora_bias": False,
                      "modules_to_save": None, "layers_to_transform": None,
