@@ -22,7 +22,7 @@ without CUDA. Without triton the torch backend works and a launch raises
 import importlib
 
 from . import reference
-from .experts import ExpertLinear
+from .experts import ExpertLinear, lora_scaling
 from .moe import (
     MoEMLP,
     attach_expert_lora,
@@ -53,7 +53,8 @@ def __getattr__(name: str):
 __all__ = ["ExpertLinear", "ExpertLoRA", "MoEMLP", "NF4Experts", "NonFiniteLogitsError",
            "Routing", "attach_expert_lora",
            "dispatch_torch", "dispatch_triton", "expert_swiglu", "flatten_sort_count", "group",
-           "group_bwd_W", "group_bwd_lora", "load_balancing_loss", "nf4_parallel_linear",
+           "group_bwd_W", "group_bwd_lora", "load_balancing_loss", "lora_scaling",
+           "nf4_parallel_linear",
            "parallel_linear", "quantize_experts", "reference", "route", "router_z_loss",
            "saved_per_token",
            "scatter2scatter", "scatter2scatter_lora", "update_selection_bias"]

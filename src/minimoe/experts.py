@@ -32,6 +32,13 @@ def routing_args(routing, args: tuple, n_experts: int) -> tuple:
     return (Routing.from_indices(*args[:3], routing, n_experts), *args[3:])
 
 
+def lora_scaling(alpha: float, r: int, use_rslora: bool = False) -> float:
+    """The factor s of a LoRA update s·B·A: alpha / r, or alpha / sqrt(r) with rsLoRA (as
+    PEFT). Every LoRA of the course (minituner's layers and adapter files, expert LoRA here)
+    takes it from this function."""
+    return alpha / (math.sqrt(r) if use_rslora else r)
+
+
 def init_expert_lora(module: nn.Module, E: int, K: int, N: int, r: int, alpha: float,
                      device) -> None:
     """Give `module` lora_A [r·E, K], lora_B [N, r·E] and scaling α/r (r = 0: no LoRA)."""
@@ -39,7 +46,7 @@ def init_expert_lora(module: nn.Module, E: int, K: int, N: int, r: int, alpha: f
         raise ValueError(f"r must be an int >= 0 (0 = no LoRA), got {r!r}")
     if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
         raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
-    module.r, module.scaling = r, alpha / r if r else 1.0
+    module.r, module.scaling = r, lora_scaling(alpha, r) if r else 1.0
     if r:
         module.lora_A = nn.Parameter(torch.empty(r * E, K, device=device))
         module.lora_B = nn.Parameter(torch.zeros(N, r * E, device=device))

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from miniquant.nf4 import check_nested_rounding
+from miniquant.nf4 import FROM_CONFIG, NF4Config
 
 from .experts import ExpertLinear
 from .nf4_experts import NF4Experts
@@ -202,15 +202,15 @@ class MoEMLP(nn.Module):
 
 
 def attach_expert_lora(mlp: nn.Module, r: int = 8, alpha: float = 16.0, nf4: bool = False,
-                       blocksize: int = 64, double_quant: bool = True,
-                       nested_rounding: str = "nearest",
-                       projections: tuple[str, ...] = PROJECTIONS) -> list[str]:
+                       blocksize: int = FROM_CONFIG, double_quant: bool = FROM_CONFIG,
+                       nested_rounding: str = FROM_CONFIG,
+                       projections: tuple[str, ...] = PROJECTIONS, *,
+                       nf4_config: NF4Config | None = None) -> list[str]:
     """Replace a MoEMLP's w_gate / w_up / w_down by expert linears with LoRA, in place.
 
     nf4=False: `ExpertLinear` over the same float Parameter (frozen); nf4=True: `NF4Experts`
-    (NF4 + double quant at `blocksize`; each expert's K·N must be whole blocks), its nested
-    absmax codes rounded by `nested_rounding` (miniquant.quantize_nf4's: "nearest", or
-    "bnb_cpu" for bitsandbytes' CPU codes bit for bit; checked whatever `nf4`). The router
+    quantized as `nf4_config` (miniquant.NF4Config), or its fields given as keywords, says
+    (checked whatever `nf4`); each expert's K·N must be whole blocks. The router
     is left as it is, and so is a shared expert. Returns the names replaced. Everything is
     built before anything is swapped in, so a bad argument leaves `mlp` untouched. The
     modules keep no backend of the MLP's: it passes its own at each call.
@@ -218,7 +218,8 @@ def attach_expert_lora(mlp: nn.Module, r: int = 8, alpha: float = 16.0, nf4: boo
     `projections` names those that get LoRA (rank r); with nf4 the others are NF4 without
     LoRA, without nf4 they stay the frozen float Parameters they were.
     """
-    check_nested_rounding(nested_rounding)
+    cfg = NF4Config.of(nf4_config, blocksize=blocksize, double_quant=double_quant,
+                       nested_rounding=nested_rounding)
     current = {name: getattr(mlp, name, None) for name in PROJECTIONS}
     if not all(isinstance(w, nn.Parameter) for w in current.values()):
         raise ValueError(f"mlp must be a MoEMLP with float {PROJECTIONS} parameters (not yet "
@@ -226,9 +227,8 @@ def attach_expert_lora(mlp: nn.Module, r: int = 8, alpha: float = 16.0, nf4: boo
     if not projections or any(p not in PROJECTIONS for p in projections):
         raise ValueError(f"projections must be a non-empty subset of {PROJECTIONS}, "
                          f"got {projections!r}")
-    new = {name: (NF4Experts.from_weight(w.detach(), blocksize, double_quant,
-                                         r=r if name in projections else 0, alpha=alpha,
-                                         nested_rounding=nested_rounding)
+    new = {name: (NF4Experts.from_weight(w.detach(), r=r if name in projections else 0,
+                                         alpha=alpha, nf4_config=cfg)
                   if nf4 else ExpertLinear(w, r=r, alpha=alpha))
            for name, w in current.items() if nf4 or name in projections}
     for name, module in new.items():

@@ -26,11 +26,13 @@ for a dense layer — so no dequantized weight lives between forward and backwar
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from miniquant.linear import NF4Buffers
-from miniquant.nf4 import NF4Weight, check_nested_rounding, quantize_nf4
+from miniquant.nf4 import FROM_CONFIG, NF4Config, NF4Weight, quantize_nf4
 from miniquant.triton_dequant import selective_dequantize_nf4, selective_dequantize_nf4_torch
 
 from .experts import init_expert_lora, routing_args
@@ -41,19 +43,20 @@ from .sort import Routing
 __all__ = ["NF4Experts", "active_experts", "nf4_parallel_linear", "quantize_experts"]
 
 
-def quantize_experts(W: torch.Tensor, blocksize: int = 64, double_quant: bool = True,
-                     nested_rounding: str = "nearest") -> NF4Weight:
-    """W [E, K, N] -> NF4Weight of that shape; each expert's K·N must be whole blocks.
-    `nested_rounding` is quantize_nf4's ("bnb_cpu": bitsandbytes' CPU nested codes)."""
-    check_nested_rounding(nested_rounding)
+def quantize_experts(W: torch.Tensor, blocksize: int = FROM_CONFIG,
+                     double_quant: bool = FROM_CONFIG, nested_rounding: str = FROM_CONFIG, *,
+                     nf4_config: NF4Config | None = None) -> NF4Weight:
+    """W [E, K, N] -> NF4Weight of that shape, as `nf4_config` (or its fields as keywords;
+    miniquant.NF4Config's defaults) says; each expert's K·N must be whole blocks."""
+    cfg = NF4Config.of(nf4_config, blocksize=blocksize, double_quant=double_quant,
+                       nested_rounding=nested_rounding)
     if W.dim() != 3:
         raise ValueError(f"W must be [E, K, N], got shape {tuple(W.shape)}")
     E, K, N = W.shape
-    if (K * N) % blocksize:
+    if (K * N) % cfg.blocksize:
         raise ValueError(f"each expert's K·N = {K * N} elements must be a multiple of the "
-                         f"blocksize {blocksize}, so that no block spans two experts")
-    return quantize_nf4(W.detach(), blocksize=blocksize, double_quant=double_quant,
-                        nested_rounding=nested_rounding)
+                         f"blocksize {cfg.blocksize}, so that no block spans two experts")
+    return quantize_nf4(W.detach(), **dataclasses.asdict(cfg))
 
 
 def active_experts(expert_offsets: torch.Tensor) -> torch.Tensor:
@@ -167,13 +170,15 @@ class NF4Experts(NF4Buffers):
         self.last_stats: dict = {}
 
     @classmethod
-    def from_weight(cls, W: torch.Tensor, blocksize: int = 64, double_quant: bool = True,
-                    r: int = 0, alpha: float = 16.0, backend: str = "triton",
-                    nested_rounding: str = "nearest") -> NF4Experts:
-        """`quantize_experts(W, blocksize, double_quant, nested_rounding)`, held as buffers,
-        with expert LoRA of rank `r` (none for r=0)."""
-        return cls(quantize_experts(W, blocksize, double_quant, nested_rounding), r=r,
-                   alpha=alpha, backend=backend)
+    def from_weight(cls, W: torch.Tensor, blocksize: int = FROM_CONFIG,
+                    double_quant: bool = FROM_CONFIG, r: int = 0, alpha: float = 16.0,
+                    backend: str = "triton", nested_rounding: str = FROM_CONFIG, *,
+                    nf4_config: NF4Config | None = None) -> NF4Experts:
+        """`quantize_experts(W, ...)` with these NF4 settings, held as buffers, with expert
+        LoRA of rank `r` (none for r=0)."""
+        cfg = NF4Config.of(nf4_config, blocksize=blocksize, double_quant=double_quant,
+                           nested_rounding=nested_rounding)
+        return cls(quantize_experts(W, nf4_config=cfg), r=r, alpha=alpha, backend=backend)
 
     def forward(self, x, routing, *args, **kwargs):
         """`forward(x, routing, gates=None, grouped_in=False, grouped_out=False, backend=None)`

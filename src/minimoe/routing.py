@@ -78,9 +78,10 @@ def _topk_stable(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class NonFiniteLogitsError(ValueError, FloatingPointError):
-    """NaN or ±Inf router logits. Called directly, `route` got bad input (a ValueError);
-    inside a model in training it is divergence (a FloatingPointError, which minituner's NaN
-    guard turns into a recorded stop instead of a crash)."""
+    """Logits that hold NaN or Inf: a router's here, a language model's in minirl (which
+    imports this class). Called directly, the function got bad input (a ValueError); inside
+    a model in training it is divergence (a FloatingPointError, which minituner's NaN guard
+    turns into a recorded stop instead of a crash)."""
 
 
 def _check(logits, k, method, bias, n_group, topk_group, routed_scaling_factor) -> None:

@@ -25,7 +25,15 @@ from .intquant import (
     quantize_symmetric_per_group,
 )
 from .linear import QuantizedLinear, quantize_model
-from .nf4 import NF4_CODE, NF4Weight, dequantize_nf4, nf4_bytes, nf4_codebook, quantize_nf4
+from .nf4 import (
+    NF4_CODE,
+    NF4Config,
+    NF4Weight,
+    dequantize_nf4,
+    nf4_bytes,
+    nf4_codebook,
+    quantize_nf4,
+)
 
 # Loaded on first access: the Triton launchers (their kernel loads at the first launch).
 _TRITON_NAMES = {"selective_dequantize_nf4": "triton_dequant",
@@ -44,5 +52,5 @@ __all__ = ["DYNAMIC_CODE", "NF4_CODE", "NF4Weight", "dequantize_absmax_int8",
            "dequantize_blockwise_8bit", "dequantize_nf4", "dequantize_symmetric_per_group",
            "dynamic_map", "from_bnb", "nf4_bytes", "nf4_codebook", "quantize_absmax_int8",
            "quantize_blockwise_8bit", "quantize_nf4", "quantize_symmetric_per_group", "to_bnb"]
-__all__ += ["QuantizedLinear", "quantize_model", "selective_dequantize_nf4",
+__all__ += ["NF4Config", "QuantizedLinear", "quantize_model", "selective_dequantize_nf4",
             "triton_dequantize_nf4"]

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .nf4 import NF4Weight, check_float_dtype, check_nested_rounding, quantize_nf4
+from .nf4 import FROM_CONFIG, NF4Config, NF4Weight, check_float_dtype, quantize_nf4
 
 
 class NF4Buffers(nn.Module):
@@ -71,17 +71,18 @@ class QuantizedLinear(NF4Buffers):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, blocksize: int = 64, double_quant: bool = True,
-                    compute_dtype: torch.dtype | None = None,
-                    nested_rounding: str = "nearest") -> QuantizedLinear:
-        """Quantize `linear.weight` to NF4; the bias (if any) is kept, frozen, as is.
-        `nested_rounding` is quantize_nf4's ("bnb_cpu": bitsandbytes' CPU nested codes)."""
+    def from_linear(cls, linear: nn.Linear, blocksize: int = FROM_CONFIG,
+                    double_quant: bool = FROM_CONFIG, compute_dtype: torch.dtype | None = None,
+                    nested_rounding: str = FROM_CONFIG, *,
+                    nf4_config: NF4Config | None = None) -> QuantizedLinear:
+        """Quantize `linear.weight` to NF4 as `nf4_config` (or its fields given as keywords,
+        the others at NF4Config's defaults) says; the bias (if any) is kept, frozen, as is."""
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         check_float_dtype("compute_dtype", compute_dtype)
-        check_nested_rounding(nested_rounding)
-        q = quantize_nf4(linear.weight.detach(), blocksize=blocksize, double_quant=double_quant,
-                         nested_rounding=nested_rounding)
+        cfg = NF4Config.of(nf4_config, blocksize=blocksize, double_quant=double_quant,
+                           nested_rounding=nested_rounding)
+        q = quantize_nf4(linear.weight.detach(), **dataclasses.asdict(cfg))
         return cls(q, linear.bias, compute_dtype=compute_dtype)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -108,15 +109,18 @@ class QuantizedLinear(NF4Buffers):
                 f"nf4 blocksize={q.get('blocksize')}, compute_dtype={self.compute_dtype}")
 
 
-def quantize_model(model: nn.Module, target: str, blocksize: int = 64,
-                   double_quant: bool = True, compute_dtype: torch.dtype | None = None,
-                   nested_rounding: str = "nearest") -> list[str]:
-    """Replace, in place, every nn.Linear whose full name matches the regex `target`.
+def quantize_model(model: nn.Module, target: str, blocksize: int = FROM_CONFIG,
+                   double_quant: bool = FROM_CONFIG, compute_dtype: torch.dtype | None = None,
+                   nested_rounding: str = FROM_CONFIG, *,
+                   nf4_config: NF4Config | None = None) -> list[str]:
+    """Replace, in place, every nn.Linear whose full name matches the regex `target` by a
+    QuantizedLinear (`from_linear`'s NF4 settings).
 
     Returns the names replaced; raises ValueError, with the model untouched, when `target` is
-    not a valid regex or matches no nn.Linear, or `nested_rounding` is not one of quantize_nf4's.
+    not a valid regex or matches no nn.Linear, or the NF4 settings are not valid.
     """
-    check_nested_rounding(nested_rounding)
+    cfg = NF4Config.of(nf4_config, blocksize=blocksize, double_quant=double_quant,
+                       nested_rounding=nested_rounding)
     pattern = compile_target("target", target)
     names = [name for name, m in model.named_modules()
              if isinstance(m, nn.Linear) and pattern.fullmatch(name)]
@@ -125,8 +129,8 @@ def quantize_model(model: nn.Module, target: str, blocksize: int = 64,
         raise ValueError(f"target {target!r} matches no nn.Linear (full match); the model's "
                          f"linear layers are e.g. {linears[:6]}")
     # Quantize every layer before replacing any, so that a bad weight leaves the model as it was.
-    quantized = {name: QuantizedLinear.from_linear(model.get_submodule(name), blocksize,
-                                                   double_quant, compute_dtype, nested_rounding)
+    quantized = {name: QuantizedLinear.from_linear(model.get_submodule(name),
+                                                   compute_dtype=compute_dtype, nf4_config=cfg)
                  for name in names}
     for name, layer in quantized.items():
         model.set_submodule(name, layer)

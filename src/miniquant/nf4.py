@@ -56,6 +56,47 @@ def nf4_codebook() -> torch.Tensor:
 NF4_CODE = nf4_codebook()
 
 
+@dataclass(frozen=True)
+class NF4Config:
+    """How a weight is quantized to NF4: the one place its defaults are written. Built (and
+    checked) once where a caller gives it; the functions that quantize take it as
+    `nf4_config=`, or its fields as keywords (`NF4Config.of`)."""
+
+    blocksize: int = 64                 # consecutive weights sharing one absmax (BLOCKSIZES)
+    double_quant: bool = True           # absmax to 8-bit codes, 256 a float32 scale (QLoRA)
+    nested_rounding: str = "nearest"    # those codes: nearest, or "bnb_cpu" (bitsandbytes' CPU)
+
+    def __post_init__(self):
+        check_blocksize(self.blocksize)
+        if not isinstance(self.double_quant, bool):
+            raise ValueError(f"double_quant must be a bool, got {self.double_quant!r}")
+        check_nested_rounding(self.nested_rounding)
+
+    @classmethod
+    def of(cls, nf4_config: NF4Config | None = None, **fields) -> NF4Config:
+        """`nf4_config`, or one built from the keyword fields a caller gave (those left at
+        `FROM_CONFIG` take NF4Config's defaults); both at once is a ValueError."""
+        given = {k: v for k, v in fields.items() if v is not FROM_CONFIG}
+        if nf4_config is None:
+            return cls(**given)
+        if not isinstance(nf4_config, NF4Config):
+            raise ValueError(f"nf4_config must be an NF4Config, got {type(nf4_config).__name__}")
+        if given:
+            raise ValueError(f"pass nf4_config or {', '.join(given)}, not both")
+        return nf4_config
+
+
+class _FromConfig:
+    """The default of a keyword that NF4Config holds: not given, so nf4_config's value (or
+    NF4Config's default) is used. A real value, None included, is checked as given."""
+
+    def __repr__(self) -> str:
+        return "<NF4Config's>"
+
+
+FROM_CONFIG = _FromConfig()
+
+
 @dataclass(eq=False)
 class NF4Weight:
     """A weight quantized to NF4: packed 4-bit codes plus per-block scales.
@@ -149,7 +190,8 @@ class NF4Weight:
                          move(self.absmax_scales), move(self.absmax_offset))
 
 
-def nf4_bytes(numel: int, blocksize: int = 64, double_quant: bool = True) -> int:
+def nf4_bytes(numel: int, blocksize: int = NF4Config.blocksize,
+              double_quant: bool = NF4Config.double_quant) -> int:
     """Bytes of an NF4 tensor of `numel` elements, without building one: the packed nibbles
     (ceil(numel/2)), plus a float32 absmax per block, or with double quantization a uint8 code
     per block, a float32 scale per 256 blocks and one float32 offset. `NF4Weight.nbytes` is
@@ -165,8 +207,9 @@ def nf4_bytes(numel: int, blocksize: int = 64, double_quant: bool = True) -> int
     return -(-numel // 2) + scales
 
 
-def quantize_nf4(w: torch.Tensor, blocksize: int = 64, double_quant: bool = False,
-                 nested_rounding: str = "nearest") -> NF4Weight:
+def quantize_nf4(w: torch.Tensor, blocksize: int = NF4Config.blocksize,
+                 double_quant: bool = False,
+                 nested_rounding: str = NF4Config.nested_rounding) -> NF4Weight:
     """Quantize a float16/bfloat16/float32 weight of any shape to NF4.
 
     In float32: flatten row-major, scale each block into [-1, 1] by its absmax (full blocks
@@ -175,13 +218,11 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = 64, double_quant: bool = Fals
     `double_quant`, the absmax vector is centred on its mean and quantized to 8 bits in blocks
     of 256 with the signed dynamic map, each centred absmax going to its nearest code; pass
     `nested_rounding="bnb_cpu"` to round as bitsandbytes' CPU kernel does instead (the same
-    nested codes as theirs, bit for bit; see miniquant.dynamic).
+    nested codes as theirs, bit for bit; see miniquant.dynamic). Plain NF4 by default (the
+    quantizers above it default to NF4Config's double quantization).
     """
     check_weight(w, "w")
-    check_blocksize(blocksize)
-    if not isinstance(double_quant, bool):
-        raise ValueError(f"double_quant must be a bool, got {double_quant!r}")
-    check_nested_rounding(nested_rounding)
+    NF4Config(blocksize, double_quant, nested_rounding)      # checks the three
     scaled, absmax = scale_blocks(w.reshape(-1).float(), blocksize)
     idx = nearest_code(scaled, NF4_CODE.to(w.device)).to(torch.uint8)
     packed = pack_nibbles(idx)
@@ -232,9 +273,8 @@ def check_float_dtype(name: str, dtype) -> None:
 
 def check_nested_rounding(nested_rounding) -> None:
     """Raise ValueError unless `nested_rounding` is one of ROUNDINGS ("nearest", "bnb_cpu").
-    Every entry point that quantizes to NF4 (quantize_nf4, QuantizedLinear.from_linear,
-    quantize_model, minimoe's quantize_experts / NF4Experts.from_weight / attach_expert_lora,
-    minituner's wrap_minigpt_qlora) calls it up front, before changing anything."""
+    NF4Config calls it when built, which every entry point that quantizes to NF4 does up
+    front, before changing anything."""
     if nested_rounding not in ROUNDINGS:
         raise ValueError(f"nested_rounding must be one of {ROUNDINGS}, got {nested_rounding!r}")
 

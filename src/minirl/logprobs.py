@@ -27,13 +27,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from minimoe import ExpertLinear, NF4Experts
+from minimoe import ExpertLinear, NF4Experts, NonFiniteLogitsError
 from minituner import LoRALinear
-
-
-class NonFiniteLogitsError(ValueError, FloatingPointError):
-    """NaN or +Inf logits. A ValueError for bad input; a FloatingPointError so that inside a
-    training step minituner's NaN guard records a stop instead of crashing."""
 
 
 def check_logits(logits: torch.Tensor, what: str) -> None:

@@ -1,27 +1,16 @@
-"""Where a LoRA adapter lives in a model, and how PEFT lays each kind out on disk.
+"""Where LoRA can live in a model: the modules and the expert parameters a target may name.
 
-Two kinds of target, as PEFT's LoraConfig has them:
+Two kinds of target, as PEFT's LoraConfig has them (their layout on disk: `peft_format`):
 
-- a module (`target_modules`): an nn.Linear / QuantizedLinear wrapped in `LoRALinear`. Keys
-  `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r], the
-  tensors as held.
-- an expert parameter (`target_parameters`): a stacked weight [E, ·, ·] with a rank-r pair per
-  expert. Held here as A [r·E, in], B [out, r·E], expert e owning rows / columns e·r:(e+1)·r
-  (minimoe). PEFT's `ParamWrapper` stores the same A, but B's columns in the order j·E + e
-  (`to_peft_B` / `from_peft_B`, a column permutation). The keys hang off the module that
-  holds the parameter; when n of its parameters are targeted PEFT nests n wrappers in the
-  module's registration order, the first innermost, so the i-th is stored under
-  `<module>.` + `base_layer.`·(n−1−i).
-
-Expert parameters here: a `MoEMLP`'s w_gate, w_up, w_down ([E, in, out]; `MoEMLP.is_transposed`
-tells PEFT) and an HF experts module's gate_up_proj, down_proj ([E, out, in]; raw, or wrapped
-in `minimoe.hf.HFExperts`).
+- a module (`target_modules`): an nn.Linear / QuantizedLinear, wrapped in `LoRALinear`.
+- an expert parameter (`target_parameters`, "module.param"): a stacked weight [E, ·, ·] with
+  a rank-r pair per expert: a `MoEMLP`'s w_gate, w_up, w_down ([E, in, out];
+  `MoEMLP.is_transposed` tells PEFT) and an HF experts module's gate_up_proj, down_proj
+  ([E, out, in]; raw, or wrapped in `minimoe.hf.HFExperts`), in registration order.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,55 +22,15 @@ from minimoe.moe import PROJECTIONS
 from miniquant import QuantizedLinear
 
 from .lora import LoRALinear
-
-KEY_PREFIX = "base_model.model."
-
-
-def to_peft_B(B: torch.Tensor, E: int) -> torch.Tensor:
-    """B [out, r·E] with expert e in columns e·r:(e+1)·r -> PEFT's order (column j·E + e)."""
-    out, rE = B.shape
-    return B.reshape(out, E, rE // E).transpose(1, 2).reshape(out, rE)
-
-
-def from_peft_B(B: torch.Tensor, E: int) -> torch.Tensor:
-    """PEFT's expert B [out, r·E] (column j·E + e) -> ours (columns e·r:(e+1)·r)."""
-    out, rE = B.shape
-    return B.reshape(out, rE // E, E).transpose(1, 2).reshape(out, rE)
-
-
-def key_prefix(module: str, depth: int = 0) -> str:
-    """The key prefix of a target: `base_model.model.<module>.` plus `base_layer.`·depth."""
-    return f"{KEY_PREFIX}{module}." + "base_layer." * depth
-
-
-def pattern_value(patterns: dict, key: str, default):
-    """PEFT's rank_pattern / alpha_pattern rule: the first pattern p (dict order) with
-    `re.match(rf"(.*\\.)?({p})$", key)` gives the value, else `default`."""
-    for p, value in patterns.items():
-        if re.match(rf"(.*\.)?({p})$", key):
-            return value
-    return default
-
-
-def matches(name: str, targets: str | Sequence[str]) -> bool:
-    """PEFT's rule: a string is a regex matched against the whole name; a list holds
-    suffixes, each matching a name equal to it or ending with "." + it."""
-    if isinstance(targets, str):
-        return re.fullmatch(targets, name) is not None
-    return any(name == t or name.endswith("." + t) for t in targets)
-
-
-def compact(names: list[str], candidates: list[str]) -> list[str]:
-    """The shortest suffix list (last 1, 2, ... name components) that selects exactly `names`
-    among `candidates`; the full names when no shorter list does."""
-    for depth in (1, 2):
-        suffixes = sorted({".".join(n.split(".")[-depth:]) for n in names})
-        if [c for c in candidates if matches(c, suffixes)] == names:
-            return suffixes
-    return list(names)
-
-
-# --- what a model holds ------------------------------------------------------------------
+from .peft_format import (  # noqa: F401  (peft_format's names, importable from here too)
+    KEY_PREFIX,
+    compact,
+    from_peft_B,
+    key_prefix,
+    matches,
+    pattern_value,
+    to_peft_B,
+)
 
 LINEAR_TYPES = (nn.Linear, QuantizedLinear)
 

@@ -1,198 +1,67 @@
-"""Wrap a model with LoRA, and save / load adapters in Hugging Face PEFT format.
+"""Save a model's LoRA as a Hugging Face PEFT adapter, and load one into a model.
 
-On disk an adapter is the directory PEFT's `save_pretrained` writes: `adapter_config.json`
-(a `LoraConfig`) and `adapter_model.safetensors` with keys
-`base_model.model.<module path>[.base_layer…].lora_A.weight` / `.lora_B.weight` (no adapter
-name), so `peft.PeftModel.from_pretrained` loads ours and `load_adapter` loads PEFT's. Linear
-layers are PEFT's `target_modules`; stacked expert weights are its `target_parameters`, laid
-out as `adapter_targets` describes. Ours also carry safetensors metadata
-`"minituner.targets"` (our name, E, r, scaling per key prefix) for `lora_norms`; PEFT ignores
-it.
+`save_adapter` maps every LoRA the model holds to a target of the PEFT format (`peft_format`:
+the files, key names and B's column order), so `peft.PeftModel.from_pretrained` loads ours;
+`load_adapter` reads one (ours or PEFT's save_pretrained), wraps the model as its config says
+(`wrap`) and copies the factors in. Linear layers are PEFT's `target_modules`; stacked expert
+weights are its `target_parameters`.
+
+`wrap_lora` and `trainable_summary` live in `wrap` and are importable from here too.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import safetensors.torch
 import torch
 import torch.nn as nn
 
-from minigpt.atomic import atomic_path
-from minimoe import MoEMLP, attach_expert_lora
-from minimoe.experts import init_expert_lora
-from minimoe.hf import HF_NAMES, HFExperts
-from miniquant.linear import compile_target
+from minimoe import MoEMLP, lora_scaling
+from minimoe.hf import HF_NAMES
 
-from .adapter_targets import (
-    LINEAR_TYPES,
-    ParamSlot,
+from .adapter_targets import module_slots, param_slots
+from .lora import LoRALinear
+from .peft_format import (
+    CONFIG_NAME,
+    LORA_A,
+    LORA_B,
+    METADATA_KEY,
+    WEIGHTS_NAME,
+    Target,
     compact,
     from_peft_B,
     key_prefix,
     matches,
-    module_slots,
-    param_slots,
     pattern_value,
+    read_config,
+    read_weights,
     to_peft_B,
-    unsupported,
+    write_adapter,
 )
-from .lora import LoRALinear, check_lora_args
+from .wrap import (
+    check_before_wrapping,
+    freeze_all_but_lora,
+    linear_names,
+    owners,
+    select_modules,
+    select_params,
+    trainable_summary,
+    wrap_lora,
+    wrap_modules,
+    wrap_params,
+)
 
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
-METADATA_KEY = "minituner.targets"
+__all__ = ["CONFIG_NAME", "METADATA_KEY", "NAMINGS", "WEIGHTS_NAME", "AdapterLoadReport",
+           "load_adapter", "save_adapter", "trainable_summary", "wrap_lora"]
+
 NAMINGS = ("ours", "hf")
 
-# PEFT LoraConfig options this module cannot honour: a config that sets one of them to
-# anything but its neutral value is refused rather than loaded wrongly.
-_NEUTRAL = {"bias": "none", "use_dora": False, "fan_in_fan_out": False, "lora_bias": False,
-            "modules_to_save": None, "layers_to_transform": None, "exclude_modules": None,
-            "layer_replication": None, "trainable_token_indices": None}
-
-_matches = matches      # the name Lab 04 forbids while its exercises run
-
-
-def _linear_names(model: nn.Module) -> list[str]:
-    """Names of the layers LoRA may wrap: nn.Linear, QuantizedLinear and LoRALinear itself."""
-    return [n for n, m in module_slots(model).items()
-            if isinstance(m, (LoRALinear, *LINEAR_TYPES))]
-
-
-def _check_targets(name: str, targets) -> None:
-    if isinstance(targets, str):
-        compile_target(name, targets)
-    elif not targets or not all(isinstance(t, str) for t in targets):
-        raise ValueError(f"{name} must be a regex string or a non-empty list of name "
-                         f"suffixes, got {targets!r}")
-
-
-def _select(model: nn.Module, target_modules: str | Sequence[str]) -> list[str]:
-    """The linear layers `target_modules` names. A regex string is a filter over the linear
-    layers (it also matches containers such as `blocks.1`, which hold the layers it means);
-    a suffix in a list names modules one by one, and one that is not a linear layer is an
-    error saying why and what to name instead (never a silent skip)."""
-    _check_targets("target_modules", target_modules)
-    by_name = not isinstance(target_modules, str)
-    named = [(n, m) for n, m in module_slots(model).items() if matches(n, target_modules)
-             and (by_name or isinstance(m, (LoRALinear, *LINEAR_TYPES)))]
-    bad = [unsupported(model, n, m) for n, m in named
-           if not isinstance(m, (LoRALinear, *LINEAR_TYPES))]
-    if bad:
-        raise ValueError("target_modules names modules LoRA cannot wrap: " + "; ".join(bad))
-    if not named:
-        raise ValueError(f"target_modules {target_modules!r} matches no linear layer (a string "
-                         f"is a full-match regex, a list holds name suffixes); the model's "
-                         f"linear layers are {_linear_names(model)}")
-    return [n for n, _ in named]
-
-
-def _select_params(model: nn.Module, target_parameters: Sequence[str]) -> list[ParamSlot]:
-    """The expert parameters `target_parameters` names (PEFT's suffix rule on module.param)."""
-    _check_targets("target_parameters", target_parameters)
-    if isinstance(target_parameters, str):
-        raise ValueError(f"target_parameters must be a list of names, got {target_parameters!r}")
-    slots = param_slots(model)
-    chosen = [s for s in slots if matches(s.name, target_parameters)]
-    found = {t for t in target_parameters for s in chosen if matches(s.name, [t])}
-    for t in (t for t in target_parameters if t not in found):
-        other = [f"{n}.{p} ({type(m).__name__})" for n, m in module_slots(model).items()
-                 for p, _ in m.named_parameters(recurse=False) if matches(f"{n}.{p}", [t])]
-        what = (f"names {other[:3]}, which minituner cannot adapt (expert LoRA goes on a "
-                f"MoEMLP's {[s.param for s in slots[:3]]} or an HF experts module's "
-                f"gate_up_proj / down_proj)" if other else "matches no parameter")
-        raise ValueError(f"target_parameters entry {t!r} {what}; the model's expert parameters "
-                         f"are {[s.name for s in slots]}")
-    return chosen
-
-
-def trainable_summary(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts; NF4 buffers of QuantizedLinear are not counted."""
-    params = list(model.parameters())
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
-
-
-def _owners(slots: list[ParamSlot]) -> dict[str, list[ParamSlot]]:
-    """Slots grouped by the module holding them, each group in registration order."""
-    out: dict[str, list[ParamSlot]] = {}
-    for s in sorted(slots, key=lambda s: (s.module, s.index)):
-        out.setdefault(s.module, []).append(s)
-    return out
-
-
-def _wrap_params(model: nn.Module, slots: list[ParamSlot], hyper: dict) -> None:
-    """Give each named expert parameter its LoRA: `attach_expert_lora` on a MoEMLP (float
-    base), `HFExperts` in place of an HF experts module; then any parameter whose (r, alpha)
-    differs from its module's first (a rank_pattern) gets its own."""
-    for module, group in _owners(slots).items():
-        owner, params = group[0].owner, tuple(s.param for s in group)
-        r, alpha = hyper[group[0].name]
-        if isinstance(owner, MoEMLP):
-            attach_expert_lora(owner, r=r, alpha=alpha, nf4=False, projections=params)
-            holders = {p: getattr(owner, p) for p in params}
-        else:
-            wrapper = HFExperts(owner, r=r, alpha=alpha, params=params)
-            model.set_submodule(module, wrapper)
-            holders = wrapper.lora
-        for s in group[1:]:
-            if hyper[s.name] != (r, alpha):
-                init_expert_lora(holders[s.param], s.n_experts, s.in_features, s.out_features,
-                                 *hyper[s.name], holders[s.param].lora_A.device)
-
-
-def _freeze_all_but_lora(model: nn.Module) -> None:
-    for name, p in model.named_parameters():
-        p.requires_grad_(name.rpartition(".")[2] in ("lora_A", "lora_B"))
-
-
-def _check_before_wrapping(model, modules: list[str], slots: list[ParamSlot], dropout,
-                           use_rslora) -> None:
-    already = [n for n in modules if isinstance(model.get_submodule(n), LoRALinear)]
-    already += [s.name for s in slots if s.holder is not None or isinstance(s.owner, HFExperts)]
-    if already:
-        raise ValueError(f"already wrapped with LoRA: {already}")
-    if slots and (dropout or use_rslora):
-        raise ValueError(f"expert LoRA (target_parameters) takes no dropout and scales by "
-                         f"alpha / r; got dropout={dropout}, use_rslora={use_rslora}")
-    for module, group in _owners(slots).items():
-        owner = group[0].owner
-        if isinstance(owner, MoEMLP) and not all(
-                isinstance(getattr(owner, p), nn.Parameter) for p in ("w_gate", "w_up", "w_down")):
-            raise ValueError(f"{module}'s experts are already expert modules; attach_expert_lora "
-                             f"builds them with their LoRA in one step")
-
-
-def wrap_lora(model: nn.Module, target_modules: str | Sequence[str] | None, r: int = 8,
-              alpha: float = 16.0, dropout: float = 0.0, use_rslora: bool = False,
-              target_parameters: Sequence[str] | None = None) -> list[str]:
-    """Put LoRA, in place, on each linear layer `target_modules` selects (a `LoRALinear`
-    around it) and on each expert parameter `target_parameters` names (expert LoRA: a
-    MoEMLP's w_gate / w_up / w_down, an HF experts module's gate_up_proj / down_proj), then
-    freeze every parameter except the LoRA factors.
-
-    Both follow PEFT: a regex matched against the whole name, or a list of name suffixes
-    (for parameters, of "module.param"). Returns the names wrapped. Raises ValueError, with
-    the model untouched, when nothing matches (listing what could), when a named module is
-    not a linear layer (saying why, and what to name instead), or when a target already
-    holds LoRA.
-    """
-    check_lora_args(r, alpha, dropout)     # before anything changes
-    if target_modules is None and not target_parameters:
-        raise ValueError("give target_modules, target_parameters, or both")
-    names = _select(model, target_modules) if target_modules is not None else []
-    slots = _select_params(model, target_parameters) if target_parameters else []
-    _check_before_wrapping(model, names, slots, dropout, use_rslora)
-    for name in names:
-        model.set_submodule(name, LoRALinear(model.get_submodule(name), r=r, alpha=alpha,
-                                             dropout=dropout, use_rslora=use_rslora))
-    _wrap_params(model, slots, {s.name: (r, float(alpha)) for s in slots})
-    _freeze_all_but_lora(model)
-    return names + [s.name for s in slots]
+# The names Lab 04 forbids while its exercises run (`forbid` swaps every binding of them).
+_select, _matches = select_modules, matches
 
 
 # --- saving -----------------------------------------------------------------------------------
@@ -262,7 +131,7 @@ def _fused_gate_up(mlp: str, held: dict) -> _Entry:
 
 def _param_entries(model, names: str) -> list[_Entry]:
     out = []
-    for module, group in _owners(param_slots(model)).items():
+    for module, group in owners(param_slots(model)).items():
         held = {s.param: s.holder for s in group if s.holder is not None}
         if not held:
             continue
@@ -296,10 +165,10 @@ def _config(model, entries: list[_Entry], target_modules, names: str) -> dict:
     modules = [e.config_name for e in entries if not e.is_param]
     params = [e.config_name for e in entries if e.is_param]
     if target_modules is None:
-        target_modules = compact(modules, _linear_names(model)) if modules else []
-    elif [n for n in _linear_names(model) if matches(n, target_modules)] != modules:
+        target_modules = compact(modules, linear_names(model)) if modules else []
+    elif [n for n in linear_names(model) if matches(n, target_modules)] != modules:
         raise ValueError(f"target_modules {target_modules!r} selects "
-                         f"{[n for n in _linear_names(model) if matches(n, target_modules)]}, "
+                         f"{[n for n in linear_names(model) if matches(n, target_modules)]}, "
                          f"but the wrapped layers are {modules}")
     if names == "ours" and params:
         params = compact(params, [s.name for s in param_slots(model)])
@@ -337,29 +206,11 @@ def save_adapter(model: nn.Module, dir: str | Path,
         raise ValueError("model has no LoRA to save; call wrap_lora (or attach_expert_lora) "
                          "first")
     config = _config(model, entries, target_modules, names)
-    tensors = {}
+    factors = {}
     for e in entries:
-        tensors[f"{e.prefix}lora_A.weight"] = e.A.detach().cpu().contiguous()
-        tensors[f"{e.prefix}lora_B.weight"] = e.B.detach().cpu().contiguous()
-    targets = [{"prefix": e.prefix, "name": e.name, "experts": e.experts, "r": e.r,
-                "scaling": e.scaling} for e in entries]
-    dir = Path(dir)
-    with atomic_path(dir / CONFIG_NAME) as cfg_tmp, atomic_path(dir / WEIGHTS_NAME) as w_tmp:
-        w_tmp.write_bytes(_safetensors_bytes(tensors, {"format": "pt",
-                                                       METADATA_KEY: json.dumps(targets)}))
-        cfg_tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def _safetensors_bytes(tensors: dict, metadata: dict) -> bytes:
-    """A safetensors file whose bytes depend on the tensors and metadata alone. safetensors
-    writes `__metadata__` from a hash map, so with two entries their order (and the file's
-    sha256) changes from process to process; the header is re-written with sorted keys. The
-    tensors' offsets are relative to the data after the header, so they stay valid."""
-    raw = safetensors.torch.save(tensors, metadata=metadata)
-    n = int.from_bytes(raw[:8], "little")
-    header = json.dumps(json.loads(raw[8:8 + n]), sort_keys=True, separators=(",", ":"))
-    header += " " * (-len(header) % 8)             # the format pads the header to 8 bytes
-    return len(header).to_bytes(8, "little") + header.encode() + raw[8 + n:]
+        factors[e.prefix + LORA_A], factors[e.prefix + LORA_B] = e.A, e.B
+    write_adapter(dir, config, factors,
+                  [Target(e.prefix, e.name, e.experts, e.r, e.scaling) for e in entries])
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -379,67 +230,6 @@ class AdapterLoadReport:
         return not (self.missing or self.unexpected or self.mismatched)
 
 
-def _check_patterns(path: Path, config: dict) -> None:
-    for key, check in (("rank_pattern", "r"), ("alpha_pattern", "lora_alpha")):
-        patterns = config.get(key) or {}
-        if not isinstance(patterns, dict):
-            raise ValueError(f"{path}: {key} must be an object, got {patterns!r}")
-        for p, v in patterns.items():
-            try:
-                compile_target(f"{key} key", p)
-                check_lora_args(v if check == "r" else 1, v if check != "r" else 1.0, 0.0,
-                                names=(f"{key}[{p!r}]",) * 3)
-            except ValueError as e:
-                raise ValueError(f"{path}: {e}") from None
-
-
-def _read_config(dir: Path) -> dict:
-    """The adapter's LoraConfig, checked: r a positive int, lora_alpha finite and > 0,
-    lora_dropout in [0, 1), patterns of the same, no option this module cannot honour."""
-    path = dir / CONFIG_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"no {CONFIG_NAME} in {dir}: not a PEFT adapter directory")
-    config = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"{path}: peft_type is {config.get('peft_type')!r}, expected 'LORA'")
-    for key in ("r", "lora_alpha"):
-        if config.get(key) is None:
-            raise ValueError(f"{path}: missing {key!r}")
-    if config.get("target_modules") is None and not config.get("target_parameters"):
-        raise ValueError(f"{path}: missing 'target_modules' (and no 'target_parameters')")
-    unsupported_opts = {k: config[k] for k, neutral in _NEUTRAL.items()
-                        if config.get(k, neutral) not in (neutral, None, [], {})}
-    if unsupported_opts:
-        raise ValueError(f"{path}: unsupported LoRA options {unsupported_opts}")
-    # JSON may hold 4.9, 1e999 (inf) or NaN: refuse them rather than truncate or propagate.
-    try:
-        check_lora_args(config["r"], config["lora_alpha"], config.get("lora_dropout", 0.0),
-                        names=("r", "lora_alpha", "lora_dropout"))
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-    _check_patterns(path, config)
-    return config
-
-
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The adapter's tensors (safetensors, never pickle); every value must be finite."""
-    if not path.is_file():
-        raise FileNotFoundError(f"no {WEIGHTS_NAME} in {path.parent} (found {CONFIG_NAME}; "
-                                f"only safetensors adapters are read)")
-    tensors = safetensors.torch.load_file(str(path))
-    bad = sorted(k for k, t in tensors.items()
-                 if t.is_floating_point() and not torch.isfinite(t).all())
-    if bad:
-        raise ValueError(f"{path}: NaN or Inf in {bad}; the adapter weights must be finite")
-    return tensors
-
-
-def _scaling(r: int, alpha: float, use_rslora: bool) -> float:
-    return alpha / (math.sqrt(r) if use_rslora else r)
-
-
 def _check_wrapped(model, names, slots, hyper, use_rslora) -> bool:
     """True when the targets are wrapped already (then with the adapter's r and scaling);
     False when none is; an error for a part-wrapped model or different settings."""
@@ -453,7 +243,7 @@ def _check_wrapped(model, names, slots, hyper, use_rslora) -> bool:
         raise ValueError(f"the adapter targets {every}, but only {list(held)} are wrapped")
     for name, m in held.items():
         r, alpha = hyper[name]
-        want = _scaling(r, alpha, use_rslora and name in names)
+        want = lora_scaling(alpha, r, use_rslora and name in names)
         if m.r != r or not math.isclose(m.scaling, want):
             raise ValueError(f"{name} is wrapped with r={m.r}, scaling={m.scaling}; the "
                              f"adapter has r={r}, scaling={want}")
@@ -470,14 +260,14 @@ def _expected(model, names, slots, hyper) -> dict[str, tuple[torch.Size, str, in
         m = model.get_submodule(n)
         r = hyper[n][0]
         base = m.base if isinstance(m, LoRALinear) else m
-        out[f"{key_prefix(n)}lora_A.weight"] = (torch.Size([r, base.in_features]), n, 1)
-        out[f"{key_prefix(n)}lora_B.weight"] = (torch.Size([base.out_features, r]), n, 1)
-    for group in _owners(slots).values():
+        out[key_prefix(n) + LORA_A] = (torch.Size([r, base.in_features]), n, 1)
+        out[key_prefix(n) + LORA_B] = (torch.Size([base.out_features, r]), n, 1)
+    for group in owners(slots).values():
         for i, s in enumerate(group):
             r, E = hyper[s.name][0], s.n_experts
             prefix = key_prefix(s.module, len(group) - 1 - i)
-            out[f"{prefix}lora_A.weight"] = (torch.Size([r * E, s.in_features]), s.name, E)
-            out[f"{prefix}lora_B.weight"] = (torch.Size([s.out_features, r * E]), s.name, E)
+            out[prefix + LORA_A] = (torch.Size([r * E, s.in_features]), s.name, E)
+            out[prefix + LORA_B] = (torch.Size([s.out_features, r * E]), s.name, E)
     return out
 
 
@@ -500,22 +290,21 @@ def load_adapter(model: nn.Module, dir: str | Path, strict: bool = True) -> Adap
     model is left exactly as it was (not wrapped, no weight loaded).
     """
     dir = Path(dir)
-    config = _read_config(dir)
-    weights_path = dir / WEIGHTS_NAME
-    tensors = _read_weights(weights_path)
+    config = read_config(dir, to_load=True)
+    tensors, _ = read_weights(dir)
     r0, alpha0 = config["r"], float(config["lora_alpha"])
     use_rslora = bool(config.get("use_rslora", False))
     dropout = float(config.get("lora_dropout", 0.0))
     target_modules = config.get("target_modules")
-    names = _select(model, target_modules) if target_modules not in (None, []) else []
-    slots = (_select_params(model, config["target_parameters"])
+    names = select_modules(model, target_modules) if target_modules not in (None, []) else []
+    slots = (select_params(model, config["target_parameters"])
              if config.get("target_parameters") else [])
     rp, ap = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     hyper = {n: (pattern_value(rp, n, r0), float(pattern_value(ap, n, alpha0)))
              for n in names + [s.name for s in slots]}
     is_wrapped = _check_wrapped(model, names, slots, hyper, use_rslora)
     if not is_wrapped:
-        _check_before_wrapping(model, names, slots, dropout, use_rslora)
+        check_before_wrapping(model, names, slots, dropout, use_rslora)
 
     shapes = _expected(model, names, slots, hyper)
     report = AdapterLoadReport()
@@ -526,24 +315,21 @@ def load_adapter(model: nn.Module, dir: str | Path, strict: bool = True) -> Adap
     report.mismatched = sorted(f"{k}: file {list(tensors[k].shape)} vs model "
                                f"{list(shapes[k][0])}" for k in bad)
     if strict and not report.ok:
-        raise ValueError(f"adapter {weights_path} does not fit the model: missing "
+        raise ValueError(f"adapter {dir / WEIGHTS_NAME} does not fit the model: missing "
                          f"{report.missing}, unexpected {report.unexpected}, shape mismatch "
                          f"{report.mismatched}")
 
     if not is_wrapped:
-        for n in names:
-            r, alpha = hyper[n]
-            model.set_submodule(n, LoRALinear(model.get_submodule(n), r=r, alpha=alpha,
-                                              dropout=dropout, use_rslora=use_rslora))
-        _wrap_params(model, slots, hyper)
-        _freeze_all_but_lora(model)
+        wrap_modules(model, names, hyper, dropout, use_rslora)
+        wrap_params(model, slots, hyper)
+        freeze_all_but_lora(model)
         report.wrapped = names + [s.name for s in slots]
     factors = _factors(model)
     with torch.no_grad():
         for key in sorted(common - bad):
             _, target, E = shapes[key]
             value = tensors[key]
-            if key.endswith("lora_B.weight") and E > 1:
+            if key.endswith(LORA_B) and E > 1:
                 value = from_peft_B(value, E)
             getattr(factors[target], key.rsplit(".", 2)[-2]).copy_(value)
     return report

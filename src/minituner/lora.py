@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from minimoe import lora_scaling
 from miniquant import QuantizedLinear
 
 
@@ -123,7 +124,7 @@ class LoRALinear(nn.Module):
         self.base = base
         self.in_features, self.out_features = base.in_features, base.out_features
         self.r, self.alpha, self.use_rslora = r, float(alpha), use_rslora
-        self.scaling = self.alpha / (math.sqrt(r) if use_rslora else r)
+        self.scaling = lora_scaling(self.alpha, r, use_rslora)
         # Identity when dropout is 0, so the forward can skip drawing a mask (as PEFT).
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         device = base.weight.device if isinstance(base, nn.Linear) else next(base.buffers()).device

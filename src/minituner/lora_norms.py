@@ -26,29 +26,38 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import safetensors
 import torch
 
-from .adapter_targets import KEY_PREFIX, matches, pattern_value
-from .adapters import CONFIG_NAME, METADATA_KEY, WEIGHTS_NAME
+from minimoe import lora_scaling
+
 from .norms_report import grid, norms_table, plot_norms
+from .peft_format import (
+    CONFIG_NAME,
+    KEY_PREFIX,
+    LORA_A,
+    LORA_B,
+    METADATA_KEY,
+    WEIGHTS_NAME,
+    AdapterError,
+    Target,
+    matches,
+    pattern_value,
+    read_config,
+    read_targets,
+    read_weights,
+    split_prefix,
+)
 
 __all__ = ["AdapterError", "TargetNorms", "adapter_norms", "grid", "main", "norms_table",
            "plot_norms", "total_norm", "update_norms"]
 
-_A, _B = "lora_A.weight", "lora_B.weight"
 _NESTED = "[base_layer×"
-
-
-class AdapterError(ValueError):
-    """An adapter directory this module cannot read; the message names the file or key."""
 
 
 @dataclass
@@ -61,17 +70,6 @@ class TargetNorms:
 
     def __post_init__(self):
         self.total = math.sqrt(sum(x * x for x in self.experts))
-
-
-@dataclass(frozen=True)
-class _Target:
-    """One LoRA pair in the file: key prefix, display name, experts E, rank r, scaling s."""
-
-    prefix: str
-    name: str
-    experts: int
-    r: int
-    scaling: float
 
 
 def update_norms(lora_A: torch.Tensor, lora_B: torch.Tensor, experts: int,
@@ -98,143 +96,36 @@ def update_norms(lora_A: torch.Tensor, lora_B: torch.Tensor, experts: int,
 
 # --- reading the directory ---------------------------------------------------------------
 
-def _number(where: str, name: str, value, integer: bool = False):
-    """`value` if it is a positive int (`integer`) or a finite real; else AdapterError."""
-    ok = not isinstance(value, bool) and (
-        isinstance(value, int) and value > 0 if integer
-        else isinstance(value, int | float) and math.isfinite(value))
-    if not ok:
-        raise AdapterError(f"{where}: {name} is {value!r}, expected "
-                           + ("a positive int" if integer else "a finite number"))
-    return value
-
-
-def _read_config(dir: Path) -> dict:
-    """adapter_config.json, checked: a LoRA (not DoRA) config with usable r, alpha, patterns."""
-    if not dir.is_dir():
-        raise AdapterError(f"{dir}: no such directory")
-    path = dir / CONFIG_NAME
-    if not path.is_file():
-        raise AdapterError(f"{dir}: no {CONFIG_NAME}, so not a PEFT adapter directory")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AdapterError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    if config.get("peft_type") != "LORA":
-        raise AdapterError(f"{path}: peft_type is {config.get('peft_type')!r}, expected "
-                           f"'LORA' (only a LoRA adapter has s·B·A updates)")
-    if config.get("use_dora"):
-        raise AdapterError(f"{path}: use_dora is true; a DoRA update is not s·B·A")
-    _number(str(path), "r", config.get("r"), integer=True)
-    _number(str(path), "lora_alpha", config.get("lora_alpha"))
-    for key, integer in (("rank_pattern", True), ("alpha_pattern", False)):
-        patterns = config.get(key) or {}
-        if not isinstance(patterns, dict):
-            raise AdapterError(f"{path}: {key} is {patterns!r}, expected an object")
-        for p, v in patterns.items():
-            _number(str(path), f"{key}[{p!r}]", v, integer)
-            try:
-                re.compile(p)
-            except re.error as e:
-                raise AdapterError(f"{path}: {key} key {p!r} is not a regex ({e})") from None
-    params = config.get("target_parameters") or []
-    if not isinstance(params, list) or not all(isinstance(t, str) for t in params):
-        raise AdapterError(f"{path}: target_parameters is {params!r}, expected a list of "
-                           f"'module.param' strings or null")
-    return config
-
-
 def _pairs(keys: list[str], path: Path) -> tuple[list[str], list[str]]:
     """The key prefixes holding a lora_A / lora_B pair, and the keys that are neither."""
-    a = {k[:-len(_A)] for k in keys if k.endswith("." + _A)}
-    b = {k[:-len(_B)] for k in keys if k.endswith("." + _B)}
+    a = {k[:-len(LORA_A)] for k in keys if k.endswith("." + LORA_A)}
+    b = {k[:-len(LORA_B)] for k in keys if k.endswith("." + LORA_B)}
     for have, lack in ((a, b), (b, a)):
         for p in sorted(have - lack):
-            key, other = (p + _A, p + _B) if have is a else (p + _B, p + _A)
+            key, other = (p + LORA_A, p + LORA_B) if have is a else (p + LORA_B, p + LORA_A)
             raise AdapterError(f"{path}: {key} has no {other} beside it")
     if not a:
         raise AdapterError(f"{path}: no *.lora_A.weight / *.lora_B.weight tensors")
     for p in sorted(a):
         if not p.startswith(KEY_PREFIX):
-            raise AdapterError(f"{path}: {p}{_A} is not under {KEY_PREFIX!r} (PEFT's layout)")
-    ignored = sorted(k for k in keys if not k.endswith(("." + _A, "." + _B)))
+            raise AdapterError(f"{path}: {p}{LORA_A} is not under {KEY_PREFIX!r} (PEFT's "
+                               f"layout)")
+    ignored = sorted(k for k in keys if not k.endswith(("." + LORA_A, "." + LORA_B)))
     return sorted(a), ignored
 
 
-def _shape(f, path: Path, key: str) -> list[int]:
-    """The shape of tensor `key` (read from the header only), which must be a matrix."""
-    shape = list(f.get_slice(key).get_shape())
-    if len(shape) != 2:
-        raise AdapterError(f"{path}: {key} has shape {shape}, expected a matrix (only "
-                           f"linear / parameter LoRA, not conv or embedding LoRA)")
-    return shape
-
-
-def _load(f, path: Path, key: str) -> torch.Tensor:
-    """Tensor `key` as float64; it must be a floating-point matrix with finite values."""
-    t = f.get_tensor(key)
-    if not t.is_floating_point():
-        raise AdapterError(f"{path}: {key} has dtype {t.dtype}, expected a floating-point type")
-    t = t.to(torch.float64)
-    if not torch.isfinite(t).all():
-        raise AdapterError(f"{path}: {key} holds NaN or Inf; the weights must be finite")
-    return t
-
-
-def _check_shapes(path: Path, t: _Target, a: list[int], b: list[int]) -> None:
+def _check_shapes(path: Path, t: Target, a: list[int], b: list[int]) -> None:
     """A [r·E, in] and B [out, r·E] for the target's r and E."""
     rows = t.r * t.experts
     if a[0] != rows:
-        raise AdapterError(f"{path}: {t.prefix}{_A} is {a}, expected {rows} rows "
+        raise AdapterError(f"{path}: {t.prefix}{LORA_A} is {a}, expected {rows} rows "
                            f"(r·E = {t.r}·{t.experts} for {t.name})")
     if b[1] != rows:
-        raise AdapterError(f"{path}: {t.prefix}{_B} is {b}, expected {rows} columns "
-                           f"(as many as {_A} has rows)")
-
-
-# --- E, r and s of each pair: from our metadata ------------------------------------------
-
-def _metadata_targets(raw: str, path: Path, prefixes: list[str]) -> list[_Target]:
-    """The targets "minituner.targets" describes; it must describe exactly the file's pairs."""
-    where = f"{path}: metadata {METADATA_KEY}"
-    try:
-        entries = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise AdapterError(f"{where} is not valid JSON ({e})") from None
-    if not isinstance(entries, list):
-        raise AdapterError(f"{where} is a {type(entries).__name__}, expected a list")
-    targets = []
-    for i, e in enumerate(entries):
-        if not isinstance(e, dict) or not {"prefix", "name", "experts", "r", "scaling"} <= set(e):
-            raise AdapterError(f"{where}[{i}] is {e!r}, expected an object with prefix, "
-                               f"name, experts, r, scaling")
-        at = f"{where}[{e['prefix']!r}]"
-        targets.append(_Target(str(e["prefix"]), str(e["name"]),
-                               _number(at, "experts", e["experts"], integer=True),
-                               _number(at, "r", e["r"], integer=True),
-                               float(_number(at, "scaling", e["scaling"]))))
-    described = [t.prefix for t in targets]
-    for p in described:
-        if p not in prefixes or described.count(p) > 1:
-            raise AdapterError(f"{where} names prefix {p!r} " + (
-                "twice" if p in prefixes else f"but the file has no {p}{_A}"))
-    for p in prefixes:
-        if p not in described:
-            raise AdapterError(f"{path}: {p}{_A} is not described in metadata {METADATA_KEY}")
-    return targets
+        raise AdapterError(f"{path}: {t.prefix}{LORA_B} is {b}, expected {rows} columns "
+                           f"(as many as {LORA_A} has rows)")
 
 
 # --- E, r and s of each pair: from adapter_config.json, as PEFT does ----------------------
-
-def _targets_module(name: str, target_modules, path: Path) -> bool:
-    try:
-        return bool(target_modules) and matches(name, target_modules)
-    except re.error as e:
-        raise AdapterError(f"{path}: target_modules {target_modules!r} is not a regex "
-                           f"({e})") from None
-
 
 def _rank_alpha(config: dict, key: str) -> tuple[int, float]:
     return (pattern_value(config.get("rank_pattern") or {}, key, config["r"]),
@@ -242,15 +133,7 @@ def _rank_alpha(config: dict, key: str) -> tuple[int, float]:
 
 
 def _scaling(config: dict, r: int, alpha: float) -> float:
-    return alpha / (math.sqrt(r) if config.get("use_rslora") else r)
-
-
-def _module_and_depth(prefix: str) -> tuple[str, int]:
-    """'base_model.model.m.base_layer.base_layer.' -> ('m', 2)."""
-    module, depth = prefix[len(KEY_PREFIX):-1], 0
-    while module.endswith(".base_layer"):
-        module, depth = module[:-len(".base_layer")], depth + 1
-    return module, depth
+    return lora_scaling(alpha, r, config.get("use_rslora", False))
 
 
 def _param_keys(config: dict, module: str) -> list[str]:
@@ -265,30 +148,32 @@ def _param_keys(config: dict, module: str) -> list[str]:
 
 
 def _config_targets(config: dict, prefixes: list[str], rows: dict[str, int],
-                    path: Path) -> list[_Target]:
+                    path: Path) -> list[Target]:
     """Targets of a file without our metadata: modules and expert parameters, grouped by the
     module holding them (one prefix per nesting depth)."""
     groups: dict[str, dict[int, str]] = {}
     for p in prefixes:
-        module, depth = _module_and_depth(p)
+        module, depth = split_prefix(p)
         groups.setdefault(module, {})[depth] = p
     targets = []
     for module, levels in groups.items():
         keys = _param_keys(config, module)
         nested = max(levels) > 0
-        if keys and (nested or not _targets_module(module, config.get("target_modules"), path)):
+        in_modules = bool(config.get("target_modules")) and matches(module,
+                                                                    config["target_modules"])
+        if keys and (nested or not in_modules):
             targets += _param_targets(config, module, levels, keys, rows, path)
         elif nested:
-            raise AdapterError(f"{path}: {levels[max(levels)]}{_A} is nested in base_layer, "
+            raise AdapterError(f"{path}: {levels[max(levels)]}{LORA_A} is nested in base_layer, "
                                f"but no target_parameters entry names a parameter of {module}")
         else:
             r, alpha = _rank_alpha(config, module)
-            targets.append(_Target(levels[0], module, 1, r, _scaling(config, r, alpha)))
+            targets.append(Target(levels[0], module, 1, r, _scaling(config, r, alpha)))
     return targets
 
 
 def _param_targets(config: dict, module: str, levels: dict[int, str], keys: list[str],
-                   rows: dict[str, int], path: Path) -> list[_Target]:
+                   rows: dict[str, int], path: Path) -> list[Target]:
     """The expert-parameter targets of one module. Which parameter sits at which depth is the
     model's registration order, not in the file: try every assignment of the candidate
     parameters to the depths whose ranks divide the rows of A, preferring those that give
@@ -301,7 +186,7 @@ def _param_targets(config: dict, module: str, levels: dict[int, str], keys: list
     for d in depths:
         n = rows[levels[d]]
         if not any(n % r == 0 for _, r, _ in cands):
-            raise AdapterError(f"{path}: {levels[d]}{_A} has {n} rows, expected a multiple "
+            raise AdapterError(f"{path}: {levels[d]}{LORA_A} has {n} rows, expected a multiple "
                                f"of r = {' or '.join(sorted({str(r) for _, r, _ in cands}))} "
                                f"(r / rank_pattern of {CONFIG_NAME} for {keys})")
     fits = [a for a in itertools.permutations(cands, len(depths))
@@ -313,11 +198,11 @@ def _param_targets(config: dict, module: str, levels: dict[int, str], keys: list
     for i, d in enumerate(depths):
         choices = {(a[i][1], a[i][2]) for a in fits}
         if len(choices) != 1:
-            raise AdapterError(f"{path}: cannot tell r and alpha of {levels[d]}{_A} "
+            raise AdapterError(f"{path}: cannot tell r and alpha of {levels[d]}{LORA_A} "
                                f"({rows[levels[d]]} rows): {keys} fit as {sorted(choices)}")
         (r, alpha), = choices
         name = keys[0] if len(keys) == 1 and depths == [0] else f"{module}{_NESTED}{d}]"
-        targets.append(_Target(levels[d], name, rows[levels[d]] // r, r,
+        targets.append(Target(levels[d], name, rows[levels[d]] // r, r,
                                _scaling(config, r, alpha)))
     return targets
 
@@ -327,33 +212,34 @@ def _natural(name: str) -> list:
     return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", name)]
 
 
+def _shape(path: Path, key: str, t: torch.Tensor) -> list[int]:
+    """The shape of tensor `key`, which must be a matrix."""
+    if t.ndim != 2:
+        raise AdapterError(f"{path}: {key} has shape {list(t.shape)}, expected a matrix (only "
+                           f"linear / parameter LoRA, not conv or embedding LoRA)")
+    return list(t.shape)
+
+
 def _read(dir: Path) -> tuple[list[TargetNorms], list[str]]:
     """The norms of every target of the adapter in `dir`, and the tensor keys ignored."""
-    config = _read_config(dir)
+    config = read_config(dir)
+    tensors, metadata = read_weights(dir)
     path = dir / WEIGHTS_NAME
-    if not path.is_file():
-        found = sorted(p.name for p in dir.glob("adapter_model.*"))
-        raise AdapterError(f"{dir}: no {WEIGHTS_NAME}" + (
-            f" (found {found}; only safetensors are read, never pickle)" if found else ""))
-    try:
-        with safetensors.safe_open(str(path), "pt") as f:
-            prefixes, ignored = _pairs(list(f.keys()), path)
-            shapes = {k: _shape(f, path, k) for p in prefixes for k in (p + _A, p + _B)}
-            raw = (f.metadata() or {}).get(METADATA_KEY)
-            if raw is not None:
-                targets = _metadata_targets(raw, path, prefixes)
-            else:
-                rows = {p: shapes[p + _A][0] for p in prefixes}
-                targets = sorted(_config_targets(config, prefixes, rows, path),
-                                 key=lambda t: _natural(t.name))
-            for t in targets:
-                _check_shapes(path, t, shapes[t.prefix + _A], shapes[t.prefix + _B])
-            norms = [TargetNorms(t.name, update_norms(_load(f, path, t.prefix + _A),
-                                                      _load(f, path, t.prefix + _B),
-                                                      t.experts, t.scaling).tolist())
-                     for t in targets]
-    except safetensors.SafetensorError as e:
-        raise AdapterError(f"{path}: not a readable safetensors file ({e})") from None
+    prefixes, ignored = _pairs(list(tensors), path)
+    shapes = {k: _shape(path, k, tensors[k]) for p in prefixes for k in (p + LORA_A, p + LORA_B)}
+    raw = metadata.get(METADATA_KEY)
+    if raw is not None:
+        targets = read_targets(path, raw, prefixes)
+    else:
+        rows = {p: shapes[p + LORA_A][0] for p in prefixes}
+        targets = sorted(_config_targets(config, prefixes, rows, path),
+                         key=lambda t: _natural(t.name))
+    for t in targets:
+        _check_shapes(path, t, shapes[t.prefix + LORA_A], shapes[t.prefix + LORA_B])
+    norms = [TargetNorms(t.name, update_norms(tensors[t.prefix + LORA_A],
+                                              tensors[t.prefix + LORA_B],
+                                              t.experts, t.scaling).tolist())
+             for t in targets]
     return norms, ignored
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from minimoe.moe import saved_per_token
-from miniquant import nf4_bytes
+from miniquant import NF4Config, nf4_bytes
 
 # Optimizer state tensors kept per trainable parameter.
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
@@ -186,8 +186,8 @@ LLAMA_65B = TransformerShape(n_layer=80, d_model=8192, d_ff=22016, n_head=64, vo
 
 
 def regime_specs(shape: TransformerShape, regime: str, r: int = 8, weight_bits: int = 32,
-                 lora_bits: int = 32, blocksize: int = 64, double_quant: bool = True
-                 ) -> list[ParamSpec]:
+                 lora_bits: int = 32, blocksize: int = NF4Config.blocksize,
+                 double_quant: bool = NF4Config.double_quant) -> list[ParamSpec]:
     """The parameters a regime holds: "full" trains everything; "lora" freezes the base and
     adds rank-r factors (A [r, in], B [out, r]) to every block projection (to every expert's,
     in a MoE); "qlora" does the same over NF4 block projections (embeddings, norms, routers
@@ -259,7 +259,8 @@ def activation_bytes(shape: TransformerShape, regime: str, tokens: int, r: int =
 
 def predict_training(shape: TransformerShape, regime: str, tokens: int, r: int = 8,
                      weight_bits: int = 32, act_bits: int = 32, optimizer: str = "adamw",
-                     blocksize: int = 64, double_quant: bool = True, lora_bits: int = 32,
+                     blocksize: int = NF4Config.blocksize,
+                     double_quant: bool = NF4Config.double_quant, lora_bits: int = 32,
                      checkpointing: bool = False) -> MemoryPrediction:
     """Weights, gradients, optimizer state and activations of one training step.
 

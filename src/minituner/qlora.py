@@ -27,11 +27,11 @@ import re
 import torch.nn as nn
 
 from minimoe import MoEMLP, attach_expert_lora
-from miniquant import quantize_model
-from miniquant.nf4 import check_nested_rounding
+from miniquant import NF4Config, quantize_model
+from miniquant.nf4 import FROM_CONFIG
 
-from .adapters import wrap_lora
 from .lora import LoRALinear, check_lora_args
+from .wrap import wrap_lora
 
 # The block projections of MiniGPT (full-match regex, as quantize_model takes it).
 BLOCK_LINEARS = r"blocks\.\d+\.(attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
@@ -48,11 +48,11 @@ def parse_quant_scheme(quant_scheme: str) -> int:
 
 
 def wrap_minigpt_qlora(model: nn.Module, r: int = 8, alpha: float = 16.0,
-                       quant_scheme: str = "nf4_per_group_64", double_quant: bool = True,
+                       quant_scheme: str = FROM_CONFIG, double_quant: bool = FROM_CONFIG,
                        dropout: float = 0.0, use_rslora: bool = False,
                        target: str = BLOCK_LINEARS, quantize: bool = True,
-                       train_router: bool = False, nested_rounding: str = "nearest"
-                       ) -> list[str]:
+                       train_router: bool = False, nested_rounding: str = FROM_CONFIG, *,
+                       nf4_config: NF4Config | None = None) -> list[str]:
     """Quantize the linears matching `target` to NF4, then wrap the same layers with LoRA;
     in a MoE model also give every expert NF4 weights and its own LoRA (see the module doc).
 
@@ -60,8 +60,9 @@ def wrap_minigpt_qlora(model: nn.Module, r: int = 8, alpha: float = 16.0,
     Afterwards the only trainable parameters are the float32 `lora_A` / `lora_B` factors (and
     the routers' weights with `train_router`); everything else is frozen (NF4 buffers, and
     the float embeddings, norms and head). `quantize=False` keeps the base in float.
-    `nested_rounding` goes to every NF4 quantization, linears and experts (quantize_nf4's:
-    "nearest", or "bnb_cpu" for bitsandbytes' CPU double-quant codes bit for bit). Raises
+    Every NF4 quantization, linears and experts, follows `nf4_config` (miniquant.NF4Config),
+    or its fields given as `quant_scheme` ("nf4_per_group_<blocksize>"), `double_quant` and
+    `nested_rounding` ("bnb_cpu": bitsandbytes' CPU double-quant codes bit for bit). Raises
     ValueError, with the model untouched, for a model that already holds LoRA layers (wrong
     order), an unknown `quant_scheme` or `nested_rounding`, expert shapes that don't fit the
     NF4 blocks, or a `target` matching nothing.
@@ -73,8 +74,10 @@ def wrap_minigpt_qlora(model: nn.Module, r: int = 8, alpha: float = 16.0,
             f"; QLoRA quantizes the base first and wraps it second. Quantizing after wrapping "
             f"would skip the wrapped layers (a LoRALinear is not an nn.Linear) and keep their "
             f"base in float. Start from the plain model: wrap_minigpt_qlora(load_base(...)).")
-    blocksize = parse_quant_scheme(quant_scheme)
-    check_nested_rounding(nested_rounding)
+    nf4 = NF4Config.of(nf4_config, double_quant=double_quant, nested_rounding=nested_rounding,
+                       blocksize=FROM_CONFIG if quant_scheme is FROM_CONFIG
+                       else parse_quant_scheme(quant_scheme))
+    blocksize = nf4.blocksize
     check_lora_args(r, alpha, dropout)   # before quantizing: fail with the model untouched
     moes = {name: m for name, m in model.named_modules() if isinstance(m, MoEMLP)}
     if quantize:
@@ -87,14 +90,12 @@ def wrap_minigpt_qlora(model: nn.Module, r: int = 8, alpha: float = 16.0,
                     raise ValueError(
                         f"{name}.{proj}: each expert's {w.shape[1]}×{w.shape[2]} = "
                         f"{w[0].numel()} weights must be a multiple of the NF4 blocksize "
-                        f"{blocksize} (quant_scheme {quant_scheme!r}), so that no block spans "
-                        f"two experts")
-        quantize_model(model, target, blocksize=blocksize, double_quant=double_quant,
-                       nested_rounding=nested_rounding)
+                        f"{blocksize} (quant_scheme 'nf4_per_group_{blocksize}'), so that no "
+                        f"block spans two experts")
+        quantize_model(model, target, nf4_config=nf4)
     names = wrap_lora(model, target, r=r, alpha=alpha, dropout=dropout, use_rslora=use_rslora)
     for name, mlp in moes.items():
-        attach_expert_lora(mlp, r=r, alpha=alpha, nf4=quantize, blocksize=blocksize,
-                           double_quant=double_quant, nested_rounding=nested_rounding)
+        attach_expert_lora(mlp, r=r, alpha=alpha, nf4=quantize, nf4_config=nf4)
         mlp.router.weight.requires_grad_(train_router)
         names += [f"{name}.{proj}" for proj in ("w_gate", "w_up", "w_down")]
     return names

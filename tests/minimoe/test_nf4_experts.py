@@ -239,3 +239,29 @@ def test_attach_expert_lora_refuses_bad_input():
     attach_expert_lora(mlp, r=2)
     with pytest.raises(ValueError, match="not yet wrapped"):
         attach_expert_lora(mlp, r=2)
+
+
+def test_nf4_config_reaches_the_expert_quantizers():
+    """quantize_experts, NF4Experts.from_weight and attach_expert_lora take one NF4Config or
+    its fields as keywords, to the same codes."""
+    from minimoe import MoEMLP, attach_expert_lora
+    from miniquant import NF4Config
+    W = _case(K=32, N=64)[1]
+    cfg = NF4Config(blocksize=32, double_quant=False)
+    want = quantize_experts(W, blocksize=32, double_quant=False)
+    for q in (quantize_experts(W, nf4_config=cfg),
+              NF4Experts.from_weight(W, nf4_config=cfg).weight_nf4):
+        assert torch.equal(q.packed, want.packed) and torch.equal(q.absmax, want.absmax)
+    mlp = MoEMLP(n_embd=32, d_ff=64, n_experts=2, top_k=1)
+    w_up = mlp.w_up.detach().clone()
+    attach_expert_lora(mlp, r=2, nf4=True, nf4_config=cfg)
+    assert torch.equal(mlp.w_up.weight_nf4.packed,
+                       quantize_experts(w_up, nf4_config=cfg).packed)
+    with pytest.raises(ValueError, match="pass nf4_config or double_quant, not both"):
+        quantize_experts(W, double_quant=True, nf4_config=cfg)
+
+
+def test_lora_scaling_is_alpha_over_r_or_sqrt_r():
+    from minimoe import lora_scaling
+    assert lora_scaling(16.0, 8) == 2.0 and lora_scaling(12, 9, use_rslora=True) == 4.0
+    assert NF4Experts.from_weight(_case(K=32, N=64)[1], r=4, alpha=6.0).scaling == 1.5

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minigpt import MiniGPT, MiniGPTConfig
-from miniquant import QuantizedLinear, dequantize_nf4, quantize_model, quantize_nf4
+from miniquant import NF4Config, QuantizedLinear, dequantize_nf4, quantize_model, quantize_nf4
 
 
 def make_linear(n_in=96, n_out=40, bias=True, seed=0) -> nn.Linear:
@@ -145,3 +145,30 @@ def test_quantize_model_invalid_regex_named(target):
     with pytest.raises(ValueError, match="target is not a valid regular expression"):
         quantize_model(model, target)
     assert {n: type(m) for n, m in model.named_modules()} == before
+
+
+def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(module.named_buffers())
+
+
+def test_nf4_config_or_its_fields_as_keywords():
+    """One NF4Config carries blocksize / double_quant / nested_rounding; the keywords build
+    the same one; both at once are refused, a bad field is refused when the config is built."""
+    assert NF4Config() == NF4Config(64, True, "nearest")
+    with pytest.raises(AttributeError):
+        NF4Config().blocksize = 32                                # frozen
+    cfg = NF4Config(blocksize=128, double_quant=False, nested_rounding="bnb_cpu")
+    by_keywords = QuantizedLinear.from_linear(make_linear(), blocksize=128, double_quant=False,
+                                              nested_rounding="bnb_cpu")
+    by_config = QuantizedLinear.from_linear(make_linear(), nf4_config=cfg)
+    a, b = _buffers(by_keywords), _buffers(by_config)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    model = nn.Sequential(make_linear(), nn.ReLU())
+    assert quantize_model(model, "0", nf4_config=cfg) == ["0"]
+    assert model[0].weight_nf4.blocksize == 128 and not model[0].weight_nf4.double_quant
+    with pytest.raises(ValueError, match="pass nf4_config or blocksize, not both"):
+        QuantizedLinear.from_linear(make_linear(), blocksize=64, nf4_config=cfg)
+    with pytest.raises(ValueError, match="nf4_config must be an NF4Config, got dict"):
+        quantize_model(nn.Sequential(make_linear()), "0", nf4_config={"blocksize": 64})
+    with pytest.raises(ValueError, match="blocksize must be one of"):
+        NF4Config(blocksize=48)

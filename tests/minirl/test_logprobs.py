@@ -10,6 +10,7 @@ import pytest
 import torch
 from rl_support import PROMPTS, raise_eos, tiny
 
+import minimoe
 from minirl import (
     IMPLEMENTATIONS,
     NonFiniteLogitsError,
@@ -71,6 +72,7 @@ def test_nan_or_inf_logits_are_refused(bad):
         selective_log_softmax(logits, ids)
     assert issubclass(NonFiniteLogitsError, ValueError)
     assert issubclass(NonFiniteLogitsError, FloatingPointError)   # the trainer's NaN guard
+    assert NonFiniteLogitsError is minimoe.NonFiniteLogitsError    # one class, the router's too
 
 
 def test_non_finite_logits_are_counted_and_located_in_any_shape():

@@ -15,6 +15,8 @@ from minigpt import MiniGPT, MiniGPTConfig
 from miniquant import QuantizedLinear, quantize_model
 from minituner.adapters import load_adapter, save_adapter, trainable_summary, wrap_lora
 from minituner.lora import LoRALinear
+from minituner.lora_norms import adapter_norms
+from minituner.peft_format import AdapterError
 
 peft = pytest.importorskip("peft")
 
@@ -328,6 +330,30 @@ def test_missing_files_are_clear(base, saved, tmp_path):
     (dir / "adapter_model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no adapter_model.safetensors"):
         load_adapter(base, dir)
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("lora_alpha", 0, "lora_alpha must be > 0 and finite, got 0"),
+    ("rank_pattern", {"q_(proj": 2}, "rank_pattern key 'q_(proj' is not a regex"),
+    ("target_parameters", "w_up", "target_parameters is 'w_up', expected a list of names"),
+    ("use_rslora", "yes", "use_rslora is 'yes', expected true or false"),
+])
+def test_one_config_reader_for_loading_and_norms(base, saved, key, value, match):
+    """load_adapter and lora_norms read adapter_config.json through one validator: the same
+    AdapterError (a ValueError) naming the file and the field."""
+    dir, _ = saved
+    cfg = json.loads((dir / "adapter_config.json").read_text())
+    cfg[key] = value
+    (dir / "adapter_config.json").write_text(json.dumps(cfg))
+    errors = []
+    for read in (lambda: load_adapter(base, dir), lambda: adapter_norms(dir)):
+        with pytest.raises(AdapterError, match=re.escape(match)) as err:
+            read()
+        errors.append(str(err.value))
+    assert errors[0] == errors[1] and errors[0].startswith(str(dir / "adapter_config.json"))
+    with pytest.raises(FileNotFoundError, match="no adapter_config.json") as err:
+        adapter_norms(dir / "nowhere")
+    assert isinstance(err.value, AdapterError)
 
 
 def test_unsupported_config_refused(base, saved):

@@ -314,7 +314,7 @@ BROKEN = {
                     and (d / "adapter_model.bin").write_bytes(b"x") and d,
                     "only safetensors are read"),
     "nan": (lambda d: write_adapter(d, _expert_pair(4, 4, nan=True), EXPERT_CONFIG),
-            "experts.lora_A.weight holds NaN or Inf"),
+            "NaN or Inf in ['base_model.model.model.layers.0.mlp.experts.lora_A.weight']"),
     "A-without-B": (lambda d: write_adapter(d, {k: v for k, v in _expert_pair(4, 4).items()
                                                if "lora_A" in k}, EXPERT_CONFIG),
                     "experts.lora_A.weight has no base_model.model.model.layers.0.mlp.experts."

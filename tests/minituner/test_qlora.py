@@ -120,6 +120,18 @@ def test_scheme_sets_the_blocksize_and_double_quant_is_optional():
     assert base.blocksize == 32 and not base.double_quant
 
 
+def test_nf4_config_is_the_quant_scheme_keywords():
+    from miniquant import NF4Config
+    by_keywords = tiny(n_experts=2)          # seeds, so both adapters start alike
+    wrap_minigpt_qlora(by_keywords, quant_scheme="nf4_per_group_32", double_quant=False)
+    by_config = tiny(n_experts=2)
+    wrap_minigpt_qlora(by_config, nf4_config=NF4Config(blocksize=32, double_quant=False))
+    a, b = by_keywords.state_dict(), by_config.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="pass nf4_config or blocksize, not both"):
+        wrap_minigpt_qlora(tiny(), quant_scheme="nf4_per_group_64", nf4_config=NF4Config())
+
+
 def test_moe_model_gets_nf4_experts_with_expert_lora():
     """Attention: NF4 + LoRA; every MoEMLP: NF4Experts with per-expert LoRA; router float and
     frozen (trainable on request); a fresh adapter equals the NF4 base exactly."""

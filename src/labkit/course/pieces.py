@@ -66,11 +66,12 @@ def resolve(target: str):
 
 def _quantize_nf4(ref, mods):
     from miniquant.intquant import check_weight
-    from miniquant.nf4 import NESTED_BLOCKSIZE, NF4Weight, check_blocksize
+    from miniquant.nf4 import NESTED_BLOCKSIZE, NF4Config, NF4Weight, check_blocksize
 
     (m,) = mods.values()
 
-    def quantize_nf4(w, blocksize=64, double_quant=False, nested_rounding="nearest"):
+    def quantize_nf4(w, blocksize=NF4Config.blocksize, double_quant=False,
+                     nested_rounding=NF4Config.nested_rounding):
         if nested_rounding != "nearest":          # bitsandbytes' CPU rounding: not a lab's
             return ref(w, blocksize, double_quant, nested_rounding)
         check_weight(w, "w")
