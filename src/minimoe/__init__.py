@@ -3,8 +3,9 @@
 Now: softmax, sigmoid (selection-only bias) and group-limited top-k routers, the Switch
 load-balancing and z losses, and a plain PyTorch
 dispatch MoE MLP that MiniGPT-MoE is pretrained with; the ScatterMoE dispatch (sort once into
-a validated `Routing`, Triton scatter2scatter / group / group_bwd_W, `parallel_linear` with
-autograd and expert LoRA as one `ExpertLoRA` value) behind
+a validated `Routing`, Triton scatter2scatter / group / group_bwd_W, `parallel_linear` on a
+Routing with autograd and expert LoRA as one `ExpertLoRA` value, and
+`parallel_linear_from_indices` for index tensors) behind
 `MoEMLP(backend="triton")`; frozen NF4 experts (`NF4Experts`, `nf4_parallel_linear`) that
 dequantize only the experts with tokens; expert LoRA fused into the kernels
 (`scatter2scatter_lora`, `group_bwd_lora`) or split, and `attach_expert_lora` to put it on a
@@ -33,15 +34,15 @@ from .moe import (
 )
 from .nf4_experts import NF4Experts, nf4_parallel_linear, quantize_experts
 from .ops import group, group_bwd_lora, group_bwd_W, scatter2scatter, scatter2scatter_lora
-from .parallel_experts import ExpertLoRA, parallel_linear
-from .routing import (
+from .parallel_experts import ExpertLoRA, parallel_linear, parallel_linear_from_indices
+from .routers import (
     NonFiniteLogitsError,
     load_balancing_loss,
     route,
     router_z_loss,
     update_selection_bias,
 )
-from .sort import Routing, flatten_sort_count
+from .routing import Routing, flatten_sort_count
 
 
 def __getattr__(name: str):
@@ -53,8 +54,7 @@ def __getattr__(name: str):
 __all__ = ["ExpertLinear", "ExpertLoRA", "MoEMLP", "NF4Experts", "NonFiniteLogitsError",
            "Routing", "attach_expert_lora",
            "dispatch_torch", "dispatch_triton", "expert_swiglu", "flatten_sort_count", "group",
-           "group_bwd_W", "group_bwd_lora", "load_balancing_loss", "lora_scaling",
-           "nf4_parallel_linear",
-           "parallel_linear", "quantize_experts", "reference", "route", "router_z_loss",
-           "saved_per_token",
+           "group_bwd_W", "group_bwd_lora", "load_balancing_loss", "lora_scaling", "nf4_parallel_linear",
+           "parallel_linear", "parallel_linear_from_indices", "quantize_experts", "reference",
+           "route", "router_z_loss", "saved_per_token",
            "scatter2scatter", "scatter2scatter_lora", "update_selection_bias"]

@@ -17,19 +17,7 @@ import torch
 import torch.nn as nn
 
 from .parallel_experts import ExpertLoRA, parallel_linear
-from .sort import Routing
-
-
-def routing_args(routing, args: tuple, n_experts: int) -> tuple:
-    """An expert module's forward arguments from `routing` on: (routing, *rest) as given, or
-    the positional form k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, *rest
-    with the indices checked into a Routing (`Routing.from_indices`, one host sync)."""
-    if isinstance(routing, Routing):
-        return (routing, *args)
-    if len(args) < 3:
-        raise TypeError("pass a Routing (from flatten_sort_count) or k followed by "
-                        "sorted_expert_idxs, sorted_scattered_idxs, expert_offsets")
-    return (Routing.from_indices(*args[:3], routing, n_experts), *args[3:])
+from .routing import Routing
 
 
 def lora_scaling(alpha: float, r: int, use_rslora: bool = False) -> float:
@@ -58,10 +46,10 @@ def init_expert_lora(module: nn.Module, E: int, K: int, N: int, r: int, alpha: f
 class ExpertLinear(nn.Module):
     """A frozen float expert weight [E, K, N] (the same Parameter, not a copy) + expert LoRA.
 
-    `forward(x, routing, gates=None, grouped_in=False, grouped_out=False, backend=None)` (or
-    k and the three index tensors in place of `routing`) is `parallel_linear` with the LoRA
-    (`lora_path`: "fused" kernels or the "split" path; see parallel_linear). `backend`
-    given at call time wins (a MoEMLP passes its own); the attribute serves standalone use.
+    `forward(x, routing, *, gates=None, grouped_in=False, grouped_out=False, backend=None)`
+    is `parallel_linear` with the LoRA (`lora_path`: "fused" kernels or the "split" path;
+    see parallel_linear). `backend` given at call time wins (a MoEMLP passes its own); the
+    attribute serves standalone use.
     """
 
     def __init__(self, weight: nn.Parameter, r: int = 8, alpha: float = 16.0,
@@ -76,13 +64,9 @@ class ExpertLinear(nn.Module):
         self.backend, self.lora_path = backend, "fused"
         init_expert_lora(self, *weight.shape, r, alpha, weight.device)
 
-    def forward(self, x, routing, *args, **kwargs):
-        """`forward(x, routing, gates=None, grouped_in=False, grouped_out=False, backend=None)`
-        (or k and the three index tensors in place of `routing`)."""
-        return self._forward(x, *routing_args(routing, args, self.n_experts), **kwargs)
-
-    def _forward(self, x, routing, gates=None, grouped_in=False, grouped_out=False,
-                 backend=None):
+    def forward(self, x: torch.Tensor, routing: Routing, *, gates: torch.Tensor | None = None,
+                grouped_in: bool = False, grouped_out: bool = False,
+                backend: str | None = None) -> torch.Tensor:
         lora = None if self.lora_A is None else ExpertLoRA(self.lora_A, self.lora_B, self.scaling)
         return parallel_linear(x, self.weight, routing, gates=gates, grouped_in=grouped_in,
                                grouped_out=grouped_out, lora=lora,

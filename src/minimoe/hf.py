@@ -28,7 +28,7 @@ import torch.nn as nn
 from .experts import init_expert_lora
 from .moe import MoEMLP
 from .parallel_experts import ExpertLoRA, parallel_linear
-from .sort import flatten_sort_count
+from .routing import flatten_sort_count
 
 __all__ = ["HF_NAMES", "HFExperts", "is_hf_experts", "moe_from_hf"]
 

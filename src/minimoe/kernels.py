@@ -1,7 +1,7 @@
 """Triton kernels of the ScatterMoE dispatch (private: call them through `ops.py`).
 
 Notation: T tokens, k experts per token, M = T·k routing slots, E experts, W [E, K, N].
-The M slots are sorted once by expert (`sort.flatten_sort_count`): row i of the sorted order
+The M slots are sorted once by expert (`routing.flatten_sort_count`): row i of the sorted order
 is slot `s = sorted_scattered_idxs[i]` (token `s // k`) routed to `e = sorted_expert_idxs[i]`.
 "Grouped" tensors are in sorted order; "scattered" ones in slot order (row s = t·k + j).
 

@@ -15,8 +15,8 @@ from miniquant.nf4 import FROM_CONFIG, NF4Config
 from .experts import ExpertLinear
 from .nf4_experts import NF4Experts
 from .parallel_experts import parallel_linear
-from .routing import load_balancing_loss, route
-from .sort import flatten_sort_count
+from .routers import load_balancing_loss, route
+from .routing import flatten_sort_count
 
 BACKENDS = ("torch", "triton")
 PROJECTIONS = ("w_gate", "w_up", "w_down")
@@ -182,7 +182,7 @@ class MoEMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                        # [T, C]
-        # Router in float32 whatever the model dtype (see routing.py).
+        # Router in float32 whatever the model dtype (see routers.py).
         logits = F.linear(x.float(), self.router_weight().float())         # [T, E]
         # By default k=1 keeps the softmax probability (Switch): renormalised it would be
         # exactly 1 and the router would learn from the balancing loss alone.

@@ -35,10 +35,10 @@ from miniquant.linear import NF4Buffers
 from miniquant.nf4 import FROM_CONFIG, NF4Config, NF4Weight, quantize_nf4
 from miniquant.triton_dequant import selective_dequantize_nf4, selective_dequantize_nf4_torch
 
-from .experts import init_expert_lora, routing_args
+from .experts import init_expert_lora
 from .ops import check_expert_lora
-from .parallel_experts import ExpertLoRA, expert_lora, gated_routing, parallel_linear
-from .sort import Routing
+from .parallel_experts import ExpertLoRA, check_gates, expert_lora, parallel_linear
+from .routing import Routing
 
 __all__ = ["NF4Experts", "active_experts", "nf4_parallel_linear", "quantize_experts"]
 
@@ -77,15 +77,26 @@ def _compact_lora(lora: ExpertLoRA | None, active: torch.Tensor, shape) -> Exper
     return ExpertLoRA(A_c, B_c, lora.scaling)
 
 
-def _nf4_parallel_linear(x, q, routing: Routing, gates=None, grouped_in=False, grouped_out=False,
-                         lora: ExpertLoRA | None = None, backend="triton", stats=None,
-                         lora_path="fused"):
+def nf4_parallel_linear(x: torch.Tensor, q: NF4Weight, routing: Routing, *,
+                        gates: torch.Tensor | None = None, grouped_in: bool = False,
+                        grouped_out: bool = False, lora: ExpertLoRA | None = None,
+                        backend: str = "triton", stats: dict | None = None,
+                        lora_path: str = "fused") -> torch.Tensor:
+    """`parallel_linear` with a frozen NF4 weight q [E, K, N]: same arguments and result,
+    computed in x's dtype, dequantizing only the experts that received rows.
+
+    If `stats` is a dict it receives `active` (the expert ids, list), `n_active`,
+    `n_experts` and `dequant_bytes` (nbytes of the transient compact weight buffer).
+    """
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing must be a Routing (flatten_sort_count, Routing.from_indices), "
+                        f"got {type(routing).__name__}")
     if not isinstance(q, NF4Weight) or len(q.shape) != 3:
         raise ValueError("q must be an [E, K, N] NF4Weight (see quantize_experts)")
     E, K, N = q.shape
     if routing.n_experts != E:
         raise ValueError(f"the routing is over {routing.n_experts} experts, q has {E}")
-    routing = gated_routing(routing, gates, grouped_in, grouped_out)
+    check_gates(routing, gates, grouped_out)
     lora_A, lora_B, scaling = ExpertLoRA(*lora) if lora is not None else (None, None, 1.0)
     active, compact = routing.compacted()          # ids renumbered 0..n-1, sorted order kept
     n = len(active)
@@ -116,46 +127,14 @@ def _nf4_parallel_linear(x, q, routing: Routing, gates=None, grouped_in=False, g
     return checkpoint(expert_linear, x, gates, lora_A, lora_B, use_reentrant=False)
 
 
-def _positional(x, q, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, gates=None,
-                grouped_in=False, grouped_out=False, lora_A=None, lora_B=None, scaling=1.0,
-                backend="triton", stats=None, lora_path="fused"):
-    """DESIGN §3's positional form: the index tensors become a Routing (checked, one sync)."""
-    if not isinstance(q, NF4Weight) or len(q.shape) != 3:
-        raise ValueError("q must be an [E, K, N] NF4Weight (see quantize_experts)")
-    routing = Routing.from_indices(sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, k,
-                                   q.shape[0])
-    return _nf4_parallel_linear(x, q, routing, gates, grouped_in, grouped_out,
-                                expert_lora(lora_A, lora_B, scaling), backend, stats, lora_path)
-
-
-def nf4_parallel_linear(x: torch.Tensor, q: NF4Weight, routing: Routing | int, *args, **kwargs
-                        ) -> torch.Tensor:
-    """`parallel_linear` with a frozen NF4 weight q [E, K, N]: same arguments and result,
-    computed in x's dtype, dequantizing only the experts that received rows. Two forms:
-
-        nf4_parallel_linear(x, q, routing, gates=None, grouped_in=False, grouped_out=False,
-                            lora=None, backend="triton", stats=None, lora_path="fused")
-        nf4_parallel_linear(x, q, k, sorted_expert_idxs, sorted_scattered_idxs,
-                            expert_offsets, gates=None, grouped_in=False, grouped_out=False,
-                            lora_A=None, lora_B=None, scaling=1.0, backend="triton",
-                            stats=None, lora_path="fused")
-
-    If `stats` is a dict it receives `active` (the expert ids, list), `n_active`,
-    `n_experts` and `dequant_bytes` (nbytes of the transient compact weight buffer).
-    """
-    if isinstance(routing, Routing):
-        return _nf4_parallel_linear(x, q, routing, *args, **kwargs)
-    return _positional(x, q, routing, *args, **kwargs)
-
-
 class NF4Experts(NF4Buffers):
     """A frozen [E, K, N] expert linear held in NF4 (buffers), with optional trainable expert
     LoRA (`experts.init_expert_lora`): `lora_A` [r·E, K] (kaiming-uniform, a=√5), `lora_B`
     [N, r·E] (zeros), scaling α/r.
 
-    `forward(x, routing, gates=None, grouped_in=False, grouped_out=False, backend=None)` (or
-    k and the three index tensors in place of `routing`) is `nf4_parallel_linear`;
-    `last_stats` holds its stats (active experts, dequant-buffer bytes) after each call.
+    `forward(x, routing, *, gates=None, grouped_in=False, grouped_out=False, backend=None)`
+    is `nf4_parallel_linear`; `last_stats` holds its stats (active experts, dequant-buffer
+    bytes) after each call.
     """
 
     def __init__(self, weight: NF4Weight, r: int = 0, alpha: float = 16.0,
@@ -180,13 +159,9 @@ class NF4Experts(NF4Buffers):
                            nested_rounding=nested_rounding)
         return cls(quantize_experts(W, nf4_config=cfg), r=r, alpha=alpha, backend=backend)
 
-    def forward(self, x, routing, *args, **kwargs):
-        """`forward(x, routing, gates=None, grouped_in=False, grouped_out=False, backend=None)`
-        (or k and the three index tensors in place of `routing`)."""
-        return self._forward(x, *routing_args(routing, args, self.n_experts), **kwargs)
-
-    def _forward(self, x, routing, gates=None, grouped_in=False, grouped_out=False,
-                 backend=None):
+    def forward(self, x: torch.Tensor, routing: Routing, *, gates: torch.Tensor | None = None,
+                grouped_in: bool = False, grouped_out: bool = False,
+                backend: str | None = None) -> torch.Tensor:
         self.last_stats = {}
         lora = None if self.lora_A is None else ExpertLoRA(self.lora_A, self.lora_B, self.scaling)
         return nf4_parallel_linear(x, self.weight_nf4, routing, gates=gates,

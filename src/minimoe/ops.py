@@ -17,7 +17,7 @@ sets nothing; without triton a launch raises `TritonUnavailableError`.
 
 Index values: called alone, a launcher checks the index values it reads (in range, sorted,
 a permutation, consistent offsets) with one host sync. `trusted=True` skips that look: the
-caller vouches that the indices come from a validated `sort.Routing` (`parallel_linear`
+caller vouches that the indices come from a validated `routing.Routing` (`parallel_linear`
 does, so a forward and backward never sync per launch). Shapes, dtypes and devices are
 always checked (no sync).
 """
@@ -32,7 +32,7 @@ import torch
 
 from miniquant.triton_env import not_on_cuda
 
-from . import sort
+from . import routing
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -154,7 +154,7 @@ def _require(checks: dict[str, tuple[torch.Tensor, Callable[[], str]]]) -> None:
 
 def _range_check(t: torch.Tensor, name: str, hi: int):
     """The `_require` entry for t in 0..hi-1."""
-    return (sort._all_in(t, 0, hi),
+    return (routing._all_in(t, 0, hi),
             lambda: f"{name} must lie in 0..{hi - 1}, got {int(t.min())}..{int(t.max())}")
 
 
@@ -163,7 +163,7 @@ def _checked_offsets(expert_offsets: torch.Tensor, E: int, M: int, device, trust
     """[E] non-decreasing end offsets in 0..M ending at M, as contiguous int64."""
     offs = _check_index(expert_offsets, "expert_offsets", E, device)
     if not trusted:
-        good = sort._all_in(offs, 0, M + 1) & (offs[-1] == M) & (offs[1:] >= offs[:-1]).all()
+        good = routing._all_in(offs, 0, M + 1) & (offs[-1] == M) & (offs[1:] >= offs[:-1]).all()
         _require({"offsets": (good, lambda: f"expert_offsets must be non-decreasing end offsets "
                                              f"ending at M={M}, got {offs.tolist()}")})
     return offs
@@ -233,7 +233,7 @@ def _scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_group
         _require({"sei": _range_check(sei, "sorted_expert_idxs", E),
                   "order": ((sei[1:] >= sei[:-1]).all(),
                             lambda: "sorted_expert_idxs must be non-decreasing (sorted)"),
-                  "ssi": (sort._is_permutation(ssi),
+                  "ssi": (routing._is_permutation(ssi),
                           lambda: f"sorted_scattered_idxs must be a permutation of 0..{M - 1}")})
     # Weights are read through their strides: the backward's Wᵀ, Bᵀ, Aᵀ views are not copied.
     X = X.contiguous()

@@ -24,20 +24,22 @@ B -> [E, r, N], so A and B get their gradients from the dW and dX rules above.
 Torch backend: the same sorted order in plain PyTorch (gather, one matmul per expert slice,
 scatter), differentiated by autograd.
 
-The routing travels as one `sort.Routing`, checked once where it was made: the launches
+The routing travels as one `routing.Routing`, checked once where it was made: the launches
 trust it (`trusted=True`) and the torch path slices by its host copy of the offsets, so no
-call here syncs with the host. DESIGN §3's positional index form is checked into a Routing
-at the public entry point (one sync).
+call here syncs with the host. `parallel_linear` takes that Routing only; the index-tensor
+forms (DESIGN §3's, ScatterMoE's) are `parallel_linear_from_indices`, which checks them into
+a Routing first (one sync).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 
 from . import ops
-from .sort import Routing
+from .routing import Routing
 
 BACKENDS = ("torch", "triton")
 LORA_PATHS = ("fused", "split")
@@ -155,26 +157,52 @@ def _split_lora(x, W, routing, gates, grouped_in, grouped_out, lora, backend):
     return y if gates is None else _combine(y, gates, routing.k)       # [T, N] with gates
 
 
-def gated_routing(routing: Routing, gates, grouped_in: bool, grouped_out: bool) -> Routing:
-    """Check gates against the routing -> the routing to use. ScatterMoE's convention: a
-    grouped input with k=1 and gates [T, top_k] reads the rows with top_k slots per token."""
+def check_gates(routing: Routing, gates, grouped_out: bool) -> None:
+    """Gates mix each token's k slots: a floating [T, k] tensor for the routing's T tokens and
+    k slots, with the output in slot order (not grouped)."""
     if gates is None:
-        return routing
+        return
     if grouped_out:
         raise ValueError("gates combine slots into tokens: use grouped_out=False with gates")
     if not isinstance(gates, torch.Tensor) or not gates.is_floating_point():
         raise ValueError(f"gates must be a floating tensor [T, k], got "
                          f"{getattr(gates, 'dtype', type(gates).__name__)}")
-    if gates.dim() == 2 and routing.k == 1 and grouped_in and gates.shape[1] > 1:
-        routing = routing.with_k(gates.shape[1])
     if gates.shape != (routing.n_tokens, routing.k):
         raise ValueError(f"gates must have shape [{routing.n_tokens}, {routing.k}] (T, k), got "
                          f"{tuple(gates.shape)}")
-    return routing
 
 
-def _parallel_linear(x, W, routing: Routing, gates=None, grouped_in=False, grouped_out=False,
-                     lora: ExpertLoRA | None = None, backend="triton", lora_path="fused"):
+def _index_form_for_labs(one_form):
+    """Solutions 08–10 still call `minimoe.parallel_linear` in DESIGN §3's index form (k and
+    the three index tensors in place of the Routing): the public name hands a call whose
+    third argument is k to `parallel_linear_from_indices` until they call that themselves."""
+    @functools.wraps(one_form)
+    def parallel_linear(x, W, routing, *args, **kwargs):
+        if isinstance(routing, int):
+            return parallel_linear_from_indices(x, W, routing, *args, **kwargs)
+        return one_form(x, W, routing, *args, **kwargs)
+    return parallel_linear
+
+
+@_index_form_for_labs
+def parallel_linear(x: torch.Tensor, W: torch.Tensor, routing: Routing, *,
+                    gates: torch.Tensor | None = None, grouped_in: bool = False,
+                    grouped_out: bool = False, lora: ExpertLoRA | None = None,
+                    backend: str = "triton", lora_path: str = "fused") -> torch.Tensor:
+    """Expert linear over the routing's slots, with autograd.
+
+    `routing` from `flatten_sort_count` or `Routing.from_indices`: validated when it was made,
+    trusted here (no host sync). x [T, K] (or [M, K] sorted rows if grouped_in), W [E, K, N]
+    -> [M, N] (slot order, or sorted if grouped_out), or [T, N] with gates [T, k] mixing each
+    token's k outputs. `lora=ExpertLoRA(A [r·E, K], B [N, r·E], scaling)` adds
+    scaling · (x @ A_eᵀ) @ B_eᵀ to each slot: on the triton backend fused into the base
+    kernels (`lora_path="fused"`: scatter2scatter_lora, group_bwd_lora) or as separate expert
+    linears (`"split"`, what the torch backend does). Index tensors (DESIGN §3's form,
+    ScatterMoE's) go through `parallel_linear_from_indices`."""
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing must be a Routing (flatten_sort_count, Routing.from_indices); "
+                        f"index tensors go to parallel_linear_from_indices, got "
+                        f"{type(routing).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if lora_path not in LORA_PATHS:
@@ -189,7 +217,7 @@ def _parallel_linear(x, W, routing: Routing, gates=None, grouped_in=False, group
                          f"got {tuple(getattr(x, 'shape', ()))}")
     if routing.sorted_expert_idxs.device != x.device:
         raise ValueError(f"routing is on {routing.sorted_expert_idxs.device}, x on {x.device}")
-    routing = gated_routing(routing, gates, grouped_in, grouped_out)
+    check_gates(routing, gates, grouped_out)
     if lora is not None:
         lora = ExpertLoRA(*lora)
         ops.check_expert_lora(lora.A, lora.B, *W.shape)
@@ -202,37 +230,33 @@ def _parallel_linear(x, W, routing: Routing, gates=None, grouped_in=False, group
                                 float(scaling))
 
 
-def _positional(x, W, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, gates=None,
-                grouped_in=False, grouped_out=False, lora_A=None, lora_B=None, scaling=1.0,
-                backend="triton", lora_path="fused"):
-    """DESIGN §3's positional form: the index tensors become a Routing (checked, one sync)."""
+def parallel_linear_from_indices(x: torch.Tensor, W: torch.Tensor, k: int,
+                                 sorted_expert_idxs: torch.Tensor,
+                                 sorted_scattered_idxs: torch.Tensor,
+                                 expert_offsets: torch.Tensor,
+                                 gates: torch.Tensor | None = None, grouped_in: bool = False,
+                                 grouped_out: bool = False, lora_A: torch.Tensor | None = None,
+                                 lora_B: torch.Tensor | None = None, scaling: float = 1.0,
+                                 backend: str = "triton", lora_path: str = "fused"
+                                 ) -> torch.Tensor:
+    """`parallel_linear` in the index form, for two conventions:
+
+    - DESIGN §3's: `(x, W, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets,
+      gates=None, grouped_in=False, grouped_out=False, lora_A=None, lora_B=None, scaling=1.0,
+      backend="triton")`, the expert LoRA as its three parts;
+    - ScatterMoE's output projection: `(h, W2, 1, sei, ssi, offsets, grouped_in=True,
+      gates=gates)` with gates [T, top_k]: k = 1 there, and the sorted rows are read with
+      top_k slots per token, top_k taken from the gates.
+
+    The indices are checked into a Routing once (`Routing.from_indices`, one host sync):
+    inconsistent ones are a ValueError naming the argument, never a wrong answer."""
     if not isinstance(W, torch.Tensor) or W.dim() != 3:
         raise ValueError(f"W must be [E, K, N], got {tuple(getattr(W, 'shape', ()))}")
     routing = Routing.from_indices(sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, k,
                                    W.shape[0])
-    return _parallel_linear(x, W, routing, gates, grouped_in, grouped_out,
-                            expert_lora(lora_A, lora_B, scaling), backend, lora_path)
-
-
-def parallel_linear(x: torch.Tensor, W: torch.Tensor, routing: Routing | int, *args, **kwargs
-                    ) -> torch.Tensor:
-    """Expert linear over the routing slots, with autograd. Two calling forms:
-
-        parallel_linear(x, W, routing, gates=None, grouped_in=False, grouped_out=False,
-                        lora=None, backend="triton", lora_path="fused")
-        parallel_linear(x, W, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets,
-                        gates=None, grouped_in=False, grouped_out=False, lora_A=None,
-                        lora_B=None, scaling=1.0, backend="triton", lora_path="fused")
-
-    `routing` from `flatten_sort_count` (trusted: no host sync); the positional indices are
-    checked into a Routing first (`Routing.from_indices`, one sync, ValueError naming the bad
-    argument). x [T, K] (or [M, K] sorted if grouped_in), W [E, K, N] -> [M, N] (slot
-    order, or sorted if grouped_out), or [T, N] with gates [T, k] combining each token's k
-    outputs (ScatterMoE's k=1 with grouped_in and gates [T, top_k] reads top_k from the
-    gates). `lora=ExpertLoRA(A [r·E, K], B [N, r·E], scaling)` adds scaling · (x @ A_eᵀ) @ B_eᵀ
-    to each slot: on the triton backend fused into the base kernels (`lora_path="fused"`,
-    scatter2scatter_lora and group_bwd_lora) or as separate expert linears (`"split"`, what
-    the torch backend does)."""
-    if isinstance(routing, Routing):
-        return _parallel_linear(x, W, routing, *args, **kwargs)
-    return _positional(x, W, routing, *args, **kwargs)
+    top_k = gates.shape[1] if isinstance(gates, torch.Tensor) and gates.dim() == 2 else 1
+    if k == 1 and grouped_in and not grouped_out and top_k > 1:           # ScatterMoE's
+        routing = routing.with_k(top_k)
+    return parallel_linear(x, W, routing, gates=gates, grouped_in=grouped_in,
+                           grouped_out=grouped_out, lora=expert_lora(lora_A, lora_B, scaling),
+                           backend=backend, lora_path=lora_path)

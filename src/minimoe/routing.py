@@ -1,163 +1,219 @@
-"""Routers: turn router logits into per-token expert choices and mixing weights.
+"""The `Routing` value: the [T, k] expert choices sorted once, which every dispatch kernel
+then walks.
 
-Router math runs in float32 whatever the model dtype: softmax over a few experts in bf16
-flips top-k choices between otherwise identical runs.
+`flatten_sort_count` returns a `Routing`: the sorted ids, the slot of each sorted row, the
+experts' end offsets, k and E, validated once when it is made. Kernels and launchers trust
+a Routing; hand-built index tensors become one through `Routing.from_indices`, which checks
+them. Either way the check costs one device→host copy of a small summary (a few flags and
+the E offsets), kept on the Routing as `ends`, so no later launch needs to sync.
 
-Three routers, one shape of answer — `(weights [T, k] float32, experts [T, k] int64)`,
-ordered by the score that *selected* the experts, best first:
-
-- `softmax_topk`: softmax over all E experts, keep the k largest (Switch, Mixtral).
-- `sigmoid_topk`: independent sigmoid scores; an optional `bias` [E] is added only to
-  choose the experts, the weights are the unbiased scores (DeepSeek-V3's
-  auxiliary-loss-free balancing; `update_selection_bias` is its update rule).
-- `group_topk`: the sigmoid router limited to `topk_group` of `n_group` expert groups
-  (DeepSeek-V2/V3). A group's score is the **max** selection score of its experts
-  (DeepSeek-V2's rule; V3 sums each group's top two instead). Max is defined for groups of
-  one expert, and with `topk_group == n_group` the router is exactly `sigmoid_topk`.
-
-Ties are broken deterministically towards the **lower index** (expert or group): selection
-is a stable descending sort, not `torch.topk`, whose tie order is unspecified.
+The routers, which choose the experts, are in `routers.py`.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-METHODS = ("softmax_topk", "sigmoid_topk", "group_topk")
+# Lab 07 names the router internals by their path before the move to routers.py.
+from .routers import _route, _topk_stable  # noqa: F401
 
 
-def route(logits: torch.Tensor, k: int, method: str = "softmax_topk", renormalize: bool = True,
-          *, bias: torch.Tensor | None = None, n_group: int | None = None,
-          topk_group: int | None = None, routed_scaling_factor: float = 1.0
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (weights [T, k] float32, experts [T, k] int64), best expert first.
+class Routing:
+    """The sorted routing of T tokens to k of E experts each (M = T·k slots, slot s = t·k + j).
 
-    renormalize: rescale the k kept weights to sum to 1 (Mixtral, DeepSeek-V3); otherwise
-    they keep their softmax mass (Switch, k=1) or their raw sigmoid scores.
-    bias [E] (sigmoid_topk, group_topk only): added to the scores for selection only.
-    n_group, topk_group (group_topk only): E experts in n_group equal contiguous groups;
-    top-k is taken within the topk_group best groups.
-    routed_scaling_factor: multiplies the final weights (DeepSeek's; 1.0 leaves them).
+    sorted_expert_idxs [M] int64: non-decreasing expert ids (sorted row i goes to expert
+    sorted_expert_idxs[i]); sorted_scattered_idxs [M] int64: a permutation of 0..M-1, the slot
+    of sorted row i (its token is slot // k); expert_offsets [E] int64: inclusive cumulative
+    counts, i.e. expert e owns sorted rows offsets[e-1]..offsets[e] (offsets[-1] read as 0);
+    k, n_experts: ints; ends: expert_offsets as a tuple of Python ints (host copy).
+
+    It unpacks as the three tensors: `sei, ssi, offsets = flatten_sort_count(...)`.
     """
-    _check(logits, k, method, bias, n_group, topk_group, routed_scaling_factor)
-    if bias is not None:
-        bias = bias.float()
-    return _route(logits.float(), k, method, renormalize, bias, n_group, topk_group,
-                  routed_scaling_factor)
+
+    __slots__ = ("sorted_expert_idxs", "sorted_scattered_idxs", "expert_offsets", "k",
+                 "n_experts", "ends")
+
+    def __init__(self, sorted_expert_idxs: torch.Tensor, sorted_scattered_idxs: torch.Tensor,
+                 expert_offsets: torch.Tensor, k: int, n_experts: int):
+        """Validate hand-built indices (see `from_indices`): ValueError naming the argument."""
+        sei, ssi, offs = _check_static(sorted_expert_idxs, sorted_scattered_idxs,
+                                       expert_offsets, k, n_experts)
+        M = sei.shape[0]
+        flags = {                                      # all on the device: no sync yet
+            "sorted_expert_idxs range": _all_in(sei, 0, n_experts),
+            "sorted_expert_idxs order": (sei[1:] >= sei[:-1]).all(),
+            "sorted_scattered_idxs": _is_permutation(ssi),
+            # The end row of expert e is the number of sorted ids <= e (ids sorted).
+            "expert_offsets": (offs == torch.searchsorted(
+                sei, torch.arange(n_experts, device=sei.device), right=True)).all(),
+        }
+        summary = torch.cat([torch.stack(list(flags.values())).long(), offs]).tolist()  # 1 sync
+        ok, ends = summary[:len(flags)], tuple(summary[len(flags):])
+        bad = [name for name, good in zip(flags, ok, strict=True) if not good]
+        if bad:
+            raise ValueError(_explain(bad[0], sei, ssi, offs, M, n_experts))
+        self._set(sei, ssi, offs, k, n_experts, ends)
+
+    @classmethod
+    def from_indices(cls, sorted_expert_idxs: torch.Tensor, sorted_scattered_idxs: torch.Tensor,
+                     expert_offsets: torch.Tensor, k: int, n_experts: int) -> Routing:
+        """A Routing from hand-built indices, checked: integer 1-D tensors on one device of
+        shapes [M], [M], [E] with M divisible by k and 1 <= k <= E; sorted ids non-decreasing
+        in 0..E-1; scattered ids a permutation of 0..M-1; offsets == cumsum(bincount(ids, E)).
+        One host sync."""
+        return cls(sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, k, n_experts)
+
+    @classmethod
+    def _trusted(cls, sei, ssi, offs, k: int, n_experts: int, ends: tuple[int, ...]) -> Routing:
+        """Built from parts already known consistent (no check, no sync)."""
+        routing = cls.__new__(cls)
+        routing._set(sei, ssi, offs, k, n_experts, ends)
+        return routing
+
+    def _set(self, sei, ssi, offs, k, n_experts, ends) -> None:
+        self.sorted_expert_idxs, self.sorted_scattered_idxs, self.expert_offsets = sei, ssi, offs
+        self.k, self.n_experts, self.ends = k, n_experts, ends
+
+    @property
+    def n_rows(self) -> int:
+        """M = T·k, the number of routing slots (sorted rows)."""
+        return self.sorted_expert_idxs.shape[0]
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_rows // self.k
+
+    def counts(self) -> list[int]:
+        """Rows per expert [E] (from the host copy of the offsets: no sync)."""
+        return [end - start for start, end in zip((0, *self.ends[:-1]), self.ends, strict=True)]
+
+    def active_experts(self) -> list[int]:
+        """Ids of the experts with at least one row, ascending (no sync)."""
+        return [e for e, n in enumerate(self.counts()) if n]
+
+    def compacted(self) -> tuple[list[int], Routing]:
+        """(active experts, this routing over them alone): the n active experts renumbered
+        0..n-1 in order, so the sorted order and the scattered ids stay as they are. No sync:
+        the active experts come from the host copy of the offsets."""
+        active = self.active_experts()
+        dev = self.sorted_expert_idxs.device
+        ids = torch.tensor(active, dtype=torch.int64, device=dev)                # [n]
+        remap = torch.full((self.n_experts,), -1, dtype=torch.int64, device=dev)
+        remap[ids] = torch.arange(len(active), device=dev)
+        return active, Routing._trusted(remap[self.sorted_expert_idxs], self.sorted_scattered_idxs,
+                                        self.expert_offsets[ids], self.k, len(active),
+                                        tuple(self.ends[e] for e in active))
+
+    def with_k(self, k: int) -> Routing:
+        """The same sorted rows read with k slots per token (ScatterMoE passes k=1 to a grouped
+        output projection and takes top-k from the gates)."""
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.n_experts \
+                or self.n_rows % k:
+            raise ValueError(f"k must be in 1..{self.n_experts} and divide the {self.n_rows} "
+                             f"rows, got {k!r}")
+        return Routing._trusted(self.sorted_expert_idxs, self.sorted_scattered_idxs,
+                                self.expert_offsets, k, self.n_experts, self.ends)
+
+    def __iter__(self):
+        return iter((self.sorted_expert_idxs, self.sorted_scattered_idxs, self.expert_offsets))
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, i):
+        return (self.sorted_expert_idxs, self.sorted_scattered_idxs, self.expert_offsets)[i]
+
+    def __repr__(self) -> str:
+        return (f"Routing(T={self.n_tokens}, k={self.k}, n_experts={self.n_experts}, "
+                f"rows per expert={self.counts()})")
 
 
-def _route(logits, k, method, renormalize, bias, n_group, topk_group, routed_scaling_factor):
-    """The router math, unchecked, in the dtype of `logits` (float64 for gradcheck)."""
-    if method == "softmax_topk":
-        scores = F.softmax(logits, dim=-1)
-    else:
-        scores = torch.sigmoid(logits)
-    select = scores.detach()                  # the choice is discrete: no gradient through it
-    if bias is not None:
-        select = select + bias.to(select.dtype)
-    if method == "group_topk":
-        T, E = select.shape
-        group_score = select.view(T, n_group, E // n_group).amax(dim=-1)        # [T, G]
-        groups = _topk_stable(group_score, topk_group)                          # [T, g]
-        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, groups, True)
-        keep = keep.repeat_interleave(E // n_group, dim=1)                      # [T, E]
-        select = select.masked_fill(~keep, float("-inf"))
-    experts = _topk_stable(select, k)
-    weights = scores.gather(-1, experts)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    if routed_scaling_factor != 1.0:
-        weights = weights * routed_scaling_factor
-    return weights, experts
+def flatten_sort_count(expert_idxs: torch.Tensor, num_experts: int) -> Routing:
+    """expert_idxs [T, k] -> Routing (sorted_expert_idxs [T·k], sorted_scattered_idxs [T·k],
+    expert_offsets [E], k, E); it unpacks as the three tensors.
+
+    Flatten the choices in slot order (slot s = t·k + j), sort them stably by expert:
+    `sorted_scattered_idxs[i]` is the slot of sorted row i (its token is slot // k), and
+    `expert_offsets[e]` the inclusive cumulative count, i.e. the end row of expert e (its
+    rows are offsets[e-1]..offsets[e], with offsets[-1] read as 0). int64 throughout.
+    Consistent by construction; the ids' range is checked with one host sync.
+    """
+    if not isinstance(expert_idxs, torch.Tensor) or expert_idxs.dim() != 2:
+        raise ValueError(f"expert_idxs must be a [tokens, k] tensor, got "
+                         f"{tuple(getattr(expert_idxs, 'shape', ()))}")
+    if expert_idxs.dtype.is_floating_point or expert_idxs.dtype.is_complex \
+            or expert_idxs.dtype == torch.bool:
+        raise ValueError(f"expert_idxs must be an integer tensor, got {expert_idxs.dtype}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
+    k = expert_idxs.shape[1]
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"expert_idxs has k={k} columns; k must be in 1..{num_experts}")
+    flat = expert_idxs.reshape(-1).long()                                  # [T·k]
+    sorted_expert_idxs, sorted_scattered_idxs = flat.sort(stable=True)      # [T·k] each
+    offsets = torch.searchsorted(sorted_expert_idxs,
+                                 torch.arange(num_experts, device=flat.device), right=True)
+    summary = torch.cat([_all_in(flat, 0, num_experts).long().reshape(1), offsets]).tolist()
+    if not summary[0]:
+        raise ValueError(f"expert_idxs must lie in 0..{num_experts - 1}, got "
+                         f"{int(flat.min())}..{int(flat.max())}")
+    return Routing._trusted(sorted_expert_idxs, sorted_scattered_idxs, offsets, k, num_experts,
+                            tuple(summary[1:]))
 
 
-def _topk_stable(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest entries of each row, largest first, ties to the lower index."""
-    return x.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+def _all_in(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """0-d bool on t's device: every value of t in lo..hi-1 (true when t is empty)."""
+    return ((t >= lo) & (t < hi)).all()
 
 
-class NonFiniteLogitsError(ValueError, FloatingPointError):
-    """Logits that hold NaN or Inf: a router's here, a language model's in minirl (which
-    imports this class). Called directly, the function got bad input (a ValueError); inside
-    a model in training it is divergence (a FloatingPointError, which minituner's NaN guard
-    turns into a recorded stop instead of a crash)."""
+def _is_permutation(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool on t's device: t [M] holds each of 0..M-1 exactly once."""
+    M = t.shape[0]
+    hits = torch.zeros(M, dtype=torch.int64, device=t.device)
+    hits.scatter_add_(0, t.clamp(0, max(M - 1, 0)), torch.ones_like(t))    # [M]
+    return _all_in(t, 0, M) & (hits == 1).all()
 
 
-def _check(logits, k, method, bias, n_group, topk_group, routed_scaling_factor) -> None:
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [tokens, experts], got shape {tuple(logits.shape)}")
-    n_experts = logits.shape[1]
+def _check_static(sei, ssi, offs, k, n_experts):
+    """Types, dtypes, shapes and devices (no sync) -> the three as contiguous int64."""
+    for t, name in ((sei, "sorted_expert_idxs"), (ssi, "sorted_scattered_idxs"),
+                    (offs, "expert_offsets")):
+        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex \
+                or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)}")
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+        if t.device != sei.device:
+            raise ValueError(f"{name} is on {t.device}, sorted_expert_idxs on {sei.device}")
+    if isinstance(n_experts, bool) or not isinstance(n_experts, int) or n_experts < 1:
+        raise ValueError(f"n_experts must be an int >= 1, got {n_experts!r}")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_experts:
-        raise ValueError(f"k must be in 1..{n_experts} (the number of experts), got {k}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    # One check (one host sync): +Inf gives NaN weights (inf/inf), -Inf a zero-mass choice.
-    if not torch.isfinite(logits).all():
-        bad = "NaN" if torch.isnan(logits).any() else "±Inf"
-        raise NonFiniteLogitsError(f"logits contain {bad}: router logits must be finite "
-                                   "(a non-finite router input or weight)")
-    if bias is not None:
-        if method == "softmax_topk":
-            raise ValueError("bias is a selection bias of sigmoid_topk / group_topk only")
-        if bias.shape != (n_experts,):
-            raise ValueError(f"bias must have shape ({n_experts},), got {tuple(bias.shape)}")
-        if not torch.isfinite(bias).all():
-            raise ValueError("bias must be finite")
-    if not (isinstance(routed_scaling_factor, (int, float)) and routed_scaling_factor > 0):
-        raise ValueError(f"routed_scaling_factor must be > 0, got {routed_scaling_factor!r}")
-    if method != "group_topk":
-        if n_group is not None or topk_group is not None:
-            raise ValueError(f"n_group / topk_group are for method='group_topk', not {method!r}")
-        return
-    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 \
-            or n_experts % n_group:
-        raise ValueError(f"n_group must be a positive divisor of the {n_experts} experts, "
-                         f"got {n_group!r}")
-    if isinstance(topk_group, bool) or not isinstance(topk_group, int) \
-            or not 1 <= topk_group <= n_group:
-        raise ValueError(f"topk_group must be in 1..{n_group} (n_group), got {topk_group!r}")
-    if k > topk_group * (n_experts // n_group):
-        raise ValueError(f"k={k} exceeds the {topk_group * (n_experts // n_group)} experts in "
-                         f"topk_group={topk_group} groups of {n_experts // n_group}")
+        raise ValueError(f"k must be an int in 1..{n_experts} (the number of experts), got {k!r}")
+    M = sei.shape[0]
+    if ssi.shape[0] != M:
+        raise ValueError(f"sorted_scattered_idxs must have shape [{M}] like sorted_expert_idxs, "
+                         f"got {tuple(ssi.shape)}")
+    if M % k:
+        raise ValueError(f"sorted_expert_idxs has {M} rows, not a multiple of k={k}")
+    if offs.shape[0] != n_experts:
+        raise ValueError(f"expert_offsets must have shape [{n_experts}] (E), "
+                         f"got {tuple(offs.shape)}")
+    return (t.long().contiguous() for t in (sei, ssi, offs))
 
 
-def update_selection_bias(bias: torch.Tensor, tokens_per_expert: torch.Tensor, rate: float
-                          ) -> torch.Tensor:
-    """DeepSeek-V3's auxiliary-loss-free balancing step: bias + rate · sign(mean load − load).
-
-    Underloaded experts go up by `rate`, overloaded ones down, exactly-average ones stay.
-    Returns a new float32 tensor; call it after each step with that step's counts, e.g.
-    `torch.bincount(experts.flatten(), minlength=E)`.
-    """
-    if bias.dim() != 1:
-        raise ValueError(f"bias must be [experts], got shape {tuple(bias.shape)}")
-    if tokens_per_expert.shape != bias.shape:
-        raise ValueError(f"tokens_per_expert must have shape {tuple(bias.shape)}, "
-                         f"got {tuple(tokens_per_expert.shape)}")
-    if not rate >= 0:
-        raise ValueError(f"rate must be >= 0, got {rate!r}")
-    load = tokens_per_expert.float()
-    return bias.float() + rate * torch.sign(load.mean() - load)
-
-
-def load_balancing_loss(logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """Switch Transformer auxiliary loss  N · Σ_i f_i · P_i  (1.0 when perfectly balanced).
-
-    f_i: fraction of the T·k routing slots that chose expert i (not differentiable);
-    P_i: mean router probability of expert i over the T tokens (carries the gradient).
-    """
-    n_experts = logits.shape[1]
-    probs = F.softmax(logits.float(), dim=-1)                       # [T, E]
-    counts = torch.bincount(experts.flatten(), minlength=n_experts)  # [E]
-    f = counts.float() / experts.numel()
-    return n_experts * (f * probs.mean(dim=0)).sum()
-
-
-def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE router z-loss  mean over tokens of logsumexp(logits)²  (float32).
-
-    Penalises large router logits, which round badly and make the softmax brittle.
-    `logits` is [..., E]; the mean runs over every leading position.
-    """
-    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+def _explain(failed: str, sei, ssi, offs, M: int, E: int) -> str:
+    """The message for the first failed check (error path only: syncs freely)."""
+    if failed == "sorted_expert_idxs range":
+        return (f"sorted_expert_idxs must lie in 0..{E - 1}, got "
+                f"{int(sei.min())}..{int(sei.max())}")
+    if failed == "sorted_expert_idxs order":
+        i = int((sei[1:] < sei[:-1]).nonzero()[0])
+        return (f"sorted_expert_idxs must be non-decreasing (sorted by expert), but row {i + 1} "
+                f"({int(sei[i + 1])}) follows {int(sei[i])}")
+    if failed == "sorted_scattered_idxs":
+        return (f"sorted_scattered_idxs must be a permutation of 0..{M - 1} (each slot once), "
+                f"got {ssi.tolist() if M <= 16 else 'repeated or out-of-range slots'}")
+    want = torch.bincount(sei, minlength=E).cumsum(0)
+    return (f"expert_offsets must be the inclusive cumulative counts of sorted_expert_idxs "
+            f"(cumsum(bincount(ids, E)) = {want.tolist()}), got {offs.tolist()}")

@@ -103,7 +103,8 @@ def test_accept_routing_with_minimoe_routing_matches_the_library():
     routing = minimoe.flatten_sort_count(idx, 4)
 
     def index_form(x, W, k, sei, ssi, offsets, gates=None):
-        return minimoe.parallel_linear(x, W, k, sei, ssi, offsets, gates=gates, backend="torch")
+        return minimoe.parallel_linear_from_indices(x, W, k, sei, ssi, offsets, gates=gates,
+                                                    backend="torch")
 
     got = accept_routing(index_form)(x, W, routing, gates=gates, backend="triton")
     want = loop_grads(x, W, idx, gates, torch.ones(6, 5))[0]

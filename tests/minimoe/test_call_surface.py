@@ -1,6 +1,7 @@
-"""The MoE call surface: the `Routing` value, its checks, both calling forms of
-`parallel_linear` / `nf4_parallel_linear` / the expert modules, `ExpertLoRA`, and ScatterMoE's
-output-projection convention — each against a naive per-token loop."""
+"""The MoE call surface: the `Routing` value, its checks, `parallel_linear` on a Routing and
+its index-form adapter `parallel_linear_from_indices` (DESIGN §3's form and ScatterMoE's
+output-projection convention), `nf4_parallel_linear` / the expert modules on a Routing, and
+`ExpertLoRA` — each against a naive per-token loop."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from minimoe import (
     group_bwd_W,
     nf4_parallel_linear,
     parallel_linear,
+    parallel_linear_from_indices,
     reference,
     scatter2scatter,
 )
@@ -130,7 +132,7 @@ def test_unsorted_expert_ids_are_refused(backend):
     sei, ssi, offs = flatten_sort_count(experts, 5)
     sei, ssi = _shuffled_rows(sei, ssi)
     with pytest.raises(ValueError, match="sorted_expert_idxs must be non-decreasing"):
-        parallel_linear(x, W, 2, sei, ssi, offs, gates=gates, backend=backend)
+        parallel_linear_from_indices(x, W, 2, sei, ssi, offs, gates=gates, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -141,7 +143,7 @@ def test_scattered_ids_that_are_not_a_permutation_are_refused(backend):
     ssi = ssi.clone()
     ssi[3] = ssi[4]                                  # slot ssi[4] twice, the old ssi[3] never
     with pytest.raises(ValueError, match="sorted_scattered_idxs must be a permutation"):
-        parallel_linear(x, W, 2, sei, ssi, offs, backend=backend)
+        parallel_linear_from_indices(x, W, 2, sei, ssi, offs, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -153,19 +155,23 @@ def test_offsets_inconsistent_with_the_ids_are_refused(backend):
     offs[0] += 1
     W = W.clone().requires_grad_()
     with pytest.raises(ValueError, match="expert_offsets must be the inclusive cumulative"):
-        parallel_linear(x, W, 2, sei, ssi, offs, gates=gates, backend=backend).sum().backward()
+        parallel_linear_from_indices(x, W, 2, sei, ssi, offs, gates=gates,
+                                     backend=backend).sum().backward()
 
 
-def test_nf4_and_expert_modules_check_positional_indices_too():
+def test_nf4_and_expert_modules_take_a_routing_only():
+    """Hand-built indices reach them as a Routing, checked where it is made."""
     x, W, experts, gates = _problem(K=16, N=24)
     sei, ssi, offs = flatten_sort_count(experts, 5)
-    sei, ssi = _shuffled_rows(sei, ssi)
     q = quantize_experts(W)
-    with pytest.raises(ValueError, match="sorted_expert_idxs must be non-decreasing"):
-        nf4_parallel_linear(x, q, 2, sei, ssi, offs, gates=gates)
+    with pytest.raises(TypeError, match="Routing"):
+        nf4_parallel_linear(x, q, 2, gates=gates)
     for module in (ExpertLinear(W.clone(), r=2), NF4Experts(q, r=2)):
-        with pytest.raises(ValueError, match="sorted_expert_idxs must be non-decreasing"):
+        with pytest.raises(TypeError):
             module(x, 2, sei, ssi, offs, gates=gates)
+    sei, ssi = _shuffled_rows(sei, ssi)
+    with pytest.raises(ValueError, match="sorted_expert_idxs must be non-decreasing"):
+        Routing.from_indices(sei, ssi, offs, 2, 5)
 
 
 def test_launchers_alone_check_index_values_and_trust_when_told():
@@ -184,20 +190,23 @@ def test_launchers_alone_check_index_values_and_trust_when_told():
     assert _rel(scatter2scatter(x, W, sei, ssi, 2, trusted=True), want) <= RTOL
 
 
-def test_positional_form_needs_the_three_indices():
-    x, W, experts, _ = _problem()
-    sei, ssi, _ = flatten_sort_count(experts, 5)
-    with pytest.raises(TypeError):
-        parallel_linear(x, W, 2, sei, ssi)
+def test_one_form_takes_a_routing_and_keywords():
+    x, W, experts, gates = _problem()
+    routing = flatten_sort_count(experts, 5)
+    sei, ssi, _ = routing
     with pytest.raises(TypeError, match="Routing"):
-        ExpertLinear(W, r=0)(x, 2, sei, ssi)
+        parallel_linear(x, W, tuple(routing))
+    with pytest.raises(TypeError):
+        parallel_linear(x, W, routing, gates)                       # options are keywords
+    with pytest.raises(TypeError):
+        parallel_linear_from_indices(x, W, 2, sei, ssi)
 
 
 # --- the Routing form, ExpertLoRA, and the forms agree --------------------------------------
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("lora_path", ["fused", "split"])
-def test_routing_form_equals_positional_form_and_the_loop(backend, lora_path):
+def test_routing_form_equals_index_form_and_the_loop(backend, lora_path):
     x, W, experts, gates = _problem()
     E, K, N = W.shape
     gen = torch.Generator().manual_seed(3)
@@ -205,12 +214,29 @@ def test_routing_form_equals_positional_form_and_the_loop(backend, lora_path):
     routing = flatten_sort_count(experts, E)
     new = parallel_linear(x, W, routing, gates=gates, lora=ExpertLoRA(A, B, 0.5),
                           backend=backend, lora_path=lora_path)
-    old = parallel_linear(x, W, 2, *routing, gates=gates, lora_A=A, lora_B=B, scaling=0.5,
-                          backend=backend, lora_path=lora_path)
-    positional_gates = parallel_linear(x, W, 2, *routing, gates, backend=backend)
+    old = parallel_linear_from_indices(x, W, 2, *routing, gates=gates, lora_A=A, lora_B=B,
+                                       scaling=0.5, backend=backend, lora_path=lora_path)
+    positional_gates = parallel_linear_from_indices(x, W, 2, *routing, gates, backend=backend)
     want = reference.linear_loop(x, W, experts, gates, A, B, 0.5)
     assert torch.equal(new, old) and _rel(new, want) <= RTOL
     assert _rel(positional_gates, reference.linear_loop(x, W, experts, gates)) <= RTOL
+
+
+def test_the_public_name_still_takes_the_index_form_the_labs_call():
+    """Solutions 08-10 call `minimoe.parallel_linear(x, W, k, sei, ssi, offsets, ...)`: the
+    public name hands that form to parallel_linear_from_indices, checks included."""
+    x, W, experts, gates = _problem()
+    E, K, N = W.shape
+    A, B = torch.randn(2 * E, K), torch.randn(N, 2 * E)
+    routing = flatten_sort_count(experts, E)
+    via_labs = parallel_linear(x, W, 2, *routing, gates=gates, lora_A=A, lora_B=B, scaling=0.5,
+                               backend="torch")
+    adapter = parallel_linear_from_indices(x, W, 2, *routing, gates=gates, lora_A=A, lora_B=B,
+                                           scaling=0.5, backend="torch")
+    assert torch.equal(via_labs, adapter)
+    sei, ssi = _shuffled_rows(*routing[:2])
+    with pytest.raises(ValueError, match="sorted_expert_idxs must be non-decreasing"):
+        parallel_linear(x, W, 2, sei, ssi, routing[2])
 
 
 def test_routing_must_fit_the_weight_and_the_input():
@@ -259,8 +285,8 @@ def _grads(fn, *leaves):
 def test_scattermoe_output_projection_convention(backend):
     h, W2, experts, gates = _scattermoe_problem()
     sei, ssi, offsets = flatten_sort_count(experts, W2.shape[0])
-    got = _grads(lambda h, W2, g: parallel_linear(h, W2, 1, sei, ssi, offsets, grouped_in=True,
-                                                  gates=g, backend=backend), h, W2, gates)
+    got = _grads(lambda h, W2, g: parallel_linear_from_indices(
+        h, W2, 1, sei, ssi, offsets, grouped_in=True, gates=g, backend=backend), h, W2, gates)
     want = _grads(lambda h, W2, g: _naive_output_projection(h, W2, experts, g, ssi),
                   h, W2, gates)
     for name, a, b in zip(("out", "dh", "dW2", "dgates"), got, want, strict=True):
@@ -269,15 +295,19 @@ def test_scattermoe_output_projection_convention(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_scattermoe_convention_through_expert_modules(backend):
+    """ScatterMoE's k=1 indices, checked into a Routing read with top_k slots per token (what
+    parallel_linear_from_indices does), through the expert modules."""
     h, W2, experts, gates = _scattermoe_problem(F=16, C=24)
-    routing = flatten_sort_count(experts, W2.shape[0])
+    E, top_k = W2.shape[0], gates.shape[1]
+    routing = flatten_sort_count(experts, E)
     sei, ssi, offsets = routing
+    scattermoe = Routing.from_indices(sei, ssi, offsets, 1, E).with_k(top_k)
     want = _naive_output_projection(h, W2, experts, gates, ssi)
     float_module = ExpertLinear(W2.clone(), r=0)
-    got = float_module(h, 1, sei, ssi, offsets, grouped_in=True, gates=gates, backend=backend)
+    got = float_module(h, scattermoe, grouped_in=True, gates=gates, backend=backend)
     assert _rel(got, want) <= RTOL
     q = quantize_experts(W2)
-    nf4 = NF4Experts(q)(h, 1, sei, ssi, offsets, grouped_in=True, gates=gates, backend=backend)
+    nf4 = NF4Experts(q)(h, scattermoe, grouped_in=True, gates=gates, backend=backend)
     W2q = dequantize_nf4(q, torch.float32)
     assert _rel(nf4, _naive_output_projection(h, W2q, experts, gates, ssi)) <= RTOL
     via_routing = nf4_parallel_linear(h, q, routing, grouped_in=True, gates=gates,
@@ -289,4 +319,13 @@ def test_scattermoe_k1_is_only_for_a_grouped_input():
     x, W, experts, gates = _problem()
     sei, ssi, offs = flatten_sort_count(experts, 5)
     with pytest.raises(ValueError, match="gates must have shape"):
-        parallel_linear(torch.randn(14, 24), W, 1, sei, ssi, offs, gates=gates)
+        parallel_linear_from_indices(torch.randn(14, 24), W, 1, sei, ssi, offs, gates=gates)
+
+
+def test_scattermoe_k1_is_the_adapters_reading_not_the_one_forms():
+    """A Routing says its own k: the one form takes gates [T, k] for it, nothing else."""
+    h, W2, experts, gates = _scattermoe_problem()
+    sei, ssi, offsets = flatten_sort_count(experts, W2.shape[0])
+    k1 = Routing.from_indices(sei, ssi, offsets, 1, W2.shape[0])
+    with pytest.raises(ValueError, match=r"gates must have shape \[27, 1\]"):
+        parallel_linear(h, W2, k1, grouped_in=True, gates=gates)

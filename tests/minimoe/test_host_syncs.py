@@ -89,7 +89,7 @@ def test_the_counter_counts():
 def test_two_syncs_per_moe_forward_backward(backend, experts):
     syncs = _forward_backward(backend, experts)
     assert syncs.total() <= 2, syncs.calls
-    assert sorted(where.split(":")[0] for _, where in syncs.calls) == ["routing.py", "sort.py"]
+    assert sorted(where.split(":")[0] for _, where in syncs.calls) == ["routers.py", "routing.py"]
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

@@ -17,6 +17,7 @@ import torch
 
 from minimoe import (
     ExpertLinear,
+    ExpertLoRA,
     MoEMLP,
     dispatch_triton,
     flatten_sort_count,
@@ -24,6 +25,7 @@ from minimoe import (
     group_bwd_lora,
     group_bwd_W,
     parallel_linear,
+    parallel_linear_from_indices,
     reference,
     scatter2scatter,
     scatter2scatter_lora,
@@ -88,11 +90,10 @@ def _linear_errors(case, backend: str, gated: bool, lora_path: str | None = None
         if lora_path else ()
     leaves = [t.clone().requires_grad_() for t in (x, W, gates, *ab)]
     ref_leaves = [t.clone().requires_grad_() for t in (x, W, gates, *ab)]
-    idx = flatten_sort_count(experts, E)
-    k = experts.shape[1]
-    lora = dict(lora_A=leaves[3], lora_B=leaves[4], scaling=0.5,
+    routing = flatten_sort_count(experts, E)
+    lora = dict(lora=ExpertLoRA(leaves[3], leaves[4], 0.5),
                 lora_path=lora_path) if lora_path else {}
-    out = parallel_linear(leaves[0], leaves[1], k, *idx, gates=leaves[2] if gated else None,
+    out = parallel_linear(leaves[0], leaves[1], routing, gates=leaves[2] if gated else None,
                           backend=backend, **lora)
     ref_lora = dict(lora_A=ref_leaves[3], lora_B=ref_leaves[4], scaling=0.5) \
         if lora_path else {}
@@ -139,13 +140,14 @@ def test_parallel_linear_grouped_in_out(case):
     """grouped_in / grouped_out read and write sorted rows; both backends agree with the loop."""
     x, W, experts, _ = _inputs(case)
     E, k = W.shape[0], experts.shape[1]
-    sei, ssi, offs = flatten_sort_count(experts, E)
+    routing = flatten_sort_count(experts, E)
+    sei, ssi, _ = routing
     xg = x[ssi // k]                                                  # [M, K] sorted
     ref = reference.linear_loop(x, W, experts)[ssi]                   # [M, N] sorted
     for backend in BACKENDS:
         for gi, go in ((True, True), (True, False), (False, True)):
             xin = xg.clone().requires_grad_() if gi else x.clone().requires_grad_()
-            out = parallel_linear(xin, W, k, sei, ssi, offs, grouped_in=gi, grouped_out=go,
+            out = parallel_linear(xin, W, routing, grouped_in=gi, grouped_out=go,
                                   backend=backend)
             want = ref if go else torch.empty_like(ref).index_copy(0, ssi, ref)
             assert _rel(out, want) <= RTOL
@@ -253,12 +255,11 @@ def _mlp_errors(case, backend: str) -> dict[str, float]:
 
 def _torch_sorted_dispatch(x, weights, experts, w_gate, w_up, w_down):
     """dispatch_triton's three parallel_linears, on the sort-based PyTorch backend."""
-    k = experts.shape[1]
-    idx = flatten_sort_count(experts, w_gate.shape[0])
-    g = parallel_linear(x, w_gate, k, *idx, grouped_out=True, backend="torch")
-    u = parallel_linear(x, w_up, k, *idx, grouped_out=True, backend="torch")
+    routing = flatten_sort_count(experts, w_gate.shape[0])
+    g = parallel_linear(x, w_gate, routing, grouped_out=True, backend="torch")
+    u = parallel_linear(x, w_up, routing, grouped_out=True, backend="torch")
     h = torch.nn.functional.silu(g) * u
-    return parallel_linear(h, w_down, k, *idx, gates=weights, grouped_in=True, backend="torch")
+    return parallel_linear(h, w_down, routing, gates=weights, grouped_in=True, backend="torch")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -377,15 +378,16 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="X has"):
         scatter2scatter(x[:5], W, sei, ssi, 2)
     with pytest.raises(ValueError, match="together"):
-        parallel_linear(x, W, 2, sei, ssi, offs, lora_A=torch.zeros(8, 24))
+        parallel_linear_from_indices(x, W, 2, sei, ssi, offs, lora_A=torch.zeros(8, 24))
     with pytest.raises(ValueError, match="lora_A must be"):
-        parallel_linear(x, W, 2, sei, ssi, offs, lora_A=torch.zeros(6, 24),
-                        lora_B=torch.zeros(40, 6))
+        parallel_linear_from_indices(x, W, 2, sei, ssi, offs, lora_A=torch.zeros(6, 24),
+                                     lora_B=torch.zeros(40, 6))
     with pytest.raises(ValueError, match="backend"):
-        parallel_linear(x, W, 2, sei, ssi, offs, backend="cuda")
+        parallel_linear_from_indices(x, W, 2, sei, ssi, offs, backend="cuda")
     A, B = torch.zeros(8, 24), torch.zeros(40, 8)
     with pytest.raises(ValueError, match="lora_path"):
-        parallel_linear(x, W, 2, sei, ssi, offs, lora_A=A, lora_B=B, lora_path="fast")
+        parallel_linear_from_indices(x, W, 2, sei, ssi, offs, lora_A=A, lora_B=B,
+                                     lora_path="fast")
     with pytest.raises(ValueError, match="lora_A"):
         scatter2scatter_lora(x, W, A.double(), B, 1.0, sei, ssi, 2)
     with pytest.raises(ValueError, match="lora_A must be"):
@@ -439,8 +441,7 @@ def test_interpreted_even_after_triton_was_imported():
 def test_gpu_float32_ieee(case):
     torch.backends.cuda.matmul.allow_tf32 = False
     x, W, experts, gates = [t.cuda() for t in _inputs(case)]
-    idx = flatten_sort_count(experts, W.shape[0])
-    out = parallel_linear(x, W, experts.shape[1], *idx, gates=gates)
+    out = parallel_linear(x, W, flatten_sort_count(experts, W.shape[0]), gates=gates)
     assert _rel(out, reference.linear_loop(x, W, experts, gates)) <= 1e-5
 
 
@@ -449,10 +450,9 @@ def test_gpu_float32_ieee(case):
 def test_gpu_bf16_norm_relative(case):
     torch.backends.cuda.matmul.allow_tf32 = False
     x, W, experts, gates = [t.cuda() for t in _inputs(case)]
-    idx = flatten_sort_count(experts, W.shape[0])
-    k = experts.shape[1]
+    routing = flatten_sort_count(experts, W.shape[0])
     leaves = [t.bfloat16().requires_grad_() for t in (x, W, gates)]
-    out = parallel_linear(leaves[0], leaves[1], k, *idx, gates=leaves[2])
+    out = parallel_linear(leaves[0], leaves[1], routing, gates=leaves[2])
     ref_leaves = [t.clone().requires_grad_() for t in (x, W, gates)]          # float32
     ref = reference.linear_loop(*ref_leaves[:2], experts, ref_leaves[2])
     dout = torch.randn_like(ref)
@@ -476,8 +476,8 @@ def _fused_lora_runs(case, dtype, r=16):
     for fused in (True, False):
         lv = [(t.to(dtype) if fused else t).clone().requires_grad_() for t in (x, W, gates, A, B)]
         if fused:
-            out = parallel_linear(lv[0], lv[1], experts.shape[1], *flatten_sort_count(experts, E),
-                                  gates=lv[2], lora_A=lv[3], lora_B=lv[4], scaling=0.5)
+            out = parallel_linear(lv[0], lv[1], flatten_sort_count(experts, E), gates=lv[2],
+                                  lora=ExpertLoRA(lv[3], lv[4], 0.5))
         else:
             out = reference.linear_loop(lv[0], lv[1], experts, lv[2], lv[3], lv[4], 0.5)
         out.backward(torch.ones_like(out))

@@ -15,7 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from minimoe import NF4Experts, flatten_sort_count, nf4_parallel_linear, parallel_linear
+from minimoe import ExpertLoRA, NF4Experts, flatten_sort_count, nf4_parallel_linear, parallel_linear
 from minimoe.nf4_experts import active_experts, quantize_experts
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -58,24 +58,24 @@ def test_matches_parallel_linear_on_dequantized(backend, lora, gated):
     # Experts 3 and 4 of 5 get no tokens: the compact weight holds 3 experts.
     x, W, gates, experts = _case(pool=3)
     E, K, N = W.shape
-    k, r = experts.shape[1], 2
+    r = 2
     q = quantize_experts(W)
     Wd = q.dequantize()                                             # the full [E, K, N]
     gen = torch.Generator().manual_seed(2)
     A, B = torch.randn(r * E, K, generator=gen), torch.randn(N, r * E, generator=gen)
-    idx = flatten_sort_count(experts, E)
+    routing = flatten_sort_count(experts, E)
 
     def leaves():
         return [t.clone().requires_grad_() for t in (x, gates, A, B)]
 
     ours, ref = leaves(), leaves()
-    lo = dict(lora_A=ours[2], lora_B=ours[3], scaling=0.5) if lora else {}
-    lr = dict(lora_A=ref[2], lora_B=ref[3], scaling=0.5) if lora else {}
     stats = {}
-    out = nf4_parallel_linear(ours[0], q, k, *idx, gates=ours[1] if gated else None,
-                              backend=backend, stats=stats, **lo)
-    want = parallel_linear(ref[0], Wd, k, *idx, gates=ref[1] if gated else None,
-                           backend=backend, **lr)
+    out = nf4_parallel_linear(ours[0], q, routing, gates=ours[1] if gated else None,
+                              lora=ExpertLoRA(ours[2], ours[3], 0.5) if lora else None,
+                              backend=backend, stats=stats)
+    want = parallel_linear(ref[0], Wd, routing, gates=ref[1] if gated else None,
+                           lora=ExpertLoRA(ref[2], ref[3], 0.5) if lora else None,
+                           backend=backend)
     assert stats["active"] == [0, 1, 2] and stats["dequant_bytes"] == 3 * K * N * 4
     dout = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
     out.backward(dout)
@@ -99,13 +99,12 @@ def test_experts_without_tokens_are_never_read(double_quant):
     x, W, gates, experts = _case(T=5, E=6, k=2)
     experts = torch.tensor([[1, 4], [4, 1], [1, 4], [4, 1], [1, 4]])
     q = quantize_experts(W, double_quant=double_quant)
-    idx = flatten_sort_count(experts, 6)
-    A = torch.randn(2 * 6, 16)
-    B = torch.randn(24, 2 * 6)
-    clean = nf4_parallel_linear(x, q, 2, *idx, gates=gates, lora_A=A, lora_B=B)
+    routing = flatten_sort_count(experts, 6)
+    lora = ExpertLoRA(torch.randn(2 * 6, 16), torch.randn(24, 2 * 6))
+    clean = nf4_parallel_linear(x, q, routing, gates=gates, lora=lora)
     poison(q, keep=[1, 4])
     xp = x.clone().requires_grad_()
-    got = nf4_parallel_linear(xp, q, 2, *idx, gates=gates, lora_A=A, lora_B=B)
+    got = nf4_parallel_linear(xp, q, routing, gates=gates, lora=lora)
     assert torch.equal(got, clean)
     got.sum().backward()
     assert torch.isfinite(xp.grad).all()
@@ -120,7 +119,7 @@ def test_module_only_lora_is_trainable():
     assert [n for n, _ in mod.named_parameters()] == ["lora_A", "lora_B"]
     assert all(not b.requires_grad for b in mod.buffers())
     xl, gl = x.clone().requires_grad_(), gates.clone().requires_grad_()
-    out = mod(xl, 2, *flatten_sort_count(experts, E), gates=gl)
+    out = mod(xl, flatten_sort_count(experts, E), gates=gl)
 
     # Walk the autograd graph: the only leaves it accumulates into are x, gates and LoRA.
     leaves, seen, stack = set(), set(), [out.grad_fn]
@@ -171,7 +170,7 @@ def test_dequant_buffer_scales_with_active_experts():
         stats = {}
         ledger = _AllocLedger(K, N)
         with ledger:
-            nf4_parallel_linear(x, q, 1, *flatten_sort_count(experts, E), backend="torch",
+            nf4_parallel_linear(x, q, flatten_sort_count(experts, E), backend="torch",
                                 stats=stats)
         seen = sum(ledger.storages.values())       # every [*, K, N] buffer allocated
         assert stats["n_active"] == n

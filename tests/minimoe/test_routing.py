@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minimoe import MoEMLP, dispatch_torch, expert_swiglu, load_balancing_loss, route
-from minimoe.routing import _route, router_z_loss, update_selection_bias
+from minimoe.routers import _route, router_z_loss, update_selection_bias
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

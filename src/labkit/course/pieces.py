@@ -157,25 +157,25 @@ def _scatter2scatter(ref, mods):
 
 
 def _parallel_linear(ref, mods):
-    from minimoe.sort import Routing
+    from minimoe import Routing
 
     plain = next((m.my_parallel_linear for name, m in mods.items() if "LoRA" not in name), None)
     lora = next((m.my_lora_parallel_linear for name, m in mods.items() if "LoRA" in name), None)
 
     def parallel_linear(x, W, routing, *args, **kw):
-        # The packages call it with a Routing; the positional form goes to the reference.
-        a = dict(zip(("gates", "grouped_in", "grouped_out", "lora"), args, strict=False)) | kw
-        A, B, scaling = a.get("lora") or (None, None, 1.0)
+        # The packages call it with a Routing and keywords; anything else (the index form,
+        # gates that do not fit, whose error the reference raises) goes to the reference.
+        A, B, scaling = kw.get("lora") or (None, None, 1.0)
         fn = plain if A is None else lora
-        gates = a.get("gates")
-        if (not isinstance(routing, Routing) or fn is None
-                or a.get("backend", "triton") != "triton"
-                or a.get("lora_path", "fused") != "fused"
-                or (gates is not None and gates.shape[-1] != routing.k)):   # ScatterMoE's k=1
+        gates = kw.get("gates")
+        if (args or not isinstance(routing, Routing) or fn is None
+                or kw.get("backend", "triton") != "triton"
+                or kw.get("lora_path", "fused") != "fused"
+                or (gates is not None and gates.shape[-1] != routing.k)):
             return ref(x, W, routing, *args, **kw)
         extra = () if A is None else (A, B, scaling)
         return fn(x, W, routing.k, *routing, *extra, gates=gates,
-                  grouped_in=a.get("grouped_in", False), grouped_out=a.get("grouped_out", False))
+                  grouped_in=kw.get("grouped_in", False), grouped_out=kw.get("grouped_out", False))
     return parallel_linear
 
 
