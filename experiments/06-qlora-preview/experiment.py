@@ -5,7 +5,8 @@ Run (after experiment 05, whose adapters it loads):
             python -m labkit run experiments/06-qlora-preview
 Reproduce:  python -m labkit reproduce experiments/06-qlora-preview/manifest.json
 Outputs: adapter_qlora/ (the adapter trained on the NF4 base), metrics.json, qlora.jsonl,
-memory.png, REPORT.md, manifest.json.
+memory.png, REPORT.md (`report` makes it from a manifest: the run's own at its end, the committed
+one with `python -m labkit report experiments/06-qlora-preview`), manifest.json.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from labkit import RunContext, sha256_json  # noqa: E402
+from labkit.readme import prose, table  # noqa: E402
 from minigpt import CharTokenizer, base_path, evaluate, load_checkpoint, tasks  # noqa: E402
 from minituner import (  # noqa: E402
     SequenceData,
@@ -187,122 +189,93 @@ def plot_memory(rows: dict, path) -> None:
     plt.close(fig)
 
 
-def fmt_mb(n: float) -> str:
-    return f"{n / MB:.2f}"
+# --- the report: tables of a manifest's numbers, and fixed text --------------------------------
+
+PARTS = ("weights", "grads", "optimizer", "activations", "total")
 
 
-def fmt_gb(n: float) -> str:
-    return f"{n / 2**30:.1f}"
+def bill_rows(rows: dict[str, dict], parts: tuple, lora: str, qlora: str, unit: int,
+              fmt: str) -> list[list[str]]:
+    """One row per setup (in name order), then LoRA over QLoRA and LoRA minus QLoRA."""
+    lo, q = rows[lora], rows[qlora]
+    return ([[name, *(format(rows[name][p] / unit, fmt) for p in parts)] for name in sorted(rows)]
+            + [["ratio (LoRA / QLoRA)", *(f"{lo[p] / max(q[p], 1):.2f}×" for p in parts)],
+               ["saving (LoRA − QLoRA)", *(format((lo[p] - q[p]) / unit, fmt) for p in parts)]])
 
 
-def write_report(metrics: dict, cfg: dict, ctx: RunContext) -> None:
-    par, ep, swap, rows = (metrics[k] for k in ("parity", "qlora_epoch", "swap", "memory"))
-    tol = cfg["logit_tolerance"]
-    parts = ["weights", "grads", "optimizer", "activations", "total"]
-    mem = [f"| {name} | " + " | ".join(fmt_mb(r["measured"][p]) for p in parts)
-           + f" | {fmt_mb(r['predicted']['total'])} |" for name, r in rows.items()]
-    (lo_name, lo), (q_name, q) = rows.items()
-    ratio = {p: lo["measured"][p] / max(q["measured"][p], 1) for p in parts}
-    big = metrics["llama_7b"]
-    big_rows = [f"| {regime} | " + " | ".join(fmt_gb(big[regime][p]) for p in parts) + " |"
-                for regime in big]
-    ex = cfg["extrapolate"]
-    parity_row = (f"| {par['mean_abs_diff']:.4f} | "
-                  f"{tol['mean_abs_diff_rel'] * par['mean_abs_logit']:.4f} | "
-                  f"{par['max_abs_diff']:.3f} | {par['mean_abs_logit']:.2f} | "
-                  f"{par['argmax_agreement']:.2%} |")
-    ratio_row = ("| ratio (LoRA / QLoRA) | " + " | ".join(f"{ratio[p]:.2f}×" for p in parts)
-                 + " | |")
-    tasks_row = " | ".join(tasks.TASKS)
+def report(m: dict) -> str:
+    """REPORT.md from a manifest (its `config` and `metrics`)."""
+    cfg, metrics = m["config"], m["metrics"]
+    par, ep, swap, mem = (metrics[k] for k in ("parity", "qlora_epoch", "swap", "memory"))
+    tol, ex, s, (a, b) = (cfg["logit_tolerance"], cfg["extrapolate"], memory.LLAMA_7B,
+                          swap["adapters"])
+    rel = tol["mean_abs_diff_rel"]
+    parity = [["mean abs logit difference", f"{par['mean_abs_diff']:.4f}"],
+              [f"its tolerance: {rel:.0%} of A's mean abs logit ({par['mean_abs_logit']:.2f})",
+               f"{rel * par['mean_abs_logit']:.4f}"],
+              ["max abs logit difference", f"{par['max_abs_diff']:.3f}"],
+              ["same argmax", f"{par['argmax_agreement']:.2%}"],
+              [f"largest drop of a task's exact match (at most {tol['exact_match_drop']})",
+               f"{par['max_exact_match_drop']:.3f}"],
+              ["within both tolerances", f"**{par['within_tolerance']}**"]]
+    scores = {f"A: float base + {a}": par["exact_match_float_base"],
+              f"B: NF4 base + {a}": par["exact_match_nf4_base"],
+              "NF4 base + the adapter of one epoch of QLoRA": ep["exact_match_after"],
+              **{f"NF4 base, {n} swapped in": swap["exact_match"][n] for n in (a, b)}}
+    measured = {name: {**row["measured"], "predicted total": row["predicted"]["total"]}
+                for name, row in mem.items()}
+    return prose(f"""# Experiment 06: QLoRA preview
 
-    def em(d):
-        return " | ".join(f"{d[t]:.3f}" for t in tasks.TASKS)
-    text = f"""# Experiment 06: QLoRA preview
+Every number below is from the manifest of the run that wrote it (`manifest.json`, with the
+sha256 of the base checkpoint and of both adapters it loads from experiment 05): `python -m
+labkit report experiments/06-qlora-preview` makes this file again from it, `python -m labkit
+reproduce experiments/06-qlora-preview/manifest.json` re-runs the run.
 
-Every number below comes from `metrics.json` of the run that wrote `manifest.json`, which
-records the sha256 of the base checkpoint and of both adapters it loads from experiment 05;
-`python -m labkit reproduce experiments/06-qlora-preview/manifest.json` re-runs it.
+## One adapter, two bases; one epoch; two adapters, one base
 
-## One adapter, two bases
+Model A is the float32 dense base with experiment 05's `{a}` adapter, model B the same base
+in NF4 ({cfg['quant_scheme']}, double quantization) with the same adapter, which was trained
+against the float weights: on NF4 it sees each weight moved by up to half a code gap times
+its block's absmax. B against A on {par['prompts']} fixed evaluation sequences (all tasks):
 
-Model A is the float32 dense base with experiment 05's `{swap['adapters'][0]}` adapter; model
-B is the same base quantized to NF4 ({cfg['quant_scheme']}, double quantization) with the
-same adapter. On {par['prompts']} fixed evaluation sequences (all tasks):
+{table(["", "B against A"], parity)}
 
-| mean abs logit difference | tolerance | max abs difference | mean abs logit (A) | same argmax |
-|---|---|---|---|---|
-{parity_row}
+One epoch of QLoRA trains a fresh adapter on the NF4 base: {ep['steps']} steps over
+{cfg['n_train']} `{cfg['held_out']}` examples plus {cfg['replay_per_task']} of each
+pretraining task, its loss from {ep['loss_curve'][0]:.3f} (first {ep['log_every']} steps) to
+{ep['loss_curve'][-1]:.4f} (last window); every logged loss finite: {ep['all_finite']}; NaN
+guard fired: {ep['stopped_early'] is not None}. The adapter swap loads `{a}` and `{b}` in
+turn into one NF4 model: mean abs logit difference {swap['mean_abs_diff']:.3f}. Exact match:
 
-Within the stated tolerances (mean abs logit difference at most {tol['mean_abs_diff_rel']:.0%}
-of the mean abs logit of A, no task's exact match lower by more than
-{tol['exact_match_drop']}; largest drop
-{par['max_exact_match_drop']:.3f}): **{par['within_tolerance']}**.
-
-| exact match | {tasks_row} |
-|---|{'---|' * len(tasks.TASKS)}
-| A: float base + adapter | {em(par['exact_match_float_base'])} |
-| B: NF4 base + adapter | {em(par['exact_match_nf4_base'])} |
-
-The adapter was trained against the float weights; on NF4 it sees each weight moved by up to
-half a code gap times its block's absmax, and the answers barely change.
-
-## One epoch of QLoRA
-
-A fresh adapter on the NF4 base, {ep['steps']} steps (one pass over {cfg['n_train']}
-`{cfg['held_out']}` examples plus {cfg['replay_per_task']} of each pretraining task): every
-logged loss finite: {ep['all_finite']}; loss from {ep['loss_curve'][0]:.3f} (first
-{ep['log_every']} steps) to {ep['loss_curve'][-1]:.4f} (last window); the trainer's NaN guard
-did not fire: {ep['stopped_early'] is None}. Exact match afterwards:
-
-| {tasks_row} |
-|{'---|' * len(tasks.TASKS)}
-| {em(ep['exact_match_after'])} |
+{table(["model", *tasks.TASKS], [[n, *(f"{x[t]:.3f}" for t in tasks.TASKS)]
+                                 for n, x in scores.items()])}
 
 ## Memory at MiniGPT scale (MiB)
 
-Measured tensor by tensor after {cfg['memory']['steps']} AdamW steps
-(`minituner.memory.held_bytes`) plus the activations one forward keeps for its backward
-(batch {cfg['memory']['batch_size']}, {lo['tokens']} tokens;
-`minituner.activations.saved_activation_bytes`); "predicted" is
-`minituner.memory.predict_training` from the model's shape alone.
+Held bytes counted tensor by tensor after {cfg['memory']['steps']} AdamW steps
+(`minituner.memory.held_bytes`), plus what one forward keeps for its backward (batch
+{cfg['memory']['batch_size']}, {mem['QLoRA, NF4 base']['tokens']} tokens;
+`minituner.activations.saved_activation_bytes`), beside `minituner.memory.predict_training`
+from the model's shape alone. At this scale activations dominate; gradients and Adam state
+are the adapter's, the same in both setups.
 
-| setup | weights | grads | Adam | activations | total | predicted total |
-|---|---|---|---|---|---|---|
-{chr(10).join(mem)}
-{ratio_row}
+{table(["setup", "weights", "grads", "Adam", "activations", "total", "predicted total"],
+       bill_rows(measured, (*PARTS, "predicted total"), "LoRA, float32 base",
+                 "QLoRA, NF4 base", MB, ".2f"))}
 
 ![memory](memory.png)
 
-At this scale the weights shrink {ratio['weights']:.1f}× but they are a small part of the
-bill: activations of a 64-sequence batch dominate, and gradients and Adam state are the
-adapter's, the same in both setups. The saving is {fmt_mb(lo['measured']['total']
-- q['measured']['total'])} MiB of {fmt_mb(lo['measured']['total'])}.
-
 ## At 7B scale (predicted, GiB)
 
-`memory.predict_training(LLAMA_7B, ...)`: 32 layers, d_model 4096, d_ff 11008; weights
-{ex['weight_bits']}-bit outside NF4, activations {ex['act_bits']}-bit for {ex['tokens']}
-tokens per step, LoRA r={cfg['lora']['r']} on all seven projections, float32 adapters,
-gradients and Adam state.
+`memory.predict_training(LLAMA_7B, ...)`: {s.n_layer} layers, d_model {s.d_model}, d_ff
+{s.d_ff}; weights {ex['weight_bits']}-bit outside NF4, activations {ex['act_bits']}-bit for
+{ex['tokens']} tokens a step, LoRA r={cfg['lora']['r']} on all seven projections, float32
+adapters, gradients and Adam state. Full fine-tuning against QLoRA is a multi-GPU node
+against one consumer GPU.
 
-| regime | weights | grads | Adam | activations | total |
-|---|---|---|---|---|---|
-{chr(10).join(big_rows)}
-
-Full fine-tuning needs {fmt_gb(big['full']['total'])} GiB; LoRA on a 16-bit base
-{fmt_gb(big['lora']['total'])} GiB; QLoRA {fmt_gb(big['qlora']['total'])} GiB, weights
-{big['lora']['weights'] / big['qlora']['weights']:.1f}× smaller than LoRA's. That is the
-difference between a multi-GPU node and one consumer GPU.
-
-## Adapter swap
-
-`{swap['adapters'][0]}` and `{swap['adapters'][1]}` loaded in turn into one NF4 model: mean
-abs logit difference {swap['mean_abs_diff']:.3f}. Exact match:
-
-| adapter | {tasks_row} |
-|---|{'---|' * len(tasks.TASKS)}
-""" + "\n".join(f"| {n} | {em(d)} |" for n, d in swap["exact_match"].items()) + "\n"
-    ctx.output("REPORT.md").write_text(text)
+{table(["regime", "weights", "grads", "Adam", "activations", "total"],
+       bill_rows(metrics["llama_7b"], PARTS, "lora", "qlora", 2**30, ".1f"))}
+""")
 
 
 def run(cfg: dict, ctx: RunContext) -> dict:
@@ -322,5 +295,5 @@ def run(cfg: dict, ctx: RunContext) -> dict:
     metrics["swap"] = adapter_swap(base, cfg, adapters)
     metrics["llama_7b"] = extrapolate(cfg)
     plot_memory(rows, ctx.output("memory.png"))
-    write_report(metrics, cfg, ctx)
+    ctx.output("REPORT.md").write_text(report({"config": cfg, "metrics": metrics}))
     return metrics

@@ -1,5 +1,5 @@
-"""python -m labkit run|reproduce|fingerprint|readme|course|grade|check-exercises|check|mine|
-times|work|lab —
+"""python -m labkit run|reproduce|fingerprint|report|readme|course|grade|check-exercises|check|
+mine|times|work|lab —
 see README.md.
 
 Exit codes: 0 success; 1 a reproduce that did not reproduce, a stale fingerprint, or failing
@@ -96,6 +96,21 @@ def _fingerprint(args) -> int:
     report = check_fingerprint(exp)
     print(report.summary())
     return 0 if report.ok else 1
+
+
+def _report(args) -> int:
+    from .report import REPORT, write_report
+
+    path = Path(args.experiment) / REPORT
+    if args.check:
+        if write_report(Path(args.experiment), check=True):
+            return 0
+        print(f"{path} is out of date with its manifest: run python -m labkit report "
+              f"{args.experiment}", file=sys.stderr)
+        return 1
+    in_sync = write_report(Path(args.experiment))
+    print(f"{path} already matches its manifest" if in_sync else f"wrote {path}")
+    return 0
 
 
 def _readme(args) -> int:
@@ -240,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--numerics", choices=["pinned", "native"], default="pinned",
                    help=numerics_help)
     p.set_defaults(func=_fingerprint)
+    p = sub.add_parser("report", help="write an experiment's REPORT.md again from its manifest "
+                       "(experiment.py's report(manifest)), without re-running it")
+    p.add_argument("experiment")
+    p.add_argument("--check", action="store_true",
+                   help="do not write REPORT.md; fail if it differs from the manifest's")
+    p.set_defaults(func=_report)
     p = sub.add_parser("readme", help="fill README.md's generated blocks from the experiments' "
                        "manifests (their summary.py files)")
     p.add_argument("--root", default=".", help="the course checkout")

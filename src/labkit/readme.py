@@ -77,6 +77,22 @@ def paragraph(text: str, indent: str = "") -> str:
                          break_on_hyphens=False).replace("\0", " ")
 
 
+def prose(markdown: str) -> str:
+    """`markdown` with each paragraph and list item wrapped by `paragraph` (the text of a
+    report written as tables plus fixed text); headings, tables and images are kept as they
+    are. Paragraphs are separated by a blank line; a list item starts a line with "- "."""
+    blocks = []
+    for block in markdown.strip("\n").split("\n\n"):
+        if block.startswith(("#", "|", "!")):
+            blocks.append(block)
+            continue
+        items = re.split(r"\n(?=- )", block)
+        blocks.append("\n".join(paragraph(" ".join(item.split()),
+                                          "  " if item.startswith("- ") else "")
+                                for item in items))
+    return "\n\n".join(blocks) + "\n"
+
+
 def _where(number: int) -> str:
     return f"README.md line {number}"
 

@@ -65,6 +65,7 @@ def test_06_records_its_inputs_and_reproduces(runs):
     assert any(k.endswith("base_dense.safetensors") for k in inputs)
     m = manifest["metrics"]
     assert m["qlora_epoch"]["all_finite"] and m["qlora_epoch"]["stopped_early"] is None
+    assert labkit("report", str(exp), "--check").returncode == 0    # REPORT.md: its manifest
     lora, qlora = (m["memory"][k]["measured"] for k in m["memory"])
     assert qlora["weights"] < lora["weights"] / 3 and qlora["grads"] == lora["grads"]
     assert m["swap"]["mean_abs_diff"] > 0
@@ -91,7 +92,8 @@ def _run_tiny_11(tmp_path, **train) -> dict:
     """Experiment 11 on a tiny config (train overrides on top); its manifest's metrics."""
     exp = tmp_path / "11-qlora-moe"
     exp.mkdir()
-    shutil.copy(ROOT / "experiments/11-qlora-moe/experiment.py", exp)
+    for script in ("experiment.py", "report.py"):
+        shutil.copy(ROOT / "experiments/11-qlora-moe" / script, exp)
     cfg = json.loads((ROOT / "experiments/11-qlora-moe/tiny.json").read_text())
     cfg["train"].update(train)
     (exp / "config.json").write_text(json.dumps(cfg))
@@ -123,6 +125,8 @@ def test_11_qlora_moe_tiny(tmp_path):
     assert m["extrapolate"]["llama-65b"]["qlora"]["total"] < 48e9
     for png in ("curves.png", "routing.png", "lora_norms.png", "memory.png"):
         assert (exp / png).is_file()
+    proc = labkit("report", str(exp), "--check")     # the run's report is its manifest's
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_11_diverging_run_is_stopped_and_recorded(tmp_path):
@@ -135,3 +139,4 @@ def test_11_diverging_run_is_stopped_and_recorded(tmp_path):
         assert 1 <= s["step"] <= 4 and s["tensor"] and "non-finite" in s["reason"], s
     for r in m["runs"].values():    # scored, or the reason it could not be
         assert (r["exact_match_after"] is None) == ("not_evaluated" in r)
+    assert (tmp_path / "11-qlora-moe" / "REPORT.md").read_text().count("stopped at step") == 4
