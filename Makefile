@@ -1,5 +1,5 @@
 # MiniQLoRA-MoE Labs. Every target creates .venv first if it is missing or out of date.
-# Without make (Windows): each target's `python -m labkit ...` equivalent is in the README.
+# Without make (Windows): each target's `python -m course|labkit ...` twin is in the README.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml uv.lock constraints.txt scripts/venv.py
 	$(PYTHON) scripts/venv.py --installer $(INSTALLER) --torch $(TORCH) --venv $(VENV)
 
 lab: $(STAMP)  ## copy each lab to work/ (once; never overwritten), serve JupyterLab [MODE=instructor]
-	$(PY) -m labkit lab --mode $(MODE) $(LAB_ARGS)
+	$(PY) -m course lab --mode $(MODE) $(LAB_ARGS)
 
 test: $(STAMP)  ## everything CI runs: lint, unit tests, notebooks pipeline, experiments
 	$(PY) -m ruff check src tests solutions experiments benchmarks
@@ -44,10 +44,10 @@ test-fast: $(STAMP)  ## unit tests only (no notebooks, no experiment re-runs)
 	$(PY) -m pytest -m "not notebooks and not slow"
 
 course: $(STAMP)  ## (course developers) solutions/ -> build/course -> labs/; overwrites no edits
-	$(PY) -m labkit course
+	$(PY) -m course build
 
 grade: $(STAMP)  ## autograde SUBMISSIONS=dir -> build/grades [GRADE_ARGS="--force --timeout 600"]
-	$(PY) -m labkit grade $(SUBMISSIONS) $(GRADE_ARGS)
+	$(PY) -m course grade $(SUBMISSIONS) $(GRADE_ARGS)
 
 run: $(STAMP)  ## run an experiment and write its manifest: make run EXP=experiments/NN-name
 	$(PY) -m labkit run $(EXP)
@@ -59,7 +59,7 @@ readme: $(STAMP)  ## README.md's result numbers, regenerated from the experiment
 	$(PY) -m labkit readme
 
 times: $(STAMP)  ## (course developers) run every solution notebook -> labs/runtimes.json + the runtime markers
-	$(PY) -m labkit times $(LAB)
+	$(PY) -m course times $(LAB)
 
 compile-report: $(STAMP)  ## compile every Triton kernel for sm_80/sm_90 (no GPU) -> benchmarks/results/compile_report.json
 	$(PY) benchmarks/compile_report.py
@@ -68,13 +68,13 @@ bench-gpu: $(STAMP)  ## GPU tests + both kernel benchmarks, one run -> benchmark
 	$(PY) benchmarks/bench_gpu.py $(BENCH_ARGS)
 
 check-exercises: $(STAMP)  ## blank each solution region alone; some test must fail (slow)
-	$(PY) -m labkit check-exercises $(LAB)
+	$(PY) -m course check-exercises $(LAB)
 
 check: $(STAMP)  ## visible tests of your work/NN-name.ipynb (then saves your definitions to work/mine/): make check LAB=NN-name [NOTEBOOK=path]
-	$(PY) -m labkit check $(LAB) $(if $(NOTEBOOK),--notebook $(NOTEBOOK))
+	$(PY) -m course check $(LAB) $(if $(NOTEBOOK),--notebook $(NOTEBOOK))
 
 mine: $(STAMP)  ## which of your saved lab pieces `use("mine")` runs in the capstone
-	$(PY) -m labkit mine
+	$(PY) -m course mine
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests solutions experiments benchmarks

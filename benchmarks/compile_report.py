@@ -8,7 +8,7 @@ so Triton's divisibility specialization applies as it would there), for every co
 it can pick: the MoE kernels' autotune candidates (`minimoe.kernels.CONFIGS`), float32 both
 exact ("ieee") and with TF32, float16 and bfloat16; the NF4 dequant kernel for its three
 uses and three output dtypes; minirl's log-softmax kernels. One record per kernel ×
-configuration × architecture × dtype (`labkit.gpucompile.KernelReport`): registers, spilled
+configuration × architecture × dtype (`gpucompile.KernelReport`): registers, spilled
 bytes, shared memory, occupancy, global loads and stores by width, tensor-core instructions.
 A few records compile the same kernel at sizes that are not multiples of 16 (`"sizes":
 "odd"`): what a launch on awkward shapes gets.
@@ -112,7 +112,7 @@ def jobs(kernels: set[str] | None = None, archs=ARCHS) -> list[dict]:
 
 def _moe_launch(job) -> tuple:
     """(kernel, args, kwargs) of one MoE kernel launch, as ops.py makes it."""
-    from labkit.gpucompile import like
+    from gpucompile import like
     from minimoe import kernels as K
 
     s = MOE if job["sizes"] == "aligned" else MOE_ODD
@@ -145,7 +145,7 @@ def _moe_launch(job) -> tuple:
 
 def _other_launch(job) -> tuple:
     """(kernel, args, kwargs) of the dequant and log-softmax launches."""
-    from labkit.gpucompile import like
+    from gpucompile import like
     from miniquant import triton_dequant as D
     from minirl import logprob_kernels as L
 
@@ -173,7 +173,7 @@ def _other_launch(job) -> tuple:
 def run_job(job: dict) -> dict:
     """Compile one job and read its cubin: the job's fields plus the KernelReport's (without
     the compile time, which would make the committed file differ on every run), or `error`."""
-    from labkit.gpucompile import inspect_kernel
+    from gpucompile import inspect_kernel
 
     moe = job["kernel"] in ("scatter2scatter", "group", "group_bwd_W", "group_bwd_lora")
     fn, args, kw = (_moe_launch if moe else _other_launch)(job)

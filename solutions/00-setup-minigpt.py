@@ -63,7 +63,7 @@ from safetensors.torch import load_file, save_file
 
 import labkit
 import minigpt
-from labkit.course.harness import forbid
+from course.notebook.harness import forbid
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks
 from minigpt.tokenizer import ALPHABET
 from minituner import SequenceData

@@ -72,7 +72,7 @@ import bitsandbytes.functional as bnbF  # noqa: E402
 
 import minigpt  # noqa: E402
 import miniquant  # noqa: E402
-from labkit.course.harness import forbid, randn, swap  # noqa: E402
+from course.notebook.harness import forbid, randn, swap  # noqa: E402
 
 torch.set_num_threads(1)   # small tensors: one thread is faster than several on a busy CPU
 torch.manual_seed(0)

@@ -65,7 +65,7 @@ import time
 
 import torch
 
-from labkit.course.harness import require_triton
+from course.notebook.harness import require_triton
 
 require_triton("03-triton-dequant")   # no triton (its wheels are Linux-only): say where to run
 
@@ -81,7 +81,7 @@ import triton.language as tl
 
 import miniquant
 import miniquant.triton_dequant
-from labkit.course import harness
+from course.notebook import harness
 from miniquant import NF4_CODE, NF4Weight, dequantize_nf4, quantize_nf4
 from miniquant.nf4 import pack_nibbles, unpack_nibbles
 

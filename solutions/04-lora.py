@@ -84,7 +84,7 @@ import peft  # noqa: E402
 import minigpt  # noqa: E402
 import miniquant  # noqa: E402
 import minituner  # noqa: E402
-from labkit.course.harness import forbid, randn  # noqa: E402
+from course.notebook.harness import forbid, randn  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks  # noqa: E402
 
 torch.set_num_threads(1)   # small matrices: one thread is faster than several on a busy CPU

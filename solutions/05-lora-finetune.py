@@ -73,7 +73,7 @@ logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 import minigpt  # noqa: E402
 import minituner  # noqa: E402
 import minituner.trainer  # noqa: E402
-from labkit.course.harness import forbid, pairs_of, randn, randomize_lora  # noqa: E402
+from course.notebook.harness import forbid, pairs_of, randn, randomize_lora  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks  # noqa: E402
 from minituner import SequenceData, TrainConfig  # noqa: E402
 from minituner.data import BatchOrder  # noqa: E402

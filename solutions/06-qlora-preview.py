@@ -84,8 +84,8 @@ import minigpt  # noqa: E402
 import miniquant  # noqa: E402
 import minituner  # noqa: E402
 import minituner.qlora  # noqa: E402
+from course.notebook.harness import forbid, pairs_of, randn, randomize_lora  # noqa: E402
 from labkit import measure  # noqa: E402
-from labkit.course.harness import forbid, pairs_of, randn, randomize_lora  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, evaluate, tasks  # noqa: E402
 from minigpt.checkpoint import repo_root  # noqa: E402
 from miniquant import QuantizedLinear, quantize_model  # noqa: E402

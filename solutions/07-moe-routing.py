@@ -83,7 +83,7 @@ import minigpt
 import minimoe
 import minimoe.reference
 import minimoe.routing
-from labkit.course.harness import forbid, swap
+from course.notebook.harness import forbid, swap
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks
 from minigpt.checkpoint import repo_root
 from minimoe.reference import moe_loop
@@ -978,7 +978,7 @@ plt.show()
 #
 # `MoEMLP.forward` calls `route`, `load_balancing_loss` and a dispatch function that it looks
 # up in `minimoe.moe` when it runs. The test below puts yours there (with
-# `labkit.course.harness.swap`, which replaces a function wherever it is bound) and runs the
+# `course.notebook.harness.swap`, which replaces a function wherever it is bound) and runs the
 # pretrained MiniGPT-MoE on evaluation prompts of every task: the logits, every layer's choices and the balancing loss must be the model's own.
 
 # %% nbgrader={"grade": true, "grade_id": "test_minigpt_moe", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}

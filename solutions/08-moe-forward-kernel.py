@@ -73,7 +73,7 @@ import time
 
 import torch
 
-from labkit.course.harness import require_triton  # noqa: E402
+from course.notebook.harness import require_triton  # noqa: E402
 
 require_triton("08-moe-forward-kernel")   # no triton (its wheels are Linux-only): say where to run
 
@@ -89,7 +89,7 @@ import triton.language as tl  # noqa: E402
 import minimoe  # noqa: E402
 import minimoe.kernels  # noqa: E402
 import minimoe.parallel_experts  # noqa: E402
-from labkit.course import harness  # noqa: E402
+from course.notebook import harness  # noqa: E402
 from minimoe import flatten_sort_count  # noqa: E402
 from minimoe.reference import linear_loop  # noqa: E402
 

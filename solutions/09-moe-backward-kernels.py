@@ -71,7 +71,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from labkit.course.harness import require_triton  # noqa: E402
+from course.notebook.harness import require_triton  # noqa: E402
 
 require_triton("09-moe-backward-kernels")   # no triton (its wheels are Linux-only): say where to run
 
@@ -87,7 +87,7 @@ import triton.language as tl  # noqa: E402
 import minimoe  # noqa: E402
 import minimoe.kernels  # noqa: E402
 import minimoe.parallel_experts  # noqa: E402
-from labkit.course import harness  # noqa: E402
+from course.notebook import harness  # noqa: E402
 from minimoe import MoEMLP, flatten_sort_count, group, route, scatter2scatter  # noqa: E402
 from minimoe.reference import linear_loop, moe_loop  # noqa: E402
 

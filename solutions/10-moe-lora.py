@@ -71,7 +71,7 @@ import time
 
 import torch
 
-from labkit.course.harness import require_triton  # noqa: E402
+from course.notebook.harness import require_triton  # noqa: E402
 
 require_triton("10-moe-lora")   # no triton (its wheels are Linux-only): say where to run
 
@@ -88,7 +88,7 @@ import minimoe  # noqa: E402
 import minimoe.kernels  # noqa: E402
 import minimoe.parallel_experts  # noqa: E402
 import miniquant  # noqa: E402
-from labkit.course import harness  # noqa: E402
+from course.notebook import harness  # noqa: E402
 from minimoe import (  # noqa: E402
     flatten_sort_count,
     group,

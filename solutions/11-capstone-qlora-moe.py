@@ -83,8 +83,8 @@ import torch.nn.functional as F
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 import minigpt  # noqa: E402
 import minituner.qlora  # noqa: E402
-from labkit.course.harness import forbid, pairs_of, randomize_lora  # noqa: E402
-from labkit.course.mine import use  # noqa: E402
+from course.notebook.harness import forbid, pairs_of, randomize_lora  # noqa: E402
+from course.notebook.mine import use  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks  # noqa: E402
 from minigpt.generate import evaluate  # noqa: E402
 from minimoe import MoEMLP, NF4Experts, attach_expert_lora  # noqa: E402
@@ -454,12 +454,12 @@ _ = _check_norms(_f3, "hidden: one MoE layer wrapped, r=3, alpha=5")
 # %% [markdown]
 # ## Part C — Train it on your own pieces
 #
-# `use("mine")` (from `labkit.course.mine`) swaps in what *you* built wherever the course
+# `use("mine")` (from `course.notebook.mine`) swaps in what *you* built wherever the course
 # packages call it, for as long as the `with` block runs. Each time `make check LAB=NN-name`
 # runs one of your lab notebooks, it saves that notebook's definitions to `work/mine/`; a piece
 # counts as yours once the visible tests of its lab's exercises pass, otherwise the reference
 # stands in, and the cell below says which, piece by piece, and why
-# (`python -m labkit mine` prints the same list from a terminal).
+# (`python -m course mine` prints the same list from a terminal).
 #
 # | piece | your lab | what it replaces | runs below on a CPU |
 # |---|---|---|---|

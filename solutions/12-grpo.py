@@ -79,7 +79,7 @@ import warnings
 
 import torch
 
-from labkit.course.harness import require_triton  # noqa: E402
+from course.notebook.harness import require_triton  # noqa: E402
 
 require_triton("12-grpo")   # no triton (its wheels are Linux-only): say where to run
 
@@ -94,7 +94,7 @@ import triton.language as tl  # noqa: E402
 
 import minirl  # noqa: E402
 import minirl.logprob_triton  # noqa: E402
-from labkit.course import harness  # noqa: E402
+from course.notebook import harness  # noqa: E402
 from minigpt import MiniGPT, MiniGPTConfig, tasks  # noqa: E402
 from minirl import exact_match, sample_groups, score, token_logprobs  # noqa: E402
 

@@ -33,7 +33,7 @@
 #
 # **No GPU needed.** As in the other kernel labs, the setup cell sets `TRITON_INTERPRET=1`
 # before `import triton` when there is no CUDA GPU, so your kernels *run* in the interpreter.
-# `labkit.gpucompile` *compiles* them as well: `compile_kernel(kernel, args, kwargs, arch)`
+# `gpucompile` *compiles* them as well: `compile_kernel(kernel, args, kwargs, arch)`
 # does what `kernel[grid](*args, **kwargs)` does on a GPU of architecture `arch`, `"sm_90"`
 # (Hopper: H100) or `"sm_80"` (Ampere: A100), and returns Triton's compiled kernel with its
 # PTX and its cubin. The tile sweep of Part B prints how long each compile took.
@@ -42,7 +42,7 @@
 # with your code; run the test cell below it and read its message if it fails: it says what
 # was expected and what came. Grading runs more (hidden) checks of the same specification —
 # the SASS of other kernels and GPUs, other dtypes and tile lists, your kernel at other sizes —
-# and checks that Exercises 1 and 2 do their own reading: `labkit.gpucompile`'s readers
+# and checks that Exercises 1 and 2 do their own reading: `gpucompile`'s readers
 # (`read_cubin`, `memory_widths`, `occupancy`, `inspect_kernel`) raise if your code reaches them
 # there. From Exercise 3 on, `inspect_kernel` is yours to use as a tool. Each exercise states
 # its specification first; below it, two collapsed hints (the idea, then pseudocode) are there
@@ -76,7 +76,7 @@ from pathlib import Path
 
 import torch
 
-from labkit.course.harness import require_triton  # noqa: E402
+from course.notebook.harness import require_triton  # noqa: E402
 
 require_triton("13-gpu-compiler")   # no triton (its wheels are Linux-only): say where to run
 
@@ -92,9 +92,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.compiler.errors import CompilationError  # noqa: E402
 
-from labkit import gpucompile  # noqa: E402
-from labkit.course import harness  # noqa: E402
-from labkit.gpucompile import compile_kernel, inspect_kernel, like  # noqa: E402
+import gpucompile  # noqa: E402
+from course.notebook import harness  # noqa: E402
+from gpucompile import compile_kernel, inspect_kernel, like  # noqa: E402
 
 INTERPRET, DEVICE = harness.triton_setup()   # one CPU thread, seed 0, and where kernels run
 STARTED = time.perf_counter()
@@ -339,7 +339,7 @@ print("   ", tally(_sass, "LDG", "LDGSTS", "LDGDEPBAR", "STG", "LDS", "LDSM", "S
 #   Triton emits for `cache_modifier=".cg"`) or carry digits without being one (`LTC128B`,
 #   `64x64x16`).
 #
-# Off-limits: `labkit.gpucompile`'s own readers (`read_cubin`, `memory_widths`, `occupancy`,
+# Off-limits: `gpucompile`'s own readers (`read_cubin`, `memory_widths`, `occupancy`,
 # `inspect_kernel`); they raise if reached while the tests run your function. Python's `re`
 # and `collections` are yours.
 #
@@ -400,7 +400,7 @@ def read_sass(sass: str) -> dict:
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_read_sass", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
-# labkit.gpucompile's own readers raise while your readers (Exercises 1 and 2) run.
+# gpucompile's own readers raise while your readers (Exercises 1 and 2) run.
 _READERS = [(gpucompile, "read_cubin"), (gpucompile, "memory_widths"),
             (gpucompile, "occupancy"), (gpucompile, "inspect_kernel")]
 _WIDTH = {"U8": 8, "S8": 8, "U16": 16, "S16": 16, "64": 64, "128": 128}
@@ -564,7 +564,7 @@ _got = _check_sass(sass_of(matmul_kernel, *matmul_launch(torch.float32, (128, 12
 #   limits only a kernel that uses some, and then each block costs its `shared_bytes` plus the
 #   1 KiB the driver reserves.
 #
-# Off-limits: `labkit.gpucompile.occupancy` and `read_cubin` (they raise while the tests run
+# Off-limits: `gpucompile.occupancy` and `read_cubin` (they raise while the tests run
 # your code): do the arithmetic yourself.
 #
 # <details><summary>Hint 1: the idea</summary>

@@ -18,8 +18,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.course.build import graded_test_cells, source_notebook
-from labkit.course.exercises import failed_setup
+from course.authoring.build import graded_test_cells, source_notebook
+from course.authoring.exercises import failed_setup
 from miniquant.triton_env import TRITON_MISSING
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ from minigpt import MiniGPT, MiniGPTConfig
 from minituner import wrap_lora
 from minituner.qlora import wrap_minigpt_qlora
 from miniquant.triton_env import TRITON_MISSING, TritonUnavailableError
-from labkit.course.harness import require_triton
+from course.notebook.harness import require_triton
 
 def step(model, what):
     """A forward and backward on 2 x 8 tokens; every gradient finite."""
@@ -178,7 +178,7 @@ def test_the_triton_message_is_one_line_naming_where_it_runs():
 
 
 def test_require_triton_returns_when_triton_is_there():
-    from labkit.course.harness import require_triton
+    from course.notebook.harness import require_triton
 
     pytest.importorskip("triton")
     assert require_triton(KERNEL_LAB) is None

@@ -54,7 +54,7 @@ def __getattr__(name: str):
 __all__ = ["ExpertLinear", "ExpertLoRA", "MoEMLP", "NF4Experts", "NonFiniteLogitsError",
            "Routing", "attach_expert_lora",
            "dispatch_torch", "dispatch_triton", "expert_swiglu", "flatten_sort_count", "group",
-           "group_bwd_W", "group_bwd_lora", "load_balancing_loss", "lora_scaling", "nf4_parallel_linear",
-           "parallel_linear", "parallel_linear_from_indices", "quantize_experts", "reference",
-           "route", "router_z_loss", "saved_per_token",
+           "group_bwd_W", "group_bwd_lora", "load_balancing_loss", "lora_scaling",
+           "nf4_parallel_linear", "parallel_linear", "parallel_linear_from_indices",
+           "quantize_experts", "reference", "route", "router_z_loss", "saved_per_token",
            "scatter2scatter", "scatter2scatter_lora", "update_selection_bias"]

@@ -12,7 +12,7 @@ sets it then, when CUDA is absent and the variable unset. An explicit `TRITON_IN
 always respected.
 
 Without triton, the first kernel raises `TritonUnavailableError`, the one error for it
-(also raised by the kernel labs' setup cells, through `labkit.course.harness.require_triton`).
+(also raised by the kernel labs' setup cells, through `course.notebook.harness.require_triton`).
 """
 
 from __future__ import annotations

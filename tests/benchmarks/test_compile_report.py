@@ -127,7 +127,7 @@ def test_problems_names_each_kind_of_failure():
 def test_problems_catches_a_real_byte_loading_dequant():
     """The dequant as it was: a mask bound of (M + 1) // 2 hides the bound's divisibility, so
     the packed bytes load one at a time (LDG.E.U8) although M is a multiple of 16."""
-    from labkit.gpucompile import inspect_kernel, like
+    from gpucompile import inspect_kernel, like
     from miniquant.triton_env import tl, triton
 
     @triton.jit

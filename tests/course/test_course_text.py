@@ -12,10 +12,9 @@ from urllib.parse import unquote
 import jupytext
 import pytest
 
-from labkit.__main__ import main
-from labkit.course.build import INSTRUCTOR_TAG, lab_names
-from labkit.course.learner import released_labs
-from labkit.course.runtimes import (
+from course.__main__ import main
+from course.authoring.build import INSTRUCTOR_TAG, lab_names
+from course.authoring.runtimes import (
     fill,
     line_start_markers,
     misplaced_markers,
@@ -23,6 +22,7 @@ from labkit.course.runtimes import (
     typed_claims,
     write,
 )
+from course.learner import released_labs
 from labkit.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[2]

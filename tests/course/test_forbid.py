@@ -1,4 +1,4 @@
-"""labkit.course.forbid: functions switched out by object, through every alias, and back
+"""course.notebook.forbid: functions switched out by object, through every alias, and back
 after; a name or object that is not there raises instead of being skipped."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from labkit.course.forbid import bindings, forbid, refuse, swap
+from course.notebook.forbid import bindings, forbid, refuse, swap
 
 
 @pytest.fixture

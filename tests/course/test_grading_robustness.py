@@ -1,4 +1,4 @@
-"""`labkit grade` on lab 00 with a hostile class: one student per kind of submission.
+"""`course grade` on lab 00 with a hostile class: one student per kind of submission.
 
 One grading run, two jobs at a time, each submission in its bubblewrap sandbox (module
 fixture, about 2 minutes on 2 cores), gives every case its row; the expected scores come
@@ -27,9 +27,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.course import grading, journal
-from labkit.course.autograde import HIDDEN
-from labkit.course.build import generate_assignments, lab_names, source_notebook
+from course.authoring.build import generate_assignments, lab_names, source_notebook
+from course.grader import grading, journal
+from course.grader.autograde import HIDDEN
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = "00-setup-minigpt"
@@ -308,8 +308,8 @@ def test_no_feedback_shows_a_hidden_test_or_unescaped_html(graded):
 
 
 def test_student_html_is_escaped(tmp_path):
-    from labkit.course.autograde import Cell
-    from labkit.course.feedback import render
+    from course.grader.autograde import Cell
+    from course.grader.feedback import render
     cell = Cell("code", "<b>x</b>", outputs=[
         nbformat.v4.new_output("display_data", data={"text/html": "<script>alert(1)</script>",
                                                      "text/plain": "<script>alert(1)</script>"}),
@@ -429,9 +429,9 @@ def test_a_locked_gradebook_is_a_status_not_a_crash(graded, tmp_path):
 
 def test_the_outer_time_limit_records_timed_out():
     """A submission over its total time gets "timed out", and only what ran before counts."""
-    from labkit.course.autograde import grade_notebook
-    from labkit.course.grading import _status
-    from labkit.course.sandbox import Sandbox
+    from course.grader.autograde import grade_notebook
+    from course.grader.grading import _status
+    from course.grader.sandbox import Sandbox
     lab = Lab()
     slow = with_cell(lab.submission(set(lab.solutions)), "import time\ntime.sleep(4)")
     outcome = grade_notebook(slow, lab.source, Sandbox(ROOT), timeout=TIMEOUT_S,
@@ -463,7 +463,7 @@ def test_submissions_found_by_any_name(tmp_path):
 
 
 def test_no_bubblewrap_refuses_and_says_how_to_install(monkeypatch):
-    from labkit.course import sandbox
+    from course.grader import sandbox
     from labkit.errors import InputError
     monkeypatch.setattr(sandbox.shutil, "which", lambda tool: None)
     with pytest.raises(InputError, match="apt-get install bubblewrap.*--unsafe-no-sandbox"):
@@ -473,8 +473,8 @@ def test_no_bubblewrap_refuses_and_says_how_to_install(monkeypatch):
 
 def test_unsafe_no_sandbox_still_grades_and_guards():
     """Without bubblewrap (--unsafe-no-sandbox) the grading itself is the same."""
-    from labkit.course.autograde import grade_notebook
-    from labkit.course.sandbox import Sandbox
+    from course.grader.autograde import grade_notebook
+    from course.grader.sandbox import Sandbox
     lab = Lab()
     full = lab.submission(set(lab.solutions))
     outcome = grade_notebook(full, lab.source, Sandbox(ROOT, unsafe=True), timeout=TIMEOUT_S)
@@ -487,8 +487,8 @@ def test_unsafe_no_sandbox_still_grades_and_guards():
 @pytest.mark.parametrize("lab", lab_names(ROOT))
 def test_feedback_of_every_lab_hides_its_hidden_tests(lab):
     """Every test cell of every lab, passed or failed in its hidden part: no hidden line."""
-    from labkit.course.autograde import plan
-    from labkit.course.feedback import render
+    from course.grader.autograde import plan
+    from course.grader.feedback import render
     source = source_notebook(ROOT / "solutions" / f"{lab}.py")
     release = nbformat.read(ROOT / "labs" / lab / f"{lab}.ipynb", as_version=4)
     cells, _ = plan(release, source)

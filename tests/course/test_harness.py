@@ -1,4 +1,4 @@
-"""labkit.course.harness: spies that find their target by object, the learner's index-form
+"""course.notebook.harness: spies that find their target by object, the learner's index-form
 parallel_linear accepted where minimoe passes routing, and the MoE problems and reference."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from labkit.course.harness import (
+from course.notebook.harness import (
     accept_routing,
     assert_close,
     assert_no_atomics,

@@ -13,7 +13,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.course.hosted import CLONE, colab_badge, colab_cell, colab_url, repository
+from course.authoring.hosted import CLONE, colab_badge, colab_cell, colab_url, repository
 
 ROOT = Path(__file__).resolve().parents[2]
 LABS = sorted(p.stem for p in (ROOT / "solutions").glob("[0-9][0-9]-*.py"))
@@ -31,7 +31,7 @@ def first_code_cell(source: str) -> str:
 def test_every_lab_source_opens_with_the_colab_cell(lab):
     text = (ROOT / "solutions" / f"{lab}.py").read_text(encoding="utf-8")
     assert first_code_cell(text) == colab_cell(REPO) + "\n", (
-        f"solutions/{lab}.py: its first code cell is not labkit.course.hosted.colab_cell()")
+        f"solutions/{lab}.py: its first code cell is not course.authoring.hosted.colab_cell()")
 
 
 @pytest.mark.parametrize("lab", LABS)

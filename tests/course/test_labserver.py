@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from labkit.course import labserver
-from labkit.course.build import CELL_TIMEOUT_S, prepare_course
-from labkit.course.labserver import (
+from course import labserver
+from course.authoring.build import CELL_TIMEOUT_S, prepare_course
+from course.labserver import (
     INSTRUCTOR_LAB_PLUGINS,
     INSTRUCTOR_SERVER_EXTENSIONS,
     LAB_SETTINGS,
     lab_command,
 )
-from labkit.course.learner import released_labs
+from course.learner import released_labs
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = "00-setup-minigpt"
@@ -101,7 +101,7 @@ def test_markdown_opens_rendered_over_the_installed_app_settings(tmp_path, monke
 def test_make_lab_passes_mode_and_lab_args():
     proc = subprocess.run(["make", "-n", "lab", "MODE=instructor", "LAB_ARGS=--port 8890"],
                           capture_output=True, text=True, cwd=ROOT)
-    assert "-m labkit lab --mode instructor --port 8890" in proc.stdout, proc.stdout
+    assert "-m course lab --mode instructor --port 8890" in proc.stdout, proc.stdout
 
 
 def test_guide_links_resolve_from_the_checkout():

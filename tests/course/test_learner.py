@@ -13,10 +13,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.course.build import read_generated, source_notebook, stale_message, write_generated
-from labkit.course.build import text_sha256 as sha
-from labkit.course.exercises import notebook_for_check
-from labkit.course.learner import copy_if_absent, make_work_copies, release_notebook_path, work_copy
+from course.authoring.build import read_generated, source_notebook, stale_message, write_generated
+from course.authoring.build import text_sha256 as sha
+from course.authoring.exercises import notebook_for_check
+from course.learner import copy_if_absent, make_work_copies, release_notebook_path, work_copy
 from labkit.errors import InputError
 
 LAB = "00-setup-minigpt"

@@ -1,4 +1,4 @@
-"""The learner's own code carried to the capstone: labkit.course.mine and pieces.
+"""The learner's own code carried to the capstone: course.notebook.mine and pieces.
 
 The solutions' notebooks are saved the way `make check` saves a learner's passing notebook;
 `use("mine")` must then run them wherever the packages call the reference, fall back by name
@@ -20,9 +20,9 @@ import torch
 
 import miniquant
 import minituner.lora
-from labkit.course.build import graded_test_cells, source_notebook
-from labkit.course.mine import choose, definitions, save, saved, use
-from labkit.course.pieces import PIECES
+from course.authoring.build import graded_test_cells, source_notebook
+from course.notebook.mine import choose, definitions, save, saved, use
+from course.notebook.pieces import PIECES
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_LABS = ("02-nf4", "04-lora")

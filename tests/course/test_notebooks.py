@@ -14,7 +14,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.course.build import build_course, course_dir, lab_names
+from course.authoring.build import build_course, course_dir, lab_names
 
 ROOT = Path(__file__).resolve().parents[2]
 LABS = lab_names(ROOT)

@@ -1,4 +1,4 @@
-"""`labkit check LAB`: a learner runs the visible tests of their notebook (lab 00, ~20 s)."""
+"""`course check LAB`: a learner runs the visible tests of their notebook (lab 00, ~20 s)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.course import exercises
-from labkit.course.build import graded_test_cells, source_notebook
+from course.authoring import exercises
+from course.authoring.build import graded_test_cells, source_notebook
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = "00-setup-minigpt"

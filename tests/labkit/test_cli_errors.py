@@ -154,17 +154,14 @@ def test_reproduce_refuses_an_artifact_linked_outside(manifest, capsys, tmp_path
 
 
 # ---------------------------------------------------------------------------------------------
-# check
+# the course's commands moved to `python -m course`
 
 
-def test_check_without_a_lab_names_the_labs(tmp_path, capsys):
-    for lab in ("00-setup", "03-kernels"):
-        (tmp_path / "labs" / lab).mkdir(parents=True)
-        (tmp_path / "labs" / lab / f"{lab}.ipynb").write_text("{}")
-    fails_with(capsys, ["check", "--root", str(tmp_path)],
-               "say which lab to check: `make check LAB=NN-name` or `python -m labkit check "
-               "NN-name` (labs: 00-setup, 03-kernels)")
-
-
-def test_check_without_a_lab_or_labs(tmp_path, capsys):
-    fails_with(capsys, ["check", "--root", str(tmp_path)], "(labs: none found under")
+@pytest.mark.parametrize("argv, new", [
+    (["check", "00-setup-minigpt"], "python -m course check 00-setup-minigpt"),
+    (["course", "--check"], "python -m course build --check"),
+    (["grade", "subs"], "python -m course grade subs"),
+    (["lab"], "python -m course lab"),
+])
+def test_a_course_command_says_where_it_moved(capsys, argv, new):
+    fails_with(capsys, argv, f"is a course command: {new}")

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InputError
+from labkit.errors import InputError
 
 INSIDE = Path("/home/student")      # the private folder's path inside the sandbox
 SANDBOX_UID = 60000                 # + slot: a uid per parallel job, so limits are per job

@@ -4,10 +4,10 @@
     SUBMISSIONS/<student>/<NN-name>/<NN-name>.ipynb  ...: the newest is graded, the rest named)
     SUBMISSIONS/submitted/<student>/<NN-name>/...  (an nbgrader course after `nbgrader collect`)
 
-Each submission is graded by labkit.course.autograde in a kernel of its own inside a bubblewrap
-sandbox (labkit.course.sandbox), `jobs` at a time. The tests come from solutions/ (never from the
+Each submission is graded by course.grader.autograde in a kernel of its own inside a bubblewrap
+sandbox (course.grader.sandbox), `jobs` at a time. The tests come from solutions/ (never from the
 student's file or a database the student could reach). Each final row is journaled at once
-(labkit.course.journal), bound to the hashes of the submission, the lab's tests and the grader; a
+(course.grader.journal), bound to the hashes of the submission, the lab's tests and the grader; a
 re-run grades only what changed. Then `grades.csv` is merged with the rows of earlier runs,
 the feedback pages are written, and the scores are recorded in nbgrader's gradebook.db.
 """
@@ -28,11 +28,12 @@ from pathlib import Path
 import nbformat
 from tqdm import tqdm
 
-from ..atomic import atomic_write_text
-from ..errors import InputError
+from labkit.atomic import atomic_write_text
+from labkit.errors import InputError
+
+from ..authoring.build import CELL_TIMEOUT_S, graded_test_cells, lab_names, source_notebook
 from . import journal
 from .autograde import grade_notebook
-from .build import CELL_TIMEOUT_S, graded_test_cells, lab_names, source_notebook
 from .feedback import render
 from .gradebook import record
 from .sandbox import Sandbox

@@ -29,8 +29,9 @@ import os
 import sys
 from pathlib import Path
 
-from ..atomic import atomic_write_text
-from .build import CELL_TIMEOUT_S, course_dir
+from labkit.atomic import atomic_write_text
+
+from .authoring.build import CELL_TIMEOUT_S, course_dir
 from .learner import WORK
 
 MODES = ("learner", "instructor")

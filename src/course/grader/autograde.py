@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from hashlib import sha256
 from pathlib import Path
 
-from .build import graded_test_cells
-from .kernel import Kernel, Reply
+from ..authoring.build import graded_test_cells
+from .jupyter_kernel import Kernel, Reply
 from .sandbox import Sandbox
 
 HIDDEN = re.compile(r"^[ \t]*### BEGIN HIDDEN TESTS[ \t]*\n(.*?)"

@@ -1,4 +1,4 @@
-"""labkit.gpucompile: compile for sm_80/sm_90 on a CPU and read what ptxas made.
+"""gpucompile: compile for sm_80/sm_90 on a CPU and read what ptxas made.
 
 The SASS parsing and the occupancy arithmetic against hand counts; the whole path on small
 kernels whose machine code is known to differ: aligned vs unaligned sizes (vector width),
@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from labkit.gpucompile import (
+from gpucompile import (
     ARCHS,
     compile_kernel,
     inspect_kernel,
@@ -168,7 +168,7 @@ def test_a_kernel_calling_jit_helpers_compiles_and_still_runs_interpreted(tmp_pa
         os.environ["TRITON_INTERPRET"] = "1"
         import torch, triton, triton.language as tl
         from triton.runtime.interpreter import InterpretedFunction
-        from labkit.gpucompile import inspect_kernel, like
+        from gpucompile import inspect_kernel, like
 
         @triton.jit
         def twice(v):

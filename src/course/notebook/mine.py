@@ -34,9 +34,10 @@ from pathlib import Path
 
 import nbformat
 
-from ..atomic import atomic_write_text
-from ..errors import InputError
-from .learner import WORK
+from labkit.atomic import atomic_write_text
+from labkit.errors import InputError
+
+from ..learner import WORK
 
 MINE = "mine"                      # work/mine/: the learner's saved modules
 MODULE_PREFIX = "labkit_mine_"     # sys.modules names of the loaded modules
@@ -264,7 +265,7 @@ def describe(choices: list[Choice]) -> str:
 
 
 def status(root: Path) -> int:
-    """`python -m labkit mine`: which pieces are yours now."""
+    """`python -m course mine`: which pieces are yours now."""
     print(f"pieces `use(\"mine\")` swaps in ({mine_dir(root)}):")
     print(describe(choose(root)))
     return 0

@@ -1,6 +1,6 @@
 """Runtimes from one measured table: labs/runtimes.json.
 
-`python -m labkit times` (`make times`) runs every lab's solution notebook the way a learner's
+`python -m course times` (`make times`) runs every lab's solution notebook the way a learner's
 copy runs (from the lab's folder; the capstone with every lab's solution saved as the
 learner's pieces, as `make check` would have saved them), one at a time, writes the table, and
 fills every marker
@@ -9,7 +9,7 @@ fills every marker
 
 in the guides, the solutions' markdown, labs/INSTRUCTORS.md and README.md from it (then
 `make course` carries the notebooks' text to labs/). `--fill` refills the markers from the
-committed table without measuring. `labkit.course.runtimes.problems` is what the test holds:
+committed table without measuring. `course.authoring.runtimes.problems` is what the test holds:
 markers that disagree with the table, a lab missing from it or over the budget, runtime
 claims typed into the text instead of taken from the table, and markers that start a line.
 
@@ -32,8 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..atomic import atomic_write_text
-from ..errors import InputError
+from labkit.atomic import atomic_write_text
+from labkit.errors import InputError
 
 TABLE = Path("labs") / "runtimes.json"
 BUDGET_S = 30.0             # issue 19: every solution notebook within 30 s on the 2-core CPU
@@ -151,9 +151,9 @@ def measure(root: Path, labs: list[str], repeat: int = 1) -> dict:
     """Run every lab's solution `repeat` times; the median per lab, with the machine."""
     from tqdm import tqdm
 
+    from ..notebook.mine import save
+    from ..notebook.pieces import PIECES
     from .build import graded_test_cells, source_notebook
-    from .mine import save
-    from .pieces import PIECES
 
     saved_env = {k: os.environ.get(k) for k in ("MINIQLORA_ROOT", "NBGRADER_EXECUTION")}
     with tempfile.TemporaryDirectory() as learner:
@@ -179,7 +179,7 @@ def measure(root: Path, labs: list[str], repeat: int = 1) -> dict:
                             capture_output=True, text=True).stdout.strip()
     return {"what": "wall seconds to run each lab's solution notebook (hidden tests included) "
                     "from top to bottom in a fresh kernel, median of the runs",
-            "command": f"python -m labkit times --repeat {repeat}",
+            "command": f"python -m course times --repeat {repeat}",
             "cores": os.cpu_count(), "machine": platform.processor() or platform.machine(),
             "python": sys.version.split()[0], "commit": commit, "repeat": repeat,
             "labs": {lab: {"seconds": round(statistics.median(s), 1),

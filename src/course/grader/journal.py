@@ -17,8 +17,8 @@ import json
 import re
 from pathlib import Path
 
-from ..atomic import atomic_write_text
-from ..hashing import sha256_file
+from labkit.atomic import atomic_write_text
+from labkit.hashing import sha256_file
 
 SAFE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 GRADER_FILES = ("autograde.py", "kernel.py", "kernel_guard.py", "sandbox.py")

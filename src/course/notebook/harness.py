@@ -1,5 +1,5 @@
 """The lab test harness: the helpers the lab notebooks' test cells share, imported instead of
-pasted (`from labkit.course.harness import ...`).
+pasted (`from course.notebook.harness import ...`).
 
 - `swap`, `forbid`, `refuse`: switch library functions out by object (see `forbid.py`).
 - `Spy`, `spy_on`: count a kernel's launches or a function's calls while a block runs;

@@ -11,7 +11,7 @@ import time
 import warnings
 from pathlib import Path
 
-from .build import generate_assignments
+from ..authoring.build import generate_assignments
 
 
 def _retry(action, wait: float):

@@ -15,11 +15,12 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 
-from ..errors import InputError
+from labkit.errors import InputError
+
+from ..learner import WORK, notebook_to_check, release_notebook_path, released_labs
+from ..notebook.mine import save
+from ..quiet import client_options
 from .build import CELL_TIMEOUT_S, CODE_STUB, graded_test_cells, lab_names, source_notebook
-from .learner import WORK, notebook_to_check, release_notebook_path, released_labs
-from .mine import save
-from .quiet import client_options
 
 REGION = re.compile(r"^([ \t]*)### BEGIN SOLUTION\n.*?^[ \t]*### END SOLUTION[ \t]*$",
                     re.MULTILINE | re.DOTALL)
@@ -163,5 +164,5 @@ def self_check(root: Path, lab: str, notebook: Path | None = None,
     if path != release_notebook_path(root, lab).resolve() and any(passed.values()):
         saved = save(root, lab, nbformat.read(path, as_version=4), passed, path)
         print(f"your definitions are saved to {saved.relative_to(root)}: `use(\"mine\")` runs "
-              f"the pieces whose tests passed (`python -m labkit mine` lists them)")
+              f"the pieces whose tests passed (`python -m course mine` lists them)")
     return all(passed.values())

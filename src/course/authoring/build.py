@@ -22,9 +22,10 @@ from pathlib import Path
 import jupytext
 import nbformat
 
-from ..atomic import atomic_write_text
-from ..errors import InputError
-from .learner import WORK, release_notebook_path, work_copy
+from labkit.atomic import atomic_write_text
+from labkit.errors import InputError
+
+from ..learner import WORK, release_notebook_path, work_copy
 
 COURSE_ID = "miniqlora-moe-labs"
 # In labs/: the sha256 of each release notebook as the course build last wrote it.
@@ -38,7 +39,7 @@ INSTRUCTOR_TAG = "instructor"
 # What nbgrader puts in place of a solution region in the release (and check-exercises too).
 CODE_STUB = "raise NotImplementedError()"
 NBGRADER_CONFIG = '''\
-# Written by `python -m labkit course`; edit src/labkit/course/build.py instead.
+# Written by `python -m course build`; edit src/course/authoring/build.py instead.
 c = get_config()  # noqa: F821
 c.CourseDirectory.course_id = "{course_id}"
 c.CourseDirectory.root = {root!r}
