@@ -213,10 +213,7 @@ def axpy(alpha: float, x: torch.Tensor, y: torch.Tensor, block: int = 1024) -> t
 # %% nbgrader={"grade": true, "grade_id": "test_axpy", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # Helpers used by this and the later test cells. While a test runs your code inside
 # `_no_reference()`, miniquant's dequantization and unpacking raise if reached (under any name).
-_REFERENCE = [miniquant.dequantize_nf4, miniquant.triton_dequantize_nf4,
-              miniquant.selective_dequantize_nf4, unpack_nibbles, NF4Weight.dequantize,
-              NF4Weight.codes, miniquant.triton_dequant._launch,
-              miniquant.triton_dequant._nf4_dequant_kernel]
+_REFERENCE = list(harness.reference("03-triton-dequant").values())
 
 
 def _no_reference(*yours):

@@ -84,7 +84,7 @@ import peft  # noqa: E402
 import minigpt  # noqa: E402
 import miniquant  # noqa: E402
 import minituner  # noqa: E402
-from course.notebook.harness import forbid, randn  # noqa: E402
+from course.notebook.harness import forbid, randn, reference  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks  # noqa: E402
 
 torch.set_num_threads(1)   # small matrices: one thread is faster than several on a busy CPU
@@ -258,10 +258,7 @@ class MyLoRALinear(nn.Module):
 
 # %% nbgrader={"grade": true, "grade_id": "test_lora_init", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 _WHY = "this exercise must be done without the reference (minituner) or PEFT"
-_REFERENCE = [minituner.LoRALinear, minituner.lora_linear, minituner.wrap_lora,
-              minituner.save_adapter, minituner.load_adapter, minituner.trainable_summary,
-              minituner.adapters._select, minituner.adapters._matches,
-              (peft, "get_peft_model"), (peft, "LoraConfig"), (peft.PeftModel, "from_pretrained"),
+_REFERENCE = [*reference("04-lora").values(), (peft, "get_peft_model"), (peft, "LoraConfig"), (peft.PeftModel, "from_pretrained"),
               (peft.PeftModel, "save_pretrained")]
 
 

@@ -73,7 +73,13 @@ logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 import minigpt  # noqa: E402
 import minituner  # noqa: E402
 import minituner.trainer  # noqa: E402
-from course.notebook.harness import forbid, pairs_of, randn, randomize_lora  # noqa: E402
+from course.notebook.harness import (  # noqa: E402
+    forbid,
+    pairs_of,
+    randn,
+    randomize_lora,
+    reference,
+)
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks  # noqa: E402
 from minituner import SequenceData, TrainConfig  # noqa: E402
 from minituner.data import BatchOrder  # noqa: E402
@@ -266,10 +272,7 @@ def answer_loss(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
 
 # %% nbgrader={"grade": true, "grade_id": "test_normalize_rewards", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 _WHY = "this exercise must be done without the reference (minituner) or its torch shortcut"
-_REFERENCE = [minituner.reward_weights, SequenceData.with_rewards, sequence_loss,
-              minituner.trainer._token_ce, minituner.trainer.mean_loss, lr_at, clip_gradients,
-              minituner.trainer.make_optimizer, minituner.trainer._Run, minituner.train,
-              minigpt.evaluate, minigpt.answers, minigpt.greedy_generate,
+_REFERENCE = [*reference("05-lora-finetune").values(),
               # torch's shortcuts, under the names torch gives them
               *[(torch.nn.utils, name)
                 for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")],

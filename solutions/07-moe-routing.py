@@ -82,8 +82,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import minigpt
 import minimoe
 import minimoe.reference
-import minimoe.routing
-from course.notebook.harness import forbid, swap
+from course.notebook.harness import forbid, reference, swap
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks
 from minigpt.checkpoint import repo_root
 from minimoe.reference import moe_loop
@@ -112,20 +111,6 @@ def distinct_experts(T, k, E, seed=0):
     """[T, k] expert ids, k distinct experts per token (what a router produces)."""
     g = torch.Generator().manual_seed(seed)
     return torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-
-
-_WHY = "this exercise rebuilds it, so the tests switch it off while your code runs"
-_REFERENCE = [minimoe.route, minimoe.routing._route, minimoe.routing._topk_stable,
-              minimoe.load_balancing_loss, minimoe.router_z_loss, minimoe.update_selection_bias,
-              minimoe.flatten_sort_count, minimoe.dispatch_torch, minimoe.dispatch_triton,
-              minimoe.expert_swiglu, minimoe.parallel_linear, minimoe.reference.moe_loop,
-              minimoe.reference.linear_loop]
-
-
-def _forbid_reference():
-    """While the block runs, minimoe's routing, sorting and dispatch functions raise if
-    called (also through names this notebook imported from them)."""
-    return forbid(_REFERENCE, globals(), why=_WHY)
 
 
 # %% [markdown]
@@ -173,7 +158,7 @@ print()
 # * Raise `ValueError` unless `logits` is 2-D, `1 ≤ k ≤ E`, and `method` is one of the two
 #   (and for a bias with `softmax_topk`).
 #
-# Off-limits: `minimoe.route` (and the rest of `minimoe.routing`).
+# Off-limits: `minimoe.route` (and the rest of `minimoe.routers`).
 #
 # **Why.** Softmax top-k is the router of Switch, Mixtral and Qwen-MoE; Mixtral
 # renormalises, Switch (k = 1) does not: with one expert, renormalising would make every
@@ -238,6 +223,18 @@ def my_route(logits: torch.Tensor, k: int, method: str = "softmax_topk",
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_route_softmax", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# What this lab rebuilds (minimoe.REFERENCE): while a test runs your code inside
+# `_forbid_reference()`, each of them raises if reached (under any name).
+_WHY = "this exercise rebuilds it, so the tests switch it off while your code runs"
+_REFERENCE = list(reference("07-moe-routing").values())
+
+
+def _forbid_reference():
+    """While the block runs, minimoe's routing, sorting and dispatch functions raise if
+    called (also through names this notebook imported from them)."""
+    return forbid(_REFERENCE, globals(), why=_WHY)
+
+
 def _naive_route(logits, k, method, renormalize=True, bias=None):
     """Token by token, in Python: sort (-score, index) pairs, keep k."""
     W, X = [], []

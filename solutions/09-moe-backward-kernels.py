@@ -236,11 +236,7 @@ def backward_by_hand(x: torch.Tensor, W: torch.Tensor, expert_idxs: torch.Tensor
 # The backward this lab rebuilds, and the loops the tests compare with: each raises if your
 # code reaches it (under any name). The forward pieces (flatten_sort_count, group,
 # scatter2scatter and their kernels) stay available.
-_REFERENCE = [minimoe.reference.linear_loop, minimoe.reference.moe_loop,
-              minimoe.parallel_linear, minimoe.parallel_experts.ParallelLinear,
-              minimoe.parallel_experts._torch_parallel_linear, minimoe.group_bwd_W,
-              minimoe.dispatch_torch, minimoe.dispatch_triton,
-              minimoe.kernels._group_bwd_W_kernel]
+_REFERENCE = list(harness.reference("09-moe-backward-kernels").values())
 
 
 def _no_reference(*allow):
@@ -875,7 +871,8 @@ def _ours_and_torch(x, W, idx, gates, dout, grouped_in=False, grouped_out=False)
         gr = None if gates is None else harness.leaf(gates)
         args = (xr, Wr, k, sei, ssi, offs)
         if which == "torch":
-            out = minimoe.parallel_linear(*args, **{**kw, "gates": gr}, backend="torch")
+            out = minimoe.parallel_linear_from_indices(*args, **{**kw, "gates": gr},
+                                                       backend="torch")
             out.backward(dout)
         else:
             with _no_reference(), harness.spy_on(globals(), my_group_bwd_W) as spy:
@@ -1050,7 +1047,8 @@ except NotImplementedError:
 _x, _W, _idx, _gates, _dout = _problem(33, 40, 40, 8, 2, seed=60)
 _ss = flatten_sort_count(_idx, 8)
 try:
-    for _name, _fn in (("yours", my_parallel_linear), ("minimoe (triton)", minimoe.parallel_linear)):
+    for _name, _fn in (("yours", my_parallel_linear),
+                       ("minimoe (triton)", minimoe.parallel_linear_from_indices)):
         _xr, _Wr, _gr = harness.leaf(_x), harness.leaf(_W), harness.leaf(_gates)
         _t0 = time.perf_counter()
         _o = _fn(_xr, _Wr, 2, *_ss, gates=_gr)

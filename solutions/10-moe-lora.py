@@ -44,8 +44,8 @@
 # (`scatter2scatter_lora`, `group_bwd_lora`, `parallel_linear` with LoRA, `ParallelLinear`,
 # `nf4_parallel_linear`, `NF4Experts`, `ExpertLinear`, their kernels, and the naive loops).
 # Building blocks you may use: `flatten_sort_count`, `group`, `group_bwd_W`, the
-# `miniquant` selective dequantizers and, in Exercise 1 only, `parallel_linear` **without**
-# LoRA. Each exercise states its specification first; below it, two collapsed hints (the idea,
+# `miniquant` selective dequantizers and, in Exercise 1 only, `parallel_linear_from_indices`
+# **without** LoRA. Each exercise states its specification first; below it, two collapsed hints (the idea,
 # then pseudocode) are there when you want them. The whole notebook
 # runs in <!-- runtime:10-moe-lora -->about 12 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 
@@ -87,13 +87,12 @@ import triton.language as tl  # noqa: E402
 import minimoe  # noqa: E402
 import minimoe.kernels  # noqa: E402
 import minimoe.parallel_experts  # noqa: E402
-import miniquant  # noqa: E402
 from course.notebook import harness  # noqa: E402
 from minimoe import (  # noqa: E402
     flatten_sort_count,
     group,
     group_bwd_W,
-    parallel_linear,
+    parallel_linear_from_indices,
     quantize_experts,
 )
 from minimoe.reference import linear_loop  # noqa: E402
@@ -163,8 +162,9 @@ print("dA by autograd:", _Ar.grad.flatten().tolist(), " by hand 2·(dy·B)·x:",
 # expert_offsets, lora_A, lora_B, scaling, gates=None)` returns the expert linear with LoRA of
 # the formula above: `Y` `[M, N]` in slot order, or with gates `[T, N]`,
 # `out[t] = Σ_j gates[t, j] · Y[t·k + j]`. `lora_A` is `[r·E, K]`, `lora_B` `[N, r·E]`. It is
-# built out of `minimoe.parallel_linear` calls **without** LoRA (Lab 09's Function: it already
-# has a backward for `x`, `W` and the gates), on the LoRA factors seen as expert weights
+# built out of `minimoe.parallel_linear_from_indices` calls **without** LoRA (Lab 09's
+# Function, taking the index tensors: it already has a backward for `x`, `W` and the gates), on
+# the LoRA factors seen as expert weights
 # `W_A`, `W_B`. The rules that matter:
 #
 # * `W_A`, `W_B` are **views** of `lora_A`, `lora_B` (reshapes and transposes, no copies), so
@@ -174,7 +174,7 @@ print("dA by autograd:", _Ar.grad.flatten().tolist(), " by hand 2·(dy·B)·x:",
 #
 # The tests compare the output and the gradients of `x`, `W`, the gates, `lora_A` and `lora_B`
 # with autograd of `reference.linear_loop(..., lora_A, lora_B, scaling)`. While they run,
-# `parallel_linear` refuses LoRA arguments (and the `split` path of `minimoe`).
+# `parallel_linear_from_indices` refuses LoRA arguments (and the `split` path of `minimoe`).
 #
 # <details><summary>Hint 1: the idea</summary>
 #
@@ -191,9 +191,9 @@ print("dA by autograd:", _Ar.grad.flatten().tolist(), " by hand 2·(dy·B)·x:",
 # ```text
 # WA = lora_A.reshape(E, r, K).transpose(1, 2)               # [E, K, r] view
 # WB = lora_B.reshape(N, E, r).permute(1, 2, 0)              # [E, r, N] view
-# base = parallel_linear(x, W, k, sei, ssi, offs)                            # [M, N] slots
-# h    = parallel_linear(x, WA, k, sei, ssi, offs, grouped_out=True)         # [M, r] sorted
-# d    = parallel_linear(h, WB, k, sei, ssi, offs, grouped_in=True)          # [M, N] slots
+# base = parallel_linear_from_indices(x, W, k, sei, ssi, offs)                     # [M, N] slots
+# h    = parallel_linear_from_indices(x, WA, k, sei, ssi, offs, grouped_out=True)  # [M, r] sorted
+# d    = parallel_linear_from_indices(h, WB, k, sei, ssi, offs, grouped_in=True)   # [M, N] slots
 # Y = base + scaling * d
 # return Y if gates is None else (gates[..., None] * Y.view(T, k, N)).sum(1)
 # ```
@@ -212,9 +212,9 @@ def split_lora_linear(x: torch.Tensor, W: torch.Tensor, k: int,
     idx = (sorted_expert_idxs, sorted_scattered_idxs, expert_offsets)
     WA = lora_A.reshape(E, r, K).transpose(1, 2)                        # [E, K, r]
     WB = lora_B.reshape(N, E, r).permute(1, 2, 0)                       # [E, r, N]
-    base = parallel_linear(x, W, k, *idx)                               # [M, N] slot order
-    h = parallel_linear(x, WA, k, *idx, grouped_out=True)               # [M, r] sorted
-    d = parallel_linear(h, WB, k, *idx, grouped_in=True)                # [M, N] slot order
+    base = parallel_linear_from_indices(x, W, k, *idx)                  # [M, N] slot order
+    h = parallel_linear_from_indices(x, WA, k, *idx, grouped_out=True)  # [M, r] sorted
+    d = parallel_linear_from_indices(h, WB, k, *idx, grouped_in=True)   # [M, N] slot order
     Y = base + scaling * d
     if gates is None:
         return Y
@@ -226,28 +226,22 @@ def split_lora_linear(x: torch.Tensor, W: torch.Tensor, k: int,
 # %% nbgrader={"grade": true, "grade_id": "test_split_lora", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # What this lab rebuilds, the loops the tests compare with, and the full dequantizers: each
 # raises if your code reaches it (under any name).
-_REFERENCE = [minimoe.reference.linear_loop, minimoe.reference.moe_loop,
-              minimoe.scatter2scatter_lora, minimoe.group_bwd_lora,
-              minimoe.parallel_linear, minimoe.parallel_experts.ParallelLinear,
-              minimoe.parallel_experts._torch_parallel_linear,
-              minimoe.parallel_experts._split_lora, minimoe.nf4_parallel_linear,
-              minimoe.NF4Experts, minimoe.ExpertLinear, minimoe.dispatch_torch,
-              minimoe.dispatch_triton, miniquant.dequantize_nf4, miniquant.triton_dequantize_nf4,
-              NF4Weight.dequantize, minimoe.kernels._scatter2scatter_kernel,
-              minimoe.kernels._group_bwd_lora_kernel]
+_REF = harness.reference("10-moe-lora")        # minimoe's and miniquant's REFERENCE tables
+_REFERENCE = list(_REF.values())
 # Exercise 1 may run parallel_linear (the Lab 09 Function) without LoRA.
-_BASE_PL = (minimoe.parallel_linear, minimoe.parallel_experts.ParallelLinear,
-            minimoe.parallel_experts._torch_parallel_linear,
-            minimoe.kernels._scatter2scatter_kernel)
-_pl_reference = minimoe.parallel_linear
+_BASE_PL = tuple(_REF[name] for name in ("parallel_linear", "parallel_linear_from_indices",
+                                          "ParallelLinear", "torch_parallel_linear",
+                                          "scatter2scatter_kernel"))
+_pl_reference = minimoe.parallel_linear_from_indices
+_pl_one_form = minimoe.parallel_linear
 
 
-def _base_only(x, W, k, *args, **kwargs):
-    """parallel_linear without its LoRA arguments (Exercise 1's building block)."""
-    if kwargs.get("lora_A") is not None or kwargs.get("lora_B") is not None or len(args) > 6:
-        raise AssertionError("parallel_linear was called with LoRA while your code ran: "
-                             "Exercise 1 builds the LoRA from views, without lora_A / lora_B")
-    return _pl_reference(x, W, k, *args, **kwargs)
+def _base_only(x, W, routing, *, lora=None, **kwargs):
+    """parallel_linear without LoRA (Exercise 1's building block)."""
+    if lora is not None:
+        raise AssertionError("parallel_linear_from_indices was called with LoRA while your code "
+                             "ran: Exercise 1 builds the LoRA from views, without lora_A / lora_B")
+    return _pl_one_form(x, W, routing, **kwargs)
 
 
 @contextlib.contextmanager

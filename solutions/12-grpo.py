@@ -204,17 +204,7 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 # %% nbgrader={"grade": true, "grade_id": "test_group_advantages", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # The minirl pieces this lab rebuilds: each raises if your code reaches it (under any name)
 # while the tests run it.
-_REFERENCE = [minirl.group_advantages, minirl.partial_credit, minirl.grpo_loss,
-              minirl.selective_log_softmax, minirl.token_logprobs, minirl.reference_logprobs,
-              minirl.entropy_from_logits, minirl.logprobs._selective_log_softmax_torch,
-              minirl.logprobs._selective_log_softmax_triton,
-              minirl.logprob_triton.LogSoftmaxStats,
-              minirl.logprob_triton.selective_log_softmax_triton,
-              minirl.logprob_triton.logprobs_and_entropy_triton,
-              minirl.logprob_kernels.logsoftmax_stats_forward,
-              minirl.logprob_kernels.logsoftmax_stats_backward,
-              minirl.logprob_kernels._logsoftmax_stats_fwd_kernel,
-              minirl.logprob_kernels._logsoftmax_stats_bwd_kernel]
+_REFERENCE = list(harness.reference("12-grpo").values())
 
 
 def _no_reference():

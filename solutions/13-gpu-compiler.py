@@ -401,8 +401,7 @@ def read_sass(sass: str) -> dict:
 
 # %% nbgrader={"grade": true, "grade_id": "test_read_sass", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 # gpucompile's own readers raise while your readers (Exercises 1 and 2) run.
-_READERS = [(gpucompile, "read_cubin"), (gpucompile, "memory_widths"),
-            (gpucompile, "occupancy"), (gpucompile, "inspect_kernel")]
+_READERS = list(harness.reference("13-gpu-compiler").values())
 _WIDTH = {"U8": 8, "S8": 8, "U16": 16, "S16": 16, "64": 64, "128": 128}
 
 
@@ -1296,7 +1295,7 @@ except NotImplementedError:
 # %%
 import minimoe.kernels  # noqa: E402
 
-S2S = minimoe.kernels._scatter2scatter_kernel
+S2S = harness.reference("08-moe-forward-kernel")["scatter2scatter_kernel"]
 _B, _I = like(torch.bfloat16), like(torch.int64)
 D, H = 4096, 14336                    # x [T, D] in slot order, W [E, D, H], y [T·k, H]
 _launch = dict(X=_B, W=_B, Y=_B, expert_ids=_I, scattered_ids=_I, tile_start=_I, tile_end=_I,
@@ -1338,7 +1337,7 @@ print(f"\nthis notebook ran in {time.perf_counter() - STARTED:.0f} s (kernel sta
 # 1. Lab 03's kernel loads its packed codes 8 bytes per thread (64-bit loads, at 1 024 bytes
 #    over 4 warps). How would you make them 128-bit, and what would it cost in registers and in
 #    the number of programs for a small weight? Try it with `inspect_kernel` on
-#    `miniquant.triton_dequant._nf4_dequant_kernel`.
+#    `harness.reference("03-triton-dequant")["nf4_dequant_kernel"]`.
 # 2. The float32 `128 × 128` tile spills with 4 warps and not with 8. Which numbers of the
 #    occupancy formula changed between the two, and why is the 8-warp version still at one
 #    block per SM?

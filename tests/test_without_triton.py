@@ -75,8 +75,9 @@ def imported(name):
         problems.append(f"import {name} failed without triton ({e!r}): no module imports "
                         "triton at import; the kernel modules load at the first launch")
 
-for root in ["miniquant", "minimoe", "minigpt", "minituner", "minirl", "labkit"]:
-    if package := imported(root):               # labkit.course and every module below, too
+for root in ["miniquant", "minimoe", "minigpt", "minituner", "minirl", "labkit", "gpucompile",
+             "course"]:
+    if package := imported(root):               # and every module below it
         for m in pkgutil.walk_packages(package.__path__, root + "."):
             if m.name not in KERNEL_MODULES:
                 imported(m.name)

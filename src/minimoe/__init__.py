@@ -51,10 +51,62 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ExpertLinear", "ExpertLoRA", "MoEMLP", "NF4Experts", "NonFiniteLogitsError",
-           "Routing", "attach_expert_lora",
-           "dispatch_torch", "dispatch_triton", "expert_swiglu", "flatten_sort_count", "group",
-           "group_bwd_W", "group_bwd_lora", "load_balancing_loss", "lora_scaling",
-           "nf4_parallel_linear", "parallel_linear", "parallel_linear_from_indices",
-           "quantize_experts", "reference", "route", "router_z_loss", "saved_per_token",
-           "scatter2scatter", "scatter2scatter_lora", "update_selection_bias"]
+# What each lab rebuilds from this package, by a public name -> where it lives (a dotted path,
+# private helpers and kernels included). While a lab's test runs a learner's code, the harness
+# switches these off (course.notebook.harness.reference): the lab names the public key only,
+# so moving code here changes this table, never a lab. Resolved when a test asks (a kernel
+# module loads then, in a lab that has triton); tests/course/test_reference.py resolves all.
+_LOOPS = {"linear_loop": "minimoe.reference.linear_loop",
+          "moe_loop": "minimoe.reference.moe_loop"}
+_DISPATCH = {"dispatch_torch": "minimoe.moe.dispatch_torch",
+             "dispatch_triton": "minimoe.moe.dispatch_triton"}
+_PARALLEL_LINEAR = {"parallel_linear": "minimoe.parallel_experts.parallel_linear",
+                    "parallel_linear_from_indices":
+                        "minimoe.parallel_experts.parallel_linear_from_indices",
+                    "ParallelLinear": "minimoe.parallel_experts.ParallelLinear",
+                    "torch_parallel_linear": "minimoe.parallel_experts._torch_parallel_linear"}
+REFERENCE = {
+    "07-moe-routing": {
+        "route": "minimoe.routers.route", "route_math": "minimoe.routers._route",
+        "topk_stable": "minimoe.routers._topk_stable",
+        "load_balancing_loss": "minimoe.routers.load_balancing_loss",
+        "router_z_loss": "minimoe.routers.router_z_loss",
+        "update_selection_bias": "minimoe.routers.update_selection_bias",
+        "flatten_sort_count": "minimoe.routing.flatten_sort_count",
+        "expert_swiglu": "minimoe.moe.expert_swiglu",
+        "parallel_linear": "minimoe.parallel_experts.parallel_linear",
+        "parallel_linear_from_indices": "minimoe.parallel_experts.parallel_linear_from_indices",
+        **_DISPATCH, **_LOOPS,
+    },
+    "08-moe-forward-kernel": {
+        **_LOOPS, **_PARALLEL_LINEAR, **_DISPATCH,
+        "combine": "minimoe.parallel_experts._combine",
+        "scatter2scatter": "minimoe.ops.scatter2scatter", "group": "minimoe.ops.group",
+        "scatter2scatter_kernel": "minimoe.kernels._scatter2scatter_kernel",
+        "group_kernel": "minimoe.kernels._group_kernel",
+    },
+    "09-moe-backward-kernels": {
+        **_LOOPS, **_PARALLEL_LINEAR, **_DISPATCH,
+        "group_bwd_W": "minimoe.ops.group_bwd_W",
+        "group_bwd_W_kernel": "minimoe.kernels._group_bwd_W_kernel",
+    },
+    "10-moe-lora": {
+        **_LOOPS, **_PARALLEL_LINEAR, **_DISPATCH,
+        "scatter2scatter_lora": "minimoe.ops.scatter2scatter_lora",
+        "group_bwd_lora": "minimoe.ops.group_bwd_lora",
+        "split_lora": "minimoe.parallel_experts._split_lora",
+        "nf4_parallel_linear": "minimoe.nf4_experts.nf4_parallel_linear",
+        "NF4Experts": "minimoe.nf4_experts.NF4Experts",
+        "ExpertLinear": "minimoe.experts.ExpertLinear",
+        "scatter2scatter_kernel": "minimoe.kernels._scatter2scatter_kernel",
+        "group_bwd_lora_kernel": "minimoe.kernels._group_bwd_lora_kernel",
+    },
+}
+
+__all__ = ["REFERENCE", "ExpertLinear", "ExpertLoRA", "MoEMLP", "NF4Experts",
+           "NonFiniteLogitsError", "Routing", "attach_expert_lora", "dispatch_torch",
+           "dispatch_triton", "expert_swiglu", "flatten_sort_count", "group", "group_bwd_W",
+           "group_bwd_lora", "load_balancing_loss", "lora_scaling", "nf4_parallel_linear",
+           "parallel_linear", "parallel_linear_from_indices", "quantize_experts", "reference",
+           "route", "router_z_loss", "saved_per_token", "scatter2scatter", "scatter2scatter_lora",
+           "update_selection_bias"]

@@ -33,7 +33,6 @@ a Routing first (one sync).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -172,19 +171,6 @@ def check_gates(routing: Routing, gates, grouped_out: bool) -> None:
                          f"{tuple(gates.shape)}")
 
 
-def _index_form_for_labs(one_form):
-    """Solutions 08–10 still call `minimoe.parallel_linear` in DESIGN §3's index form (k and
-    the three index tensors in place of the Routing): the public name hands a call whose
-    third argument is k to `parallel_linear_from_indices` until they call that themselves."""
-    @functools.wraps(one_form)
-    def parallel_linear(x, W, routing, *args, **kwargs):
-        if isinstance(routing, int):
-            return parallel_linear_from_indices(x, W, routing, *args, **kwargs)
-        return one_form(x, W, routing, *args, **kwargs)
-    return parallel_linear
-
-
-@_index_form_for_labs
 def parallel_linear(x: torch.Tensor, W: torch.Tensor, routing: Routing, *,
                     gates: torch.Tensor | None = None, grouped_in: bool = False,
                     grouped_out: bool = False, lora: ExpertLoRA | None = None,

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import torch
 
-# Lab 07 names the router internals by their path before the move to routers.py.
-from .routers import _route, _topk_stable  # noqa: F401
-
 
 class Routing:
     """The sorted routing of T tokens to k of E experts each (M = T·k slots, slot s = t·k + j).

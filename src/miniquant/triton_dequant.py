@@ -3,8 +3,8 @@
 This module checks, allocates and launches; the kernel itself is in dequant_kernel.py, which
 imports triton and is imported at the first launch, so that this module (and with it
 `NF4Experts`' PyTorch path, `selective_dequantize_nf4_torch`) works without triton. There a
-launch raises `triton_env.TritonUnavailableError`. `_nf4_dequant_kernel` is reachable here
-too (module `__getattr__`), loading the kernel module on first access.
+launch raises `triton_env.TritonUnavailableError`. The kernel itself lives in
+`dequant_kernel.py`, read from there at each launch, so that a lab's swap of it is seen.
 
 An `NF4Weight` of n elements holds `packed` (ceil(n/2) uint8, bitsandbytes' order: element 2i
 in the high nibble of byte i, element 2i+1 in the low nibble, an odd count padded) and one
@@ -96,12 +96,6 @@ def _kernel_module():
     """miniquant.dequant_kernel, imported at the first launch: that imports triton (choosing
     the interpreter without CUDA), or raises TritonUnavailableError without it (not cached)."""
     return importlib.import_module(".dequant_kernel", __package__)
-
-
-def __getattr__(name: str):
-    if name == "_nf4_dequant_kernel":      # read where it is bound, so that a swap is seen
-        return _kernel_module()._nf4_dequant_kernel
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _interpreting() -> bool:

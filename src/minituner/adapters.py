@@ -60,10 +60,6 @@ __all__ = ["CONFIG_NAME", "METADATA_KEY", "NAMINGS", "WEIGHTS_NAME", "AdapterLoa
 
 NAMINGS = ("ours", "hf")
 
-# The names Lab 04 forbids while its exercises run (`forbid` swaps every binding of them).
-_select, _matches = select_modules, matches
-
-
 # --- saving -----------------------------------------------------------------------------------
 
 @dataclass

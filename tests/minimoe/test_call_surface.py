@@ -222,21 +222,18 @@ def test_routing_form_equals_index_form_and_the_loop(backend, lora_path):
     assert _rel(positional_gates, reference.linear_loop(x, W, experts, gates)) <= RTOL
 
 
-def test_the_public_name_still_takes_the_index_form_the_labs_call():
-    """Solutions 08-10 call `minimoe.parallel_linear(x, W, k, sei, ssi, offsets, ...)`: the
-    public name hands that form to parallel_linear_from_indices, checks included."""
+def test_the_one_form_refuses_index_tensors_and_names_the_adapter():
+    """parallel_linear takes a Routing only; the index form goes through the adapter, whose
+    checks name the bad argument."""
     x, W, experts, gates = _problem()
-    E, K, N = W.shape
-    A, B = torch.randn(2 * E, K), torch.randn(N, 2 * E)
-    routing = flatten_sort_count(experts, E)
-    via_labs = parallel_linear(x, W, 2, *routing, gates=gates, lora_A=A, lora_B=B, scaling=0.5,
-                               backend="torch")
-    adapter = parallel_linear_from_indices(x, W, 2, *routing, gates=gates, lora_A=A, lora_B=B,
-                                           scaling=0.5, backend="torch")
-    assert torch.equal(via_labs, adapter)
+    routing = flatten_sort_count(experts, W.shape[0])
+    with pytest.raises(TypeError, match="parallel_linear_from_indices"):
+        parallel_linear(x, W, 2, gates=gates, backend="torch")
+    with pytest.raises(TypeError, match="3 positional arguments"):
+        parallel_linear(x, W, 2, *routing, gates=gates, backend="torch")
     sei, ssi = _shuffled_rows(*routing[:2])
     with pytest.raises(ValueError, match="sorted_expert_idxs must be non-decreasing"):
-        parallel_linear(x, W, 2, sei, ssi, routing[2])
+        parallel_linear_from_indices(x, W, 2, sei, ssi, routing[2])
 
 
 def test_routing_must_fit_the_weight_and_the_input():

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 
 WHY = "this exercise rebuilds it, so it is switched off here"
-COURSE_PACKAGES = ("miniquant", "minimoe", "minigpt", "minituner", "minirl")
+COURSE_PACKAGES = ("miniquant", "minimoe", "minigpt", "minituner", "minirl", "gpucompile")
 
 Binding = tuple[object, str]     # (a module, class or namespace dict, the name bound there)
 

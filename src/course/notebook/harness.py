@@ -1,7 +1,8 @@
 """The lab test harness: the helpers the lab notebooks' test cells share, imported instead of
 pasted (`from course.notebook.harness import ...`).
 
-- `swap`, `forbid`, `refuse`: switch library functions out by object (see `forbid.py`).
+- `swap`, `forbid`, `refuse`: switch library functions out by object (see `forbid.py`);
+  `reference(lab)`: what a lab rebuilds, from the packages' REFERENCE tables, to forbid.
 - `Spy`, `spy_on`: count a kernel's launches or a function's calls while a block runs;
   `assert_no_atomics`: a kernel whose programs own their tiles needs none;
   `assert_rejects`: bad inputs get a ValueError.
@@ -17,6 +18,7 @@ Torch is imported here; minimoe only inside `loop_grads`, so the early labs do n
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from collections.abc import Callable, Iterator
 
@@ -26,8 +28,45 @@ from .forbid import Refuse, forbid, refuse, swap
 
 __all__ = ["Refuse", "Spy", "accept_routing", "assert_close", "assert_no_atomics",
            "assert_rejects", "describe", "expert_problem", "expert_routing", "forbid", "leaf",
-           "loop_grads", "pairs_of", "randn", "randomize_lora", "refuse", "require_triton",
+           "loop_grads", "pairs_of", "randn", "randomize_lora", "reference", "refuse",
+           "require_triton",
            "spy_on", "swap", "triton_setup"]
+
+
+# The packages whose REFERENCE tables name what the labs rebuild (lab -> public name -> path).
+REFERENCE_PACKAGES = ("miniquant", "minimoe", "minigpt", "minituner", "minirl", "gpucompile")
+
+
+def resolve(path: str) -> object:
+    """The object at a dotted path: the longest importable module, then attributes
+    (`minimoe.kernels._group_kernel`, `miniquant.nf4.NF4Weight.dequantize`)."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+            break
+        except ModuleNotFoundError:
+            if i == 1:
+                raise
+    for name in parts[i:]:
+        obj = getattr(obj, name)
+    return obj
+
+
+def reference(lab: str) -> dict[str, object]:
+    """What `lab` rebuilds: every package's `REFERENCE[lab]`, public name -> object (a kernel
+    module loads now). A lab's tests forbid these while a learner's code runs, and pick one
+    by its public name (`reference("08-moe-forward-kernel")["scatter2scatter_kernel"]`)."""
+    found: dict[str, object] = {}
+    for package in REFERENCE_PACKAGES:
+        table = getattr(importlib.import_module(package), "REFERENCE", {})
+        for name, path in table.get(lab, {}).items():
+            if name in found:
+                raise ValueError(f"{lab}: {name!r} is named by two packages' REFERENCE tables")
+            found[name] = resolve(path)
+    if not found:
+        raise ValueError(f"no package names what lab {lab!r} rebuilds (their REFERENCE tables)")
+    return found
 
 
 def require_triton(lab: str) -> None:
