@@ -55,7 +55,7 @@ run: $(STAMP)  ## run an experiment and write its manifest: make run EXP=experim
 reproduce: $(STAMP)  ## re-run and compare: make reproduce EXP=experiments/NN-name
 	$(PY) -m labkit reproduce $(EXP)/manifest.json
 
-readme: $(STAMP)  ## README.md's result numbers, regenerated from the experiments' manifests
+readme: $(STAMP)  ## RESULTS.md's numbers and experiments/README.md's reproduce table, regenerated from the manifests
 	$(PY) -m labkit readme
 
 times: $(STAMP)  ## (course developers) run every solution notebook -> labs/runtimes.json + the runtime markers

@@ -15,7 +15,7 @@ On a CUDA machine, one run does, in order:
 
 and writes them as one manifest (labkit's writer: sealed, written atomically; commit and
 dirty flag, versions, the device's name, the commands, timings, both scripts' full reports)
-to `benchmarks/results/gpu/<device>.json`. `make readme` fills README.md's benchmark blocks
+to `benchmarks/results/gpu/<device>.json`. `make readme` fills RESULTS.md's benchmark blocks
 from the newest file there (`benchmarks/summary.py`).
 
 `--tiny` checks the pipeline on any machine (CPU: the Triton interpreter) at the smoke shapes
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
         wall_time_s=round(time.perf_counter() - t0, 3),
         peak_memory_mb=round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)))
     print_summary(manifest["metrics"])
-    print(f"wrote {path}" + ("" if args.tiny else "; `make readme` puts it in README.md"))
+    print(f"wrote {path}" + ("" if args.tiny else "; `make readme` puts it in RESULTS.md"))
     tests = manifest["metrics"]["gpu_tests"]
     return 1 if tests["failed"] or tests["errors"] else 0
 

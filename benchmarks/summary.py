@@ -1,11 +1,11 @@
-"""README.md's GPU benchmark blocks, made from the results `make bench-gpu` writes.
+"""RESULTS.md's GPU benchmark blocks, made from the results `make bench-gpu` writes.
 
 `python -m labkit readme` puts what `readme(part, results)` returns in each block opened by
 `labkit.readme.gpu_marker(part)`, for each part in PARTS. `results` holds every result under
 benchmarks/results/gpu/ as (path, verified manifest), newest first; a block shows the newest,
 and with none it says that the benchmark has not been run on a GPU and how to run it.
 bench_gpu.py computes every ratio (the manifest's metrics); this file only words them. Only
-the README reads it.
+`make readme` reads it.
 """
 
 from __future__ import annotations
@@ -175,6 +175,6 @@ def compile_readme(records: list[dict], roofline: dict) -> str:
     roof = paragraph(
         "The time neither bandwidth nor arithmetic allows the kernel to beat at each "
         "benchmark shape (datasheet peaks; bytes the kernel must move, FLOPs it must do), and "
-        "how many tile K loops the dispatch issues with row tiles that span experts (as "
-        "before) and cut per expert (now):")
+        "how many tile K loops the dispatch would issue with row tiles that span experts, "
+        "against the row tiles it cuts per expert:")
     return f"{intro}\n\n{kernels}\n\n{after}\n\n{roof}\n\n{rooftable}\n"

@@ -1,7 +1,7 @@
-"""README.md's section on experiment 00 (the base models), made from its manifest.
+"""RESULTS.md's section on experiment 00 (the base models), made from its manifest.
 
 `python -m labkit readme` puts what `readme(manifest)` returns in this experiment's block of
-README.md. Only the README reads this file; experiment.py does not import it.
+RESULTS.md. Only `make readme` reads this file; experiment.py does not import it.
 """
 
 from __future__ import annotations

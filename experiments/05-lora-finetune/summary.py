@@ -1,8 +1,8 @@
-"""README.md's paragraph and table on experiment 05 (LoRA fine-tuning), made from its manifest.
+"""RESULTS.md's paragraph and table on experiment 05 (LoRA fine-tuning), made from its manifest.
 
 `python -m labkit readme` puts what `readme(manifest)` returns in this experiment's block of
-README.md (the first half of the section it shares with experiment 06). Only the README reads
-this file; experiment.py does not import it.
+RESULTS.md (the first half of the section it shares with experiment 06). Only `make readme`
+reads this file; experiment.py does not import it.
 """
 
 from __future__ import annotations

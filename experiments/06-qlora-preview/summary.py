@@ -1,9 +1,9 @@
-"""README.md's paragraphs and memory table on experiment 06 (QLoRA preview), made from its
+"""RESULTS.md's paragraphs and memory table on experiment 06 (QLoRA preview), made from its
 manifest.
 
 `python -m labkit readme` puts what `readme(manifest)` returns in this experiment's block of
-README.md (the second half of the section it shares with experiment 05, whose adapter it
-loads). Only the README reads this file; experiment.py does not import it.
+RESULTS.md (the second half of the section it shares with experiment 05, whose adapter it
+loads). Only `make readme` reads this file; experiment.py does not import it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from labkit.readme import paragraph, table
 
 MIB, GIB = 2**20, 2**30
 PARTS = ("weights", "grads", "optimizer", "activations")
-# The README's names for the rows experiment.py records under metrics["memory"].
+# RESULTS.md's names for the rows experiment.py records under metrics["memory"].
 MINIGPT_ROWS = {"LoRA, float32 base": "LoRA on float32", "QLoRA, NF4 base": "QLoRA on NF4"}
 NUMBERS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five"}
 

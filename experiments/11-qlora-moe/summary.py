@@ -1,8 +1,8 @@
-"""README.md's section on experiment 11 (the capstone, QLoRA on MiniGPT-MoE), made from its
+"""RESULTS.md's section on experiment 11 (the capstone, QLoRA on MiniGPT-MoE), made from its
 manifest.
 
 `python -m labkit readme` puts what `readme(manifest)` returns in this experiment's block of
-README.md. Only the README reads this file; experiment.py does not import it.
+RESULTS.md. Only `make readme` reads this file; experiment.py does not import it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from labkit.readme import paragraph, table
 
 MIB, GB = 2**20, 1e9
-# The README's names for the runs and models experiment.py records.
+# RESULTS.md's names for the runs and models experiment.py records.
 RUNS = {"qlora_moe": "QLoRA on the NF4 MoE", "lora_moe": "LoRA on the float MoE",
         "dense_qlora": "dense QLoRA (experiment 06's recipe)",
         "qlora_moe_rw": "QLoRA-MoE, reward-weighted SFT on its own samples"}
@@ -45,7 +45,7 @@ def forgotten(metrics: dict, held_out: str) -> str:
 
 
 def in_order(names, known: dict) -> list[str]:
-    """The README's order (a manifest stores its keys sorted), then any name it does not know."""
+    """RESULTS.md's order (a manifest stores its keys sorted), then any name it does not know."""
     return [n for n in known if n in names] + sorted(n for n in names if n not in known)
 
 

@@ -1,15 +1,15 @@
-"""README.md's section on experiment 12 (reward-weighted SFT and GRPO on the QLoRA models),
+"""RESULTS.md's section on experiment 12 (reward-weighted SFT and GRPO on the QLoRA models),
 made from its manifest.
 
 `python -m labkit readme` puts what `readme(manifest)` returns in this experiment's block of
-README.md. Only the README reads this file; experiment.py does not import it.
+RESULTS.md. Only `make readme` reads this file; experiment.py does not import it.
 """
 
 from __future__ import annotations
 
 from labkit.readme import paragraph, table
 
-# The README's names for the runs experiment.py records, in its order.
+# RESULTS.md's names for the runs experiment.py records, in its order.
 RUNS = {"sft": "(a) SFT on gold answers", "rw_global": "(b) reward-weighted SFT, global weights",
         "rw_group": "(c) reward-weighted SFT, per-group weights",
         "grpo": "(d) GRPO from the warm start", "grpo_cold": "(e) GRPO from the base",

@@ -114,15 +114,17 @@ def _report(args) -> int:
 
 
 def _readme(args) -> int:
-    from .readme import write_readme
+    from .readme import docs, write_docs
 
+    stale = write_docs(Path(args.root), check=args.check)
     if args.check:
-        if write_readme(Path(args.root), check=True):
-            return 0
-        print("README.md is out of date with the manifests: run make readme", file=sys.stderr)
-        return 1
-    in_sync = write_readme(Path(args.root))
-    print("README.md already matches the manifests" if in_sync else "wrote README.md")
+        for doc in stale:
+            print(f"{doc} is out of date with the manifests: run make readme", file=sys.stderr)
+        return 1 if stale else 0
+    for doc in stale:
+        print(f"wrote {doc}")
+    if not stale:
+        print(f"{', '.join(docs(Path(args.root)))}: already match the manifests")
     return 0
 
 
@@ -166,11 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true",
                    help="do not write REPORT.md; fail if it differs from the manifest's")
     p.set_defaults(func=_report)
-    p = sub.add_parser("readme", help="fill README.md's generated blocks from the experiments' "
-                       "manifests (their summary.py files)")
+    p = sub.add_parser("readme", help="fill the generated blocks of RESULTS.md and "
+                       "experiments/README.md (and README.md, if it has any) from the "
+                       "experiments' manifests and the benchmark results")
     p.add_argument("--root", default=".", help="the course checkout")
     p.add_argument("--check", action="store_true",
-                   help="do not write README.md; fail if it differs from the manifests")
+                   help="write nothing; fail naming each document that differs from the "
+                   "manifests")
     p.set_defaults(func=_readme)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in MOVED:

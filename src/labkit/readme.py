@@ -1,6 +1,9 @@
-"""README.md's generated blocks: the numbers of its results sections, made from the manifests.
+"""The generated blocks of the course's documents: every number of RESULTS.md, and the
+reproduce table of experiments/README.md, made from the manifests.
 
-A block runs from an opening marker line to `END`, and only its body is ever rewritten:
+DOCS names the documents filled (README.md too, should a block ever stand there); each one
+that exists is read. A block runs from an opening marker line to `END`, and only its body is
+ever rewritten:
 - `marker("NN-name")` opens a block whose body is `readme(manifest)` of
   `experiments/NN-name/summary.py`, given that experiment's verified manifest;
 - `TABLE_MARKER` opens the reproduce table, which labkit makes itself: one row per experiment
@@ -12,14 +15,18 @@ A block runs from an opening marker line to `END`, and only its body is ever rew
   `benchmarks/summary.py`, given benchmarks/results/compile_report.json and roofline.json
   (which `make compile-report` writes and a test holds to what the compiler makes).
 
-`python -m labkit readme` rewrites README.md; with `--check` it only says whether README.md
-still matches the manifests, so a hand-typed number cannot survive the next re-run unnoticed.
-Part of labkit's experiment half: stdlib and labkit only.
+A relative link in a body is written from the root of the checkout; in a document below the
+root (experiments/README.md) it is rewritten to open the same file from there.
+
+`python -m labkit readme` rewrites every document of DOCS that is out of date; with `--check`
+it only names those that no longer match the manifests, so a hand-typed number cannot survive
+the next re-run unnoticed. Part of labkit: stdlib and labkit only.
 """
 
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 import textwrap
 from pathlib import Path
@@ -30,6 +37,8 @@ from .experiment import load_script
 from .manifest import read_manifest
 from .numerics import DEFAULT_THREADS
 
+# The documents whose generated blocks are filled (from the root of the checkout), in order.
+DOCS = ("README.md", "RESULTS.md", "experiments/README.md")
 COMMAND = "`python -m labkit readme`"
 END = "<!-- end generated -->"
 TABLE_MARKER = ("<!-- generated from experiments/*/manifest.json by "
@@ -39,10 +48,12 @@ GPU_SUMMARY = "benchmarks/summary.py"
 COMPILE_REPORT = "benchmarks/results/compile_report.json"    # and roofline.json beside it
 COMPILE_MARKER = (f"<!-- generated from {COMPILE_REPORT} by {COMMAND}; edit {GPU_SUMMARY}, "
                   "not this block -->")
-# README.md's prose is wrapped at this width; generated paragraphs follow it.
+# The documents' prose is wrapped at this width; generated paragraphs follow it.
 WIDTH = 92
 _OPENING = "<!-- generated from "
 _LINK = re.compile(r"\[[^\]]*\]\([^)]*\)")
+# A link's target that is a path from the root: no scheme, not an anchor, not absolute.
+_TARGET = re.compile(r"\]\((?![a-zA-Z][\w+.-]*:|[#/])([^)\s#]+)")
 _EXPERIMENT_MARKER = re.compile(r"<!-- generated from experiments/(?P<name>[^/*]+)/manifest\.json "
                                 + re.escape(f"by {COMMAND}; edit summary.py, not this block -->"))
 _GPU_MARKER = re.compile(re.escape(f"<!-- generated from the newest {GPU_RESULTS}/*.json by "
@@ -69,7 +80,7 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def paragraph(text: str, indent: str = "") -> str:
-    """`text` wrapped like README.md's prose; `indent` starts every line after the first (two
+    """`text` wrapped like the documents' prose; `indent` starts every line after the first (two
     spaces under a list item). Words and links are never split."""
     # A link's text is kept on one line (NUL stands for its spaces while wrapping).
     kept = _LINK.sub(lambda link: link[0].replace(" ", "\0"), text)
@@ -93,11 +104,11 @@ def prose(markdown: str) -> str:
     return "\n\n".join(blocks) + "\n"
 
 
-def _where(number: int) -> str:
-    return f"README.md line {number}"
+def _where(doc: str, number: int) -> str:
+    return f"{doc} line {number}"
 
 
-def _opened(line: str, number: int) -> str | None:
+def _opened(line: str, number: int, doc: str) -> str | None:
     """What a line opens: an experiment's name, "*" for the reproduce table, GPU_RESULTS/part
     for a block of the GPU benchmarks (no experiment's name holds a "/"), or None."""
     text = line.strip()
@@ -112,30 +123,30 @@ def _opened(line: str, number: int) -> str | None:
     if found:
         return f"{GPU_RESULTS}/{found['part']}"
     if text.startswith(_OPENING):
-        raise InputError(f"{_where(number)}: unrecognised marker {text!r}; expected "
+        raise InputError(f"{_where(doc, number)}: unrecognised marker {text!r}; expected "
                          f"{marker('NN-name')!r}, {gpu_marker('part')!r}, {COMPILE_MARKER!r} "
                          f"or {TABLE_MARKER!r}")
     return None
 
 
-def _blocks(lines: list[str]) -> list[tuple[int, int, str]]:
+def _blocks(lines: list[str], doc: str) -> list[tuple[int, int, str]]:
     """(index of the opening line, index of its END line, what it opened), in order."""
     blocks, start, opened = [], None, None
     for i, line in enumerate(lines):
-        what = _opened(line, i + 1)
+        what = _opened(line, i + 1, doc)
         if what is not None and start is not None:
-            raise InputError(f"{_where(start + 1)}: block has no {END!r} before the next "
+            raise InputError(f"{_where(doc, start + 1)}: block has no {END!r} before the next "
                              f"marker on line {i + 1}")
         if what is not None:
             start, opened = i, what
         elif line.strip() == END:
             if start is None:
-                raise InputError(f"{_where(i + 1)}: {END!r} closes no block (no marker line "
+                raise InputError(f"{_where(doc, i + 1)}: {END!r} closes no block (no marker line "
                                  "opens one above it)")
             blocks.append((start, i, opened))
             start = None
     if start is not None:
-        raise InputError(f"{_where(start + 1)}: block has no {END!r} after it")
+        raise InputError(f"{_where(doc, start + 1)}: block has no {END!r} after it")
     return blocks
 
 
@@ -160,7 +171,7 @@ def _manifest(exp_dir: Path, where: str) -> dict:
         raise InputError(f"{where}: {e}") from None
 
 
-def experiment_body(root: Path, name: str, where: str = "README.md") -> str:
+def experiment_body(root: Path, name: str, where: str = "RESULTS.md") -> str:
     """The body of experiment `name`'s block: its summary.py's readme(manifest)."""
     exp_dir = Path(root) / "experiments" / name
     summary = load_summary(exp_dir, where)
@@ -174,7 +185,7 @@ def _markdown(body, script: Path, where: str) -> str:
     return body
 
 
-def gpu_results(root: Path, where: str = "README.md") -> list[tuple[str, dict]]:
+def gpu_results(root: Path, where: str = "RESULTS.md") -> list[tuple[str, dict]]:
     """(path from the root, verified manifest) of every result under GPU_RESULTS, newest
     first; a --tiny or CPU run there is refused, never shown as a GPU's numbers."""
     found = []
@@ -191,7 +202,7 @@ def gpu_results(root: Path, where: str = "README.md") -> list[tuple[str, dict]]:
     return sorted(found, key=lambda item: item[1].get("recorded_at", ""), reverse=True)
 
 
-def gpu_body(root: Path, part: str, where: str = "README.md") -> str:
+def gpu_body(root: Path, part: str, where: str = "RESULTS.md") -> str:
     """The body of GPU block `part`: GPU_SUMMARY's readme(part, gpu_results(root))."""
     script = Path(root) / GPU_SUMMARY
     if not script.is_file():
@@ -204,7 +215,7 @@ def gpu_body(root: Path, part: str, where: str = "README.md") -> str:
     return _markdown(summary.readme(part, gpu_results(root, where)), script, where)
 
 
-def compile_body(root: Path, where: str = "README.md") -> str:
+def compile_body(root: Path, where: str = "RESULTS.md") -> str:
     """The compile report's block: GPU_SUMMARY's compile_readme(records, roofline)."""
     paths = [Path(root) / COMPILE_REPORT, (Path(root) / COMPILE_REPORT).with_name("roofline.json")]
     try:
@@ -248,12 +259,22 @@ def _body(root: Path, opened: str, where: str) -> str:
     return experiment_body(root, opened, where)
 
 
-def render_text(text: str, root: Path) -> str:
-    """`text` (a README) with the body of every generated block made afresh."""
+def relink(body: str, doc: str) -> str:
+    """`body`, whose relative links are paths from the root, with each rewritten to open the
+    same file from `doc`'s folder (unchanged for a document at the root)."""
+    folder = posixpath.dirname(doc)
+    if not folder:
+        return body
+    return _TARGET.sub(lambda m: "](" + posixpath.relpath(m[1], folder), body)
+
+
+def render_text(text: str, root: Path, doc: str = "README.md") -> str:
+    """`text` (the document `doc`, a path from the root) with the body of every generated
+    block made afresh."""
     lines = text.splitlines(keepends=True)
     out, done = [], 0
-    for start, end, opened in _blocks(lines):
-        body = _body(root, opened, _where(start + 1))
+    for start, end, opened in _blocks(lines, doc):
+        body = relink(_body(root, opened, _where(doc, start + 1)), doc)
         # Blank lines around the body: a marker is an HTML block, and a table or paragraph
         # right after it would be swallowed into that block by some renderers.
         out += lines[done:start + 1] + ["\n", body.strip("\n") + "\n", "\n"]
@@ -261,21 +282,37 @@ def render_text(text: str, root: Path) -> str:
     return "".join(out + lines[done:])
 
 
-def render(root: Path) -> str:
-    """README.md under `root` with every generated block filled from the manifests."""
-    path = Path(root) / "README.md"
+def render(root: Path, doc: str = "README.md") -> str:
+    """Document `doc` under `root` with every generated block filled from the manifests."""
+    path = Path(root) / doc
     if not path.is_file():
-        raise InputError(f"no README.md in {root}")
-    return render_text(path.read_text(encoding="utf-8"), Path(root))
+        raise InputError(f"no {doc} in {root}")
+    return render_text(path.read_text(encoding="utf-8"), Path(root), doc)
+
+
+def docs(root: Path) -> list[str]:
+    """The documents of DOCS that exist under `root` (at least one must)."""
+    found = [doc for doc in DOCS if (Path(root) / doc).is_file()]
+    if not found:
+        raise InputError(f"none of {', '.join(DOCS)} in {root}")
+    return found
+
+
+def write_docs(root: Path, check: bool = False) -> list[str]:
+    """The documents (of DOCS, under `root`) that did not match the manifests. Without
+    `check` each of them is rewritten (atomically), and only once every document has been
+    made afresh, so a refused block leaves all of them as they were; with it, nothing is
+    written."""
+    fresh = {doc: render(root, doc) for doc in docs(root)}
+    stale = [doc for doc, text in fresh.items()
+             if (Path(root) / doc).read_text(encoding="utf-8") != text]
+    if not check:
+        for doc in stale:
+            atomic_write_text(Path(root) / doc, fresh[doc])
+    return stale
 
 
 def write_readme(root: Path, check: bool = False) -> bool:
-    """Whether README.md already matched the manifests. Without `check`, a README.md that did
-    not is rewritten (atomically); with it, nothing is written."""
-    path = Path(root) / "README.md"
-    fresh = render(root)
-    if path.read_text(encoding="utf-8") == fresh:
-        return True
-    if not check:
-        atomic_write_text(path, fresh)
-    return False
+    """Whether every document of DOCS under `root` already matched the manifests (see
+    `write_docs`: without `check`, those that did not are rewritten)."""
+    return not write_docs(root, check)

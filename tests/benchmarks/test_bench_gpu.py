@@ -1,6 +1,7 @@
 """benchmarks/bench_gpu.py (`make bench-gpu`): the --tiny pipeline end to end on a CPU, the
 refusal without CUDA, the manifest it writes, its ratios against a hand computation, and
-README.md's GPU blocks (benchmarks/summary.py) with and without a result."""
+the GPU blocks of RESULTS.md (benchmarks/summary.py; here in a test checkout's README.md) with
+and without a result."""
 
 from __future__ import annotations
 
@@ -246,7 +247,7 @@ def test_tiny_pipeline_end_to_end(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# README.md's GPU blocks
+# The GPU blocks (RESULTS.md's; the generator fills any document of labkit.readme.DOCS)
 
 README = (f"# Demo\n\nDequant:\n\n{gpu_marker('dequant')}\nstale\n{END}\n\nMoE:\n\n"
           f"{gpu_marker('moe')}\n{END}\n")

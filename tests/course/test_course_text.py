@@ -99,7 +99,8 @@ def test_the_writer_refuses_a_marker_that_starts_a_line(tmp_path, capsys):
     guide = tmp_path / "labs" / "02-nf4" / "README.md"
     guide.parent.mkdir(parents=True)
     guide.write_text(f"# Lab 02\n\nThe whole notebook runs in\n{MARKER}.\n")
-    for other in ("README.md", "labs/INSTRUCTORS.md"):
+    for other in ("README.md", "RESULTS.md", "experiments/README.md", "labs/INSTRUCTORS.md"):
+        (tmp_path / other).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / other).write_text("# Notes\n")
     table = {"cores": 2, "labs": {"02-nf4": {"seconds": 5.0}}}
     (tmp_path / "labs" / "runtimes.json").write_text(json.dumps(table))

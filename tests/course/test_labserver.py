@@ -179,7 +179,7 @@ def test_make_lab_serves_the_checkout(checkout, tmp_path, mode):
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "labkit", "lab", "--root", str(checkout), "--mode", mode,
+            [sys.executable, "-m", "course", "lab", "--root", str(checkout), "--mode", mode,
              "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--ServerApp.port_retries=0",
              f"--IdentityProvider.token={TOKEN}"], cwd=checkout, env=env, stdout=out, stderr=out)
     try:

@@ -1,6 +1,7 @@
-"""labkit.readme: README.md's generated blocks, each filled from an experiment's manifest by its
-summary.py, the reproduce table, the GPU benchmark blocks (their contents are tested in
-tests/benchmarks/test_bench_gpu.py), and the real README, which must match the committed
+"""labkit.readme: the generated blocks of the course's documents (README.md, RESULTS.md,
+experiments/README.md), each filled from an experiment's manifest by its summary.py, the
+reproduce table, the GPU benchmark blocks (their contents are tested in
+tests/benchmarks/test_bench_gpu.py), and the real documents, which must match the committed
 manifests and GPU results."""
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from labkit import read_manifest, write_manifest
 from labkit.__main__ import main
 from labkit.errors import InputError
 from labkit.readme import (
+    COMPILE_MARKER,
+    DOCS,
     END,
     TABLE_MARKER,
     gpu_marker,
     load_summary,
     marker,
+    relink,
     render,
+    write_docs,
     write_readme,
 )
 
@@ -105,6 +110,56 @@ def test_the_reproduce_table_of_an_older_manifest(tmp_path):
     assert "| 95 s | 2 | not recorded |" in render(root)
 
 
+def test_every_document_is_filled_and_links_open_from_its_folder(tmp_path):
+    """RESULTS.md and experiments/README.md are filled like README.md; in a document below
+    the root a body's links are rewritten to open the same files from there."""
+    root = course(tmp_path, "# Demo\n")
+    (root / "RESULTS.md").write_text(section(marker("01-demo")))
+    (root / "experiments" / "README.md").write_text(section(TABLE_MARKER))
+    assert write_docs(root, check=True) == ["RESULTS.md", "experiments/README.md"]
+    assert (root / "RESULTS.md").read_text() == section(marker("01-demo"))   # nothing written
+    assert write_docs(root) == ["RESULTS.md", "experiments/README.md"]
+    assert write_docs(root) == [] and write_readme(root, check=True)
+    assert "accuracy 0.81" in (root / "RESULTS.md").read_text()
+    table = (root / "experiments" / "README.md").read_text()
+    assert "| [01-demo](01-demo/REPORT.md) | 12.5 min |" in table
+    assert (root / "README.md").read_text() == "# Demo\n"
+
+
+def test_one_stale_document_is_named(tmp_path):
+    root = course(tmp_path, section(marker("01-demo")))
+    assert write_docs(root) == ["README.md"]
+    (root / "RESULTS.md").write_text(section(marker("01-demo")))
+    assert write_docs(root, check=True) == ["RESULTS.md"]
+    assert not write_readme(root, check=True)
+
+
+def test_a_refused_block_writes_no_document(tmp_path):
+    root = course(tmp_path, section(marker("01-demo")))
+    results = section(marker("01-demo")) + f"\n{marker('99-nowhere')}\n{END}\n"
+    (root / "RESULTS.md").write_text(results)
+    with pytest.raises(InputError, match="RESULTS.md line 11: no experiment folder"):
+        write_docs(root)
+    assert (root / "README.md").read_text() == section(marker("01-demo"))
+    assert (root / "RESULTS.md").read_text() == results
+
+
+def test_no_document_at_all(tmp_path):
+    with pytest.raises(InputError, match="none of README.md, RESULTS.md, experiments/README.md"):
+        write_docs(tmp_path)
+
+
+@pytest.mark.parametrize("doc, body, expected", [
+    ("README.md", "[a](experiments/x/REPORT.md)", "[a](experiments/x/REPORT.md)"),
+    ("experiments/README.md", "[a](experiments/x/REPORT.md) [b](RESULTS.md#top)",
+     "[a](x/REPORT.md) [b](../RESULTS.md#top)"),
+    ("experiments/README.md", "[c](https://example.org/x) [d](#here) [e](/abs.md)",
+     "[c](https://example.org/x) [d](#here) [e](/abs.md)"),
+])
+def test_relink(doc, body, expected):
+    assert relink(body, doc) == expected
+
+
 # ---------------------------------------------------------------------------------------------
 # what is refused, and where
 
@@ -159,56 +214,114 @@ def test_cli(tmp_path, capsys):
     assert ("README.md is out of date with the manifests: run make readme"
             in capsys.readouterr().err)
     assert main(["readme", "--root", str(root)]) == 0
+    assert capsys.readouterr().out == "wrote README.md\n"
     assert main(["readme", "--root", str(root), "--check"]) == 0
+    (root / "RESULTS.md").write_text(section(marker("01-demo")))
+    assert main(["readme", "--root", str(root), "--check"]) == 1
+    assert capsys.readouterr().err == ("RESULTS.md is out of date with the manifests: run make "
+                                       "readme\n")
+    assert main(["readme", "--root", str(root)]) == 0
+    assert main(["readme", "--root", str(root)]) == 0
+    assert capsys.readouterr().out == ("wrote RESULTS.md\nREADME.md, RESULTS.md: already match "
+                                       "the manifests\n")
     (root / "README.md").write_text(section(marker("99-nowhere")))
     assert main(["readme", "--root", str(root)]) == 2
     assert "README.md line 5: no experiment folder" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
-# the real README and summaries
+# the real documents and summaries
 
 
-def test_the_readme_matches_the_manifests():
-    assert write_readme(ROOT, check=True), \
-        "README.md is out of date with the manifests: run make readme"
+def test_the_documents_match_the_manifests():
+    """What `python -m labkit readme --check` checks: every document of DOCS."""
+    stale = write_docs(ROOT, check=True)
+    assert stale == [], f"{', '.join(stale)} out of date with the manifests: run make readme"
+    assert write_readme(ROOT, check=True)
 
 
-def readme_copy(tmp_path: Path) -> tuple[Path, str]:
-    """A checkout of README.md and links to what its blocks are made from; the README."""
-    for folder in ("experiments", "benchmarks"):
-        (tmp_path / folder).symlink_to(ROOT / folder)
-    return tmp_path, (ROOT / "README.md").read_text(encoding="utf-8")
+def test_results_md_is_current():
+    """RESULTS.md alone, which holds every result."""
+    assert (ROOT / "RESULTS.md").read_text(encoding="utf-8") == render(ROOT, "RESULTS.md"), \
+        "RESULTS.md is out of date with the manifests: run make readme"
 
 
-def test_a_number_edited_by_hand_is_caught(tmp_path):
-    """The check above fails for an edit inside a generated block (on a copy of README.md)."""
-    root, readme = readme_copy(tmp_path)
-    start = readme.index(marker("00-pretrain-base"))
-    number = re.compile(r"\d+\.\d+").search(readme, start)
-    edited = readme[:number.start()] + number[0] + "1" + readme[number.end():]
-    (root / "README.md").write_text(edited, encoding="utf-8")
+def test_every_block_is_in_its_document():
+    """Each block stands once, where the README and the experiments' guide point to it: the
+    results in RESULTS.md, the reproduce table in experiments/README.md, none in README.md."""
+    text = {doc: (ROOT / doc).read_text(encoding="utf-8") for doc in DOCS}
+    results = [marker(e) for e in [*EXPERIMENTS, "12-grpo"]]
+    results += [gpu_marker("dequant"), gpu_marker("moe"), COMPILE_MARKER]
+    assert [text["RESULTS.md"].count(m) for m in results] == [1] * len(results)
+    assert text["experiments/README.md"].count(TABLE_MARKER) == 1
+    assert "<!-- generated from " not in text["README.md"]
+
+
+def experiments_copy(tmp_path: Path) -> Path:
+    """tmp_path/experiments with a link to each experiment folder (not experiments/README.md)."""
+    (tmp_path / "experiments").mkdir()
+    for exp in (ROOT / "experiments").iterdir():
+        if exp.is_dir():
+            (tmp_path / "experiments" / exp.name).symlink_to(exp)
+    return tmp_path / "experiments"
+
+
+def results_copy(tmp_path: Path) -> tuple[Path, str]:
+    """A checkout of README.md and RESULTS.md, with links to what their blocks are made from;
+    RESULTS.md's text."""
+    experiments_copy(tmp_path)
+    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
+    for name in ("README.md", "RESULTS.md"):
+        (tmp_path / name).write_text((ROOT / name).read_text(encoding="utf-8"), encoding="utf-8")
+    return tmp_path, (ROOT / "RESULTS.md").read_text(encoding="utf-8")
+
+
+def test_a_number_edited_by_hand_is_caught(tmp_path, capsys):
+    """The check above fails for an edit inside a generated block (on a copy of RESULTS.md),
+    naming RESULTS.md."""
+    root, results = results_copy(tmp_path)
+    start = results.index(marker("00-pretrain-base"))
+    number = re.compile(r"\d+\.\d+").search(results, start)
+    edited = results[:number.start()] + number[0] + "1" + results[number.end():]
+    (root / "RESULTS.md").write_text(edited, encoding="utf-8")
+    assert write_docs(root, check=True) == ["RESULTS.md"]
     assert not write_readme(root, check=True)
-    assert render(root) == readme
+    assert render(root, "RESULTS.md") == results
+    assert main(["readme", "--root", str(root), "--check"]) == 1
+    assert capsys.readouterr().err == ("RESULTS.md is out of date with the manifests: run make "
+                                       "readme\n")
 
 
 @pytest.mark.parametrize("part", ["dequant", "moe"])
 def test_a_gpu_block_edited_by_hand_is_caught(tmp_path, part):
     """The GPU blocks are checked the same way: typed text in one (a GPU's numbers claimed
-    by hand, or a "not yet run" kept after a result was committed) makes README.md stale."""
-    root, readme = readme_copy(tmp_path)
-    start = readme.index(gpu_marker(part)) + len(gpu_marker(part))
-    end = readme.index(END, start)
-    edited = readme[:start] + "\n\nMeasured by hand: 0.95 of copy.\n\n" + readme[end:]
-    (root / "README.md").write_text(edited, encoding="utf-8")
-    assert not write_readme(root, check=True)
-    assert render(root) == readme
+    by hand, or a "not yet run" kept after a result was committed) makes RESULTS.md stale."""
+    root, results = results_copy(tmp_path)
+    start = results.index(gpu_marker(part)) + len(gpu_marker(part))
+    end = results.index(END, start)
+    edited = results[:start] + "\n\nMeasured by hand: 0.95 of copy.\n\n" + results[end:]
+    (root / "RESULTS.md").write_text(edited, encoding="utf-8")
+    assert write_docs(root, check=True) == ["RESULTS.md"]
+    assert render(root, "RESULTS.md") == results
 
 
-def test_the_real_readme_has_both_gpu_blocks():
+def test_the_reproduce_table_edited_by_hand_is_caught(tmp_path):
+    """experiments/README.md's table is checked the same way (on a copy of the folder's
+    guide, beside links to the experiments)."""
+    experiments_copy(tmp_path)
+    guide = (ROOT / "experiments" / "README.md").read_text(encoding="utf-8")
+    (tmp_path / "experiments" / "README.md").write_text(guide.replace(" | 2 | pinned |",
+                                                                      " | 4 | pinned |", 1))
+    assert write_docs(tmp_path, check=True) == ["experiments/README.md"]
+    assert render(tmp_path, "experiments/README.md") == guide
+
+
+def test_the_results_have_both_gpu_blocks():
+    results = (ROOT / "RESULTS.md").read_text(encoding="utf-8")
+    assert [results.count(gpu_marker(part)) for part in ("dequant", "moe")] == [1, 1]
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert [readme.count(gpu_marker(part)) for part in ("dequant", "moe")] == [1, 1]
     assert "GPU; not yet run" not in readme             # the lab map links to them instead
+    assert "RESULTS.md#benchmarks" in readme
 
 
 def summary_text(name: str) -> tuple[str, dict]:

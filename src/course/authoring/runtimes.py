@@ -7,11 +7,12 @@ fills every marker
 
     <!-- runtime:NN-name --><!-- /runtime -->
 
-in the guides, the solutions' markdown, labs/INSTRUCTORS.md and README.md from it (then
-`make course` carries the notebooks' text to labs/). `--fill` refills the markers from the
-committed table without measuring. `course.authoring.runtimes.problems` is what the test holds:
-markers that disagree with the table, a lab missing from it or over the budget, runtime
-claims typed into the text instead of taken from the table, and markers that start a line.
+in the guides, the solutions' markdown, labs/INSTRUCTORS.md, README.md, RESULTS.md and
+experiments/README.md from it (then `make course` carries the notebooks' text to labs/).
+`--fill` refills the markers from the committed table without measuring.
+`course.authoring.runtimes.problems` is what the test holds: markers that disagree with the
+table, a lab missing from it or over the budget, runtime claims typed into the text instead of
+taken from the table, and markers that start a line.
 
 A marker never starts a line (nor a percent file's `# ` line, a list item or a quote): there
 CommonMark opens an HTML block, which splits the sentence into two paragraphs. At least one
@@ -50,10 +51,12 @@ BLOCK_PREFIX = r"[ \t]*(?:(?:[-*+>]|\d+[.)])[ \t]+)*"
 
 
 def text_files(root: Path) -> list[Path]:
-    """Where runtimes may be stated: the guides, the solutions, the instructors' notes and
-    the README (the release notebooks are generated from the solutions)."""
+    """Where runtimes may be stated: the guides, the solutions, the instructors' notes, the
+    README, RESULTS.md and the experiments' guide (the release notebooks are generated from
+    the solutions)."""
     return sorted([*root.glob("labs/[0-9][0-9]-*/README.md"), *root.glob("solutions/*.py"),
-                   root / "labs" / "INSTRUCTORS.md", root / "README.md"])
+                   root / "labs" / "INSTRUCTORS.md", root / "README.md", root / "RESULTS.md",
+                   root / "experiments" / "README.md"])
 
 
 def render(entry: dict, cores: int) -> str:
@@ -124,7 +127,7 @@ def problems(root: Path, labs: list[str]) -> list[str]:
         text = path.read_text()
         rel = path.relative_to(root)
         if fill(text, table) != text:
-            out.append(f"{rel}: a runtime marker differs from {TABLE} (run `python -m labkit "
+            out.append(f"{rel}: a runtime marker differs from {TABLE} (run `python -m course "
                        f"times --fill`, then `make course`)")
         out += [f"{rel}: marker for unknown lab {m['lab']!r}" for m in MARKER.finditer(text)
                 if m["lab"] not in table["labs"]]
