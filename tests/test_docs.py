@@ -1,12 +1,12 @@
 """The design documents hold to the code: docs/ARCHITECTURE.md's sections exist where the code
 cites them, and every public name a package's BLUEPRINT.md lists exists.
 
-A citation is "ARCHITECTURE.md, " followed by a heading of docs/ARCHITECTURE.md, word for
-word, on one line, and then punctuation, the end of the line, or a space and a non-letter
-("..., NF4 (8 digits)"). A BLUEPRINT.md table has a column headed `name`; each backticked
-span in it is a dotted name, read up to its first "(", resolved from the package: attribute
-by attribute, importing a submodule where an attribute is missing (`minimoe.reference`,
-`NF4Experts.from_weight`, `hf.moe_from_hf`).
+A citation is `docs/ARCHITECTURE.md` followed by a comma, a space and a heading of that file,
+word for word, on one line, and then punctuation, the end of the line, or a space and a
+non-letter (as in "NF4 (8 digits)"). A BLUEPRINT.md table has a column headed `name`; each
+backticked span in it is a dotted name, read up to its first "(", resolved from the package:
+attribute by attribute, importing a submodule where an attribute is missing
+(`minimoe.reference`, `NF4Experts.from_weight`, `hf.moe_from_hf`).
 """
 
 from __future__ import annotations
@@ -88,10 +88,11 @@ def test_every_architecture_citation_names_a_heading():
 
 def test_the_citation_check_catches_a_wrong_section():
     sections = {"NF4", "Sorted routing", "Expert LoRA"}
-    good = ("x  # docs/ARCHITECTURE.md, NF4 (8 digits)\n(docs/ARCHITECTURE.md, Sorted routing)"
-            "\nARCHITECTURE.md, Expert LoRA:\nas \"ARCHITECTURE.md, <Section>\" (a placeholder)")
+    at = "ARCHITECTURE" + ".md, "          # split, so that this file cites nothing itself
+    good = (f"x  # docs/{at}NF4 (8 digits)\n(docs/{at}Sorted routing)\n{at}Expert LoRA:\n"
+            f"as \"{at}<Section>\" (a placeholder)")
     assert cited_section_problems(good, sections, "f.py") == []
-    bad = "see docs/ARCHITECTURE.md, Sorted routng.\nsee ARCHITECTURE.md, Expert LoRAs here"
+    bad = f"see docs/{at}Sorted routng.\nsee {at}Expert LoRAs here"
     assert [p.split(":")[1] for p in cited_section_problems(bad, sections, "f.py")] == ["1", "2"]
 
 
