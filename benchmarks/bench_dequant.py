@@ -7,7 +7,8 @@ gets to the hardware: GB/s of DRAM traffic, counting the bytes it must read (pac
 n/2, plus float32 absmax, 4n/blocksize) and write (the output, n * element size). The ceiling
 is a plain device copy of an output-sized tensor (read n * size + write n * size), measured in
 the same run; each method's `frac_of_copy` is its GB/s over the copy's. The targets for the
-Triton kernel on a GPU (DESIGN.md §9): >= 0.8 of copy and >= bitsandbytes.
+Triton kernel on a GPU (docs/ARCHITECTURE.md, Performance targets): >= 0.8 of copy and
+>= bitsandbytes.
 
 Timing: median over repeats after warm-up; on CUDA each repeat is timed with CUDA events, and
 the L2 cache is flushed before each (by zeroing a 256 MiB buffer) so that a weight that fits

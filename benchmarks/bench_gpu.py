@@ -9,7 +9,8 @@ On a CUDA machine, one run does, in order:
    bitsandbytes and a plain copy, in GB/s;
 3. `bench_moe.py` at the real models' shapes: Triton `parallel_linear`, the sorted PyTorch
    path and the per-expert loop, with and without expert LoRA;
-4. the ratios the course holds itself to (DESIGN §9), per shape, from the two scripts' JSON:
+4. the ratios the course holds itself to (docs/ARCHITECTURE.md, Performance targets), per
+   shape, from the two scripts' JSON:
    Triton dequant as a fraction of the copy's GB/s and against bitsandbytes; the MoE
    kernels' speed-up over the loop and what LoRA adds to their time;
 
@@ -55,7 +56,8 @@ TINY_DIR = Path("build/bench-gpu")
 CODE = ("benchmarks/bench_gpu.py", "benchmarks/bench_dequant.py", "benchmarks/bench_moe.py",
         "benchmarks/timing.py", "src/miniquant", "src/minimoe")
 TINY_MOE = ["--models", "mixtral-8x7b,olmoe-1b-7b", "--rank", "4"]  # few and many experts
-# DESIGN §9, checked per shape; "many experts" is where the MoE target applies.
+# docs/ARCHITECTURE.md, Performance targets, checked per shape; "many experts" is where the
+# MoE target applies.
 TARGETS = {"triton_of_copy": 0.8, "triton_vs_bitsandbytes": 1.0,
            "triton_vs_loop_fwd_bwd": 2.0, "triton_lora_overhead": 0.2}
 MANY_EXPERTS = 64

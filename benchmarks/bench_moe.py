@@ -16,8 +16,8 @@ from the [T, k] routing (the sort / the per-expert masks are inside the timing):
   (gather, one matmul per expert slice, scatter), autograd backward;
 - `loop`: the per-expert PyTorch loop of Hugging Face's Mixtral / `minimoe.dispatch_torch`
   (`per_expert_loop` below): for each expert, find its tokens, gather, matmul, scale by the
-  gate, index_add back. This is the baseline of the DESIGN §9 target "MoE fwd+bwd ≥ 2× a
-  per-expert PyTorch loop at many-expert shapes".
+  gate, index_add back. This is the baseline of the target "MoE fwd+bwd ≥ 2× a per-expert
+  PyTorch loop at many-expert shapes" (docs/ARCHITECTURE.md, Performance targets).
 
 Each method also runs with expert LoRA (rank --rank on every expert, A [r·E, d_model],
 B [d_ff, r·E]); `lora_overhead` = time(with LoRA) / time(base) − 1, same method and pass

@@ -221,7 +221,7 @@ print("nf4_codebook() equals bitsandbytes' NF4 table bit for bit:")
 print([f"{v:+.8f}" for v in got.tolist()])
 
 ### BEGIN HIDDEN TESTS
-# the values of DESIGN §4 (8 significant digits)
+# the values of docs/ARCHITECTURE.md, NF4 (8 significant digits)
 _design = torch.tensor([-1.0, -0.69619280, -0.52507305, -0.39491749, -0.28444138, -0.18477343,
                         -0.09105004, 0.0, 0.07958030, 0.16093020, 0.24611230, 0.33791524,
                         0.44070983, 0.56261700, 0.72295684, 1.0])

@@ -1151,10 +1151,10 @@ print(f"on a small [8, 16, 64] weight: selective {_part.nbytes} bytes vs full {_
 # reference, bitsandbytes and a plain copy on weights of real sizes (`4096 x 14336`, ...),
 # with CUDA events, after warm-up, flushing the L2 cache before each repeat so that a weight
 # is read from DRAM and not from cache; it reports GB/s with your formula, and each method's
-# fraction of the copy's GB/s. The course's target (DESIGN.md §9) is at least 80 % of the copy
-# and at least bitsandbytes. A kernel that gets there is limited by DRAM and nothing else;
-# one that does not usually reads or writes with narrow, uncoalesced accesses, or launches too
-# few programs to keep every multiprocessor busy.
+# fraction of the copy's GB/s. The course's target (docs/ARCHITECTURE.md, Performance targets)
+# is at least 80 % of the copy and at least bitsandbytes. A kernel that gets there is limited
+# by DRAM and nothing else; one that does not usually reads or writes with narrow, uncoalesced
+# accesses, or launches too few programs to keep every multiprocessor busy.
 #
 # **Here, on a CPU, no such measurement is possible.** The interpreter runs each program in
 # Python and NumPy; the numbers below time the interpreter, not the kernel, and only show

@@ -16,7 +16,8 @@
 # Labs 08 and 09 built a trainable expert linear from two kernels (`scatter2scatter` and
 # `group_bwd_W`) and a gather. QLoRA on a Mixture-of-Experts freezes those expert weights and
 # trains a small LoRA per expert instead. With `E` experts of `W[e]` `[K, N]` and rank `r`,
-# this course stores the adapters of **all** experts in two matrices (DESIGN §4):
+# this course stores the adapters of **all** experts in two matrices
+# (docs/ARCHITECTURE.md, Expert LoRA):
 #
 # * `lora_A` `[r·E, K]` — expert `e` owns the rows `e·r:(e+1)·r`, called `A_e` `[r, K]`;
 # * `lora_B` `[N, r·E]` — expert `e` owns the columns `e·r:(e+1)·r`, called `B_e` `[N, r]`;

@@ -233,7 +233,7 @@ def run_check(lab: str, root: Path, env: dict[str, str]) -> subprocess.Completed
     (root / "work").mkdir()
     nbformat.write(source_notebook(ROOT / "solutions" / f"{lab}.py"),
                    root / "work" / f"{lab}.ipynb")
-    return subprocess.run([sys.executable, "-m", "labkit", "check", lab, "--root", str(root)],
+    return subprocess.run([sys.executable, "-m", "course", "check", lab, "--root", str(root)],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
 
 

@@ -1,9 +1,9 @@
 """labkit: run an experiment into a self-sealed manifest, reproduce it, seed, hash, measure.
 
-This top level is the experiment half and needs only the runtime dependencies; the nbgrader
-course (build, check, grade, the lab test harness) is the subpackage `labkit.course`, which
-needs the development dependencies and is never imported from here. Imports none of the model
-packages (miniquant, minimoe, minigpt, minituner), so experiments can import it freely.
+The experiments' package (`python -m labkit run|reproduce|fingerprint|report|readme`): it needs
+only the runtime dependencies and imports none of the model packages, so experiments can
+import it freely. The nbgrader course is the package `course`, Lab 13's compiler probe
+`gpucompile` (docs/ARCHITECTURE.md, Layers).
 """
 
 from . import measure

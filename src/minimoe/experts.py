@@ -1,8 +1,9 @@
 """Expert linears with LoRA: a frozen stacked weight [E, K, N] plus trainable per-expert LoRA.
 
-Layout (DESIGN §4): `lora_A` [r·E, K], `lora_B` [N, r·E]; expert e owns rows / columns
-e·r:(e+1)·r, so expert e adds scaling · (x @ A_eᵀ) @ B_eᵀ to its rows. A starts
-kaiming-uniform (a=√5) and B at zero, as PEFT does, so a fresh adapter changes nothing.
+Layout (docs/ARCHITECTURE.md, Expert LoRA): `lora_A` [r·E, K], `lora_B` [N, r·E]; expert e
+owns rows / columns e·r:(e+1)·r, so expert e adds scaling · (x @ A_eᵀ) @ B_eᵀ to its rows.
+A starts kaiming-uniform (a=√5) and B at zero, as PEFT does, so a fresh adapter changes
+nothing.
 
 Two holders of the frozen weight share this module's LoRA setup and call signature:
 `ExpertLinear` (float, the "LoRA on a float MoE" baseline) and `nf4_experts.NF4Experts`

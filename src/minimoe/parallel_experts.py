@@ -27,8 +27,8 @@ scatter), differentiated by autograd.
 The routing travels as one `routing.Routing`, checked once where it was made: the launches
 trust it (`trusted=True`) and the torch path slices by its host copy of the offsets, so no
 call here syncs with the host. `parallel_linear` takes that Routing only; the index-tensor
-forms (DESIGN §3's, ScatterMoE's) are `parallel_linear_from_indices`, which checks them into
-a Routing first (one sync).
+forms (the course's and ScatterMoE's, docs/ARCHITECTURE.md, Sorted routing) are
+`parallel_linear_from_indices`, which checks them into a Routing first (one sync).
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ class ExpertLoRA(NamedTuple):
 
 
 def expert_lora(lora_A, lora_B, scaling: float = 1.0) -> ExpertLoRA | None:
-    """DESIGN §3's separate lora_A, lora_B, scaling as one value (None without LoRA)."""
+    """The index form's lora_A, lora_B, scaling as one value (None without LoRA).
+
+    The index form: docs/ARCHITECTURE.md, Sorted routing."""
     return None if lora_A is None and lora_B is None else ExpertLoRA(lora_A, lora_B, scaling)
 
 
@@ -183,8 +185,9 @@ def parallel_linear(x: torch.Tensor, W: torch.Tensor, routing: Routing, *,
     token's k outputs. `lora=ExpertLoRA(A [r·E, K], B [N, r·E], scaling)` adds
     scaling · (x @ A_eᵀ) @ B_eᵀ to each slot: on the triton backend fused into the base
     kernels (`lora_path="fused"`: scatter2scatter_lora, group_bwd_lora) or as separate expert
-    linears (`"split"`, what the torch backend does). Index tensors (DESIGN §3's form,
-    ScatterMoE's) go through `parallel_linear_from_indices`."""
+    linears (`"split"`, what the torch backend does). Index tensors (the course's index form
+    and ScatterMoE's; docs/ARCHITECTURE.md, Sorted routing) go through
+    `parallel_linear_from_indices`."""
     if not isinstance(routing, Routing):
         raise TypeError(f"routing must be a Routing (flatten_sort_count, Routing.from_indices); "
                         f"index tensors go to parallel_linear_from_indices, got "
@@ -227,9 +230,10 @@ def parallel_linear_from_indices(x: torch.Tensor, W: torch.Tensor, k: int,
                                  ) -> torch.Tensor:
     """`parallel_linear` in the index form, for two conventions:
 
-    - DESIGN §3's: `(x, W, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets,
-      gates=None, grouped_in=False, grouped_out=False, lora_A=None, lora_B=None, scaling=1.0,
-      backend="triton")`, the expert LoRA as its three parts;
+    - the course's (docs/ARCHITECTURE.md, Sorted routing): `(x, W, k, sorted_expert_idxs,
+      sorted_scattered_idxs, expert_offsets, gates=None, grouped_in=False, grouped_out=False,
+      lora_A=None, lora_B=None, scaling=1.0, backend="triton")`, the expert LoRA as its three
+      parts;
     - ScatterMoE's output projection: `(h, W2, 1, sei, ssi, offsets, grouped_in=True,
       gates=gates)` with gates [T, top_k]: k = 1 there, and the sorted rows are read with
       top_k slots per token, top_k taken from the gates.

@@ -8,7 +8,7 @@ the scales in a `QuantState`, nested in a second QuantState under double quantiz
 `quiet_bitsandbytes()` drops, at its logger, the one warning bitsandbytes 0.50 logs at import
 on a CPU with AVX512-BF16 ("Failed to load CPU gemm_4bit_forward from kernels-community"):
 it looks for an optional package of faster CPU kernels that nothing here needs. `to_bnb`
-calls it before importing bitsandbytes; so does the kernel of `make check` (labkit.course).
+calls it before importing bitsandbytes; so does the kernel of `make check` (course.quiet).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ absmax a block (0.5 bits a weight at blocksize 64), or, with double quantization
 code a block plus a float32 per 256 blocks (≈ 0.127 bits a weight).
 
 Every rule matches bitsandbytes 0.50's `quantize_4bit(..., quant_type="nf4")` on CPU bit for
-bit (DESIGN.md §4); tests/miniquant/test_bnb_parity.py holds that.
+bit (docs/ARCHITECTURE.md, NF4); tests/miniquant/test_bnb_parity.py holds that.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def nf4_codebook() -> torch.Tensor:
     roundings is what makes the table bit-identical to bitsandbytes': probabilities in
     float32 (a float32 linspace), quantiles in float64, rounded to float32, then divided by
     the maximum in float32. Computing everything in float64 and rounding once at the end
-    leaves 10 of the 16 values off, by one to six ulps (measured; DESIGN §4 says one).
+    leaves 10 of the 16 values off, by one to six ulps (docs/ARCHITECTURE.md, NF4).
     """
     positive = torch.linspace(NF4_OFFSET, 0.5, 9, dtype=torch.float32)[:-1]
     negative = torch.linspace(NF4_OFFSET, 0.5, 8, dtype=torch.float32)[:-1]

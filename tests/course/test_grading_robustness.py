@@ -219,7 +219,7 @@ def write(subs: Path, student: str, content, nested: bool, name: str = f"{LAB}.i
 
 
 def run_grade(subs: Path, out: Path, course: Path, *flags: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", str(subs), "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "course", "grade", str(subs), "--out", str(out),
                            "--course", str(course), "--timeout", str(TIMEOUT_S), *flags],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -361,7 +361,7 @@ def test_shards_merge(tmp_path):
                        grading.GradeRow("bob", LAB, 5, 11, "graded")], a)
     grading.write_csv([grading.GradeRow("bob", LAB, 7, 11, "graded"),
                        grading.GradeRow("cy", LAB, 11, 11, "graded")], b)
-    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", "--merge", str(a), str(b),
+    proc = subprocess.run([sys.executable, "-m", "course", "grade", "--merge", str(a), str(b),
                            "--out", str(tmp_path / "out")], capture_output=True, text=True,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr

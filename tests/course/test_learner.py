@@ -22,9 +22,9 @@ from labkit.errors import InputError
 LAB = "00-setup-minigpt"
 
 
-def labkit(root: Path, *args: str) -> subprocess.CompletedProcess:
-    """`python -m labkit ARGS --root ROOT`, as the Makefile runs it."""
-    return subprocess.run([sys.executable, "-m", "labkit", *args, "--root", str(root)],
+def course(root: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python -m course ARGS --root ROOT`, as the Makefile runs it."""
+    return subprocess.run([sys.executable, "-m", "course", *args, "--root", str(root)],
                           capture_output=True, text=True, cwd=root, timeout=600)
 
 
@@ -91,7 +91,7 @@ def test_stale_labs_message_sends_learners_to_work_and_developers_to_make_course
 def test_an_edit_survives_every_entry_point(checkout):
     """A learner edits their copy and (following old advice) the release too; course, the
     copy step of `make lab`, and check leave both edits as they were."""
-    assert labkit(checkout, "work").returncode == 0
+    assert course(checkout, "work").returncode == 0
     mine = work_copy(checkout, LAB)
     nbformat.write(source_notebook(checkout / "solutions" / f"{LAB}.py"), mine)
     mine_bytes = mine.read_bytes()                      # the learner's finished notebook
@@ -99,21 +99,21 @@ def test_an_edit_survives_every_entry_point(checkout):
     shipped = release.read_bytes()
     release_bytes = with_marker(release, "an edit in the release")
 
-    proc = labkit(checkout, "course")
+    proc = course(checkout, "build")
     assert proc.returncode == 2 and f"labs/{LAB}/{LAB}.ipynb" in proc.stderr, proc.stderr
     assert "work/" in proc.stderr
-    proc = labkit(checkout, "course", "--check")        # what `make test` runs
+    proc = course(checkout, "build", "--check")        # what `make test` runs
     assert proc.returncode == 2 and "make course" not in proc.stderr, proc.stderr
-    proc = labkit(checkout, "work")
+    proc = course(checkout, "work")
     assert proc.returncode == 0 and "created" not in proc.stdout, proc.stdout
-    proc = labkit(checkout, "check", LAB)
+    proc = course(checkout, "check", LAB)
     assert proc.returncode == 0 and f"visible tests of {mine}" in proc.stdout, proc.stdout
     assert (mine.read_bytes(), release.read_bytes()) == (mine_bytes, release_bytes)
 
     release.write_bytes(shipped)                        # the edit moved; a solution changes
     with (checkout / "solutions" / f"{LAB}.py").open("a") as f:
         f.write("\n# %% [markdown]\n# A new closing note.\n")
-    assert labkit(checkout, "course").returncode == 0
+    assert course(checkout, "build").returncode == 0
     assert "A new closing note." in release.read_text()
-    assert labkit(checkout, "course", "--check").returncode == 0
+    assert course(checkout, "build", "--check").returncode == 0
     assert mine.read_bytes() == mine_bytes

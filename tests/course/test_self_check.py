@@ -19,7 +19,7 @@ pytestmark = pytest.mark.notebooks
 
 
 def check(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "labkit", "check", *args],
+    return subprocess.run([sys.executable, "-m", "course", "check", *args],
                           capture_output=True, text=True, cwd=ROOT)
 
 

@@ -1,7 +1,8 @@
 """The MoE call surface: the `Routing` value, its checks, `parallel_linear` on a Routing and
-its index-form adapter `parallel_linear_from_indices` (DESIGN §3's form and ScatterMoE's
-output-projection convention), `nf4_parallel_linear` / the expert modules on a Routing, and
-`ExpertLoRA` — each against a naive per-token loop."""
+its index-form adapter `parallel_linear_from_indices` (the course's index form and
+ScatterMoE's output-projection convention, docs/ARCHITECTURE.md, Sorted routing),
+`nf4_parallel_linear` / the expert modules on a Routing, and `ExpertLoRA` — each against a
+naive per-token loop."""
 
 from __future__ import annotations
 

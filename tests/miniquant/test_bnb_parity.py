@@ -1,4 +1,4 @@
-"""Parity with bitsandbytes 0.50 on CPU, the oracle of DESIGN.md §4.
+"""Parity with bitsandbytes 0.50 on CPU, the oracle of docs/ARCHITECTURE.md, NF4.
 
 Quantization is compared byte for byte (packed codes) and bit for bit (absmax). Dequantization
 is compared with code[idx] · absmax computed from bitsandbytes' own codes, because their CPU

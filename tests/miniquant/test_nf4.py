@@ -24,7 +24,7 @@ from miniquant.nf4 import BLOCKSIZES, pack_nibbles, unpack_nibbles
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-# DESIGN.md §4, to 8 decimals.
+# docs/ARCHITECTURE.md, NF4, to 8 decimals.
 NF4_VALUES = [-1.0, -0.69619280, -0.52507305, -0.39491749, -0.28444138, -0.18477343,
               -0.09105004, 0.0, 0.07958030, 0.16093020, 0.24611230, 0.33791524, 0.44070983,
               0.56261700, 0.72295684, 1.0]
@@ -65,7 +65,7 @@ def test_codebook_facts():
 
 
 def test_codebook_rounding_order_matters():
-    """All-float64 then one rounding leaves 10 of 16 values a few ulps off (DESIGN §4)."""
+    """All in float64, one rounding: 10 of 16 values a few ulps off (docs/ARCHITECTURE.md, NF4)."""
     pos = torch.linspace(0.9677083, 0.5, 9, dtype=torch.float64)[:-1]
     neg = torch.linspace(0.9677083, 0.5, 8, dtype=torch.float64)[:-1]
     q = torch.cat([torch.special.ndtri(pos), torch.zeros(1, dtype=torch.float64),
@@ -194,7 +194,7 @@ def test_bits_per_param():
 
 
 def test_bits_per_param_4096_square():
-    """The DESIGN §9 number: NF4 + double quant at blocksize 64 ≈ 4.127 bits/param."""
+    """docs/ARCHITECTURE.md, Double quantization: NF4 + DQ at blocksize 64 ≈ 4.127 bits/param."""
     dq = quantize_nf4(randn(4096, 4096, seed=9), double_quant=True)
     assert 4.12 < dq.bits_per_param < 4.135, dq.bits_per_param
     assert dq.bits_per_param == pytest.approx(4 + 8 / 64 + 32 / (64 * 256) + 32 / 4096**2)

@@ -21,7 +21,7 @@ from labkit.atomic import atomic_write_text
 from labkit.hashing import sha256_file
 
 SAFE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-GRADER_FILES = ("autograde.py", "kernel.py", "kernel_guard.py", "sandbox.py")
+GRADER_FILES = ("autograde.py", "jupyter_kernel.py", "kernel_guard.py", "sandbox.py")
 
 
 def student_key(student: str) -> str:
