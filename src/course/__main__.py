@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from labkit.errors import InputError
+from labkit.errors import InputError, exit_code
 
 
 def _build(args) -> int:
@@ -189,11 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.jupyter_args = extra
-    try:
-        return args.func(args)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return exit_code(lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -233,11 +233,7 @@ def inspect_kernel(kernel, args: tuple, kwargs: dict, arch: str = "sm_90") -> Ke
                                      compiled.metadata.shared))
 
 
-# What each lab rebuilds from this package, by a public name -> where it lives (a dotted path,
-# private helpers and kernels included). While a lab's test runs a learner's code, the harness
-# switches these off (course.notebook.harness.reference): the lab names the public key only,
-# so moving code here changes this table, never a lab. Resolved when a test asks (a kernel
-# module loads then, in a lab that has triton); tests/course/test_reference.py resolves all.
+# Lab -> {public name: dotted path} of what the lab rebuilds (docs/ARCHITECTURE.md, Lab sources).
 REFERENCE = {
     "13-gpu-compiler": {
         "read_cubin": "gpucompile.read_cubin", "memory_widths": "gpucompile.memory_widths",

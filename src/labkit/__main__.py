@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .errors import InputError
+from .errors import InputError, exit_code
 from .numerics import DEFAULT_THREADS, check_can_pin, check_pinned, overridden, relaunch_pinned
 
 # The course's commands, which moved to `python -m course`: named here so that an old
@@ -128,12 +128,6 @@ def _readme(args) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return int(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,17 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     numerics_help = ("pinned (default): the same bits on any x86-64 CPU with AVX2, whatever "
                      "its cores (see labkit/numerics.py); native: this machine's own kernels "
                      "and threads, compared within tolerances elsewhere")
-    p = sub.add_parser("run", help="run experiments/NN-name and write its manifest "
-                       "(and its fingerprint, when it has a tiny.json)")
-    p.add_argument("experiment")
-    p.add_argument("--numerics", choices=["pinned", "native"], default="pinned",
-                   help=numerics_help)
-    p.set_defaults(func=_run)
-    p = sub.add_parser("reproduce", help="re-run a manifest's experiment and compare")
-    p.add_argument("manifest")
-    p.add_argument("--numerics", choices=["pinned", "native"], default="pinned",
-                   help=numerics_help)
-    p.set_defaults(func=_reproduce)
+    for name, func, target, what in (
+            ("run", _run, "experiment", "run experiments/NN-name and write its manifest (and "
+             "its fingerprint, when it has a tiny.json)"),
+            ("reproduce", _reproduce, "manifest", "re-run a manifest's experiment and compare")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument(target)
+        p.add_argument("--numerics", choices=["pinned", "native"], default="pinned",
+                       help=numerics_help)
+        p.set_defaults(func=func)
     p = sub.add_parser("fingerprint", help="re-run an experiment's tiny.json and compare it bit "
                        "for bit with its fingerprint.json (stale experiments fail)")
     p.add_argument("experiment")
@@ -184,11 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = parser.parse_args(argv)
     args.argv = argv
-    try:
-        return args.func(args)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return exit_code(lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -6,11 +6,7 @@ from .generate import answers, evaluate, greedy_generate
 from .model import Block, CausalSelfAttention, MiniGPT, MiniGPTConfig, SwiGLU
 from .tokenizer import CharTokenizer
 
-# What each lab rebuilds from this package, by a public name -> where it lives (a dotted path,
-# private helpers and kernels included). While a lab's test runs a learner's code, the harness
-# switches these off (course.notebook.harness.reference): the lab names the public key only,
-# so moving code here changes this table, never a lab. Resolved when a test asks (a kernel
-# module loads then, in a lab that has triton); tests/course/test_reference.py resolves all.
+# Lab -> {public name: dotted path} of what the lab rebuilds (docs/ARCHITECTURE.md, Lab sources).
 REFERENCE = {
     "05-lora-finetune": {
         "evaluate": "minigpt.generate.evaluate",

@@ -51,11 +51,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# What each lab rebuilds from this package, by a public name -> where it lives (a dotted path,
-# private helpers and kernels included). While a lab's test runs a learner's code, the harness
-# switches these off (course.notebook.harness.reference): the lab names the public key only,
-# so moving code here changes this table, never a lab. Resolved when a test asks (a kernel
-# module loads then, in a lab that has triton); tests/course/test_reference.py resolves all.
+# Lab -> {public name: dotted path} of what the lab rebuilds (docs/ARCHITECTURE.md, Lab sources).
 _LOOPS = {"linear_loop": "minimoe.reference.linear_loop",
           "moe_loop": "minimoe.reference.moe_loop"}
 _DISPATCH = {"dispatch_torch": "minimoe.moe.dispatch_torch",

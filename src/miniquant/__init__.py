@@ -14,8 +14,6 @@ triton the names still resolve (a lab may switch them off by name); a launch rai
 `TritonUnavailableError`.
 """
 
-import importlib
-
 from .bnb import from_bnb, to_bnb
 from .dynamic import DYNAMIC_CODE, dequantize_blockwise_8bit, dynamic_map, quantize_blockwise_8bit
 from .intquant import (
@@ -34,25 +32,15 @@ from .nf4 import (
     nf4_codebook,
     quantize_nf4,
 )
+from .triton_env import lazy_names
 
 # Loaded on first access: the Triton launchers (their kernel loads at the first launch).
 _TRITON_NAMES = {"selective_dequantize_nf4": "triton_dequant",
                  "triton_dequantize_nf4": "triton_dequant"}
+__getattr__ = lazy_names(__name__, _TRITON_NAMES)
 
 
-def __getattr__(name: str):
-    if name in _TRITON_NAMES:
-        value = getattr(importlib.import_module(f".{_TRITON_NAMES[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# What each lab rebuilds from this package, by a public name -> where it lives (a dotted path,
-# private helpers and kernels included). While a lab's test runs a learner's code, the harness
-# switches these off (course.notebook.harness.reference): the lab names the public key only,
-# so moving code here changes this table, never a lab. Resolved when a test asks (a kernel
-# module loads then, in a lab that has triton); tests/course/test_reference.py resolves all.
+# Lab -> {public name: dotted path} of what the lab rebuilds (docs/ARCHITECTURE.md, Lab sources).
 REFERENCE = {
     "03-triton-dequant": {
         "dequantize_nf4": "miniquant.nf4.dequantize_nf4",

@@ -17,6 +17,7 @@ Without triton, the first kernel raises `TritonUnavailableError`, the one error 
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 
@@ -66,6 +67,18 @@ def __getattr__(name: str):
         globals().update(triton=triton, tl=tl)
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def lazy_names(package: str, where: dict[str, str]):
+    """A package's module `__getattr__` that imports `package.<where[name]>` at the first
+    access of `name` and returns that module's `name` (the module itself where the name is the
+    module's), so that importing the package builds no kernel and imports no triton."""
+    def __getattr__(name: str):
+        if name not in where:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        module = importlib.import_module(f".{where[name]}", package)
+        return module if where[name] == name else getattr(module, name)
+    return __getattr__
 
 
 def interpreted(kernel) -> bool:

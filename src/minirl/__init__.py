@@ -17,7 +17,7 @@ only) and sets no environment variable; without triton a launch raises
 `TritonUnavailableError`.
 """
 
-import importlib
+from miniquant.triton_env import lazy_names
 
 from .advantages import group_advantages, variance_fraction
 from .grpo import grpo_loss
@@ -43,26 +43,14 @@ from .weighting import (
 )
 
 # Loaded on first access, so that importing the package does not build the kernels.
+# (and the kernel module itself, as `minirl.logprob_kernels.…`).
 _TRITON_NAMES = {name: "logprob_triton" for name in
                  ("LogSoftmaxStats", "entropy_from_logits_triton",
                   "logprobs_and_entropy_triton", "selective_log_softmax_triton")}
+__getattr__ = lazy_names(__name__, {**_TRITON_NAMES, "logprob_kernels": "logprob_kernels"})
 
 
-def __getattr__(name: str):
-    if name == "logprob_kernels":          # the kernel module, as `minirl.logprob_kernels.…`
-        return importlib.import_module(f".{name}", __name__)
-    if name in _TRITON_NAMES:
-        value = getattr(importlib.import_module(f".{_TRITON_NAMES[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# What each lab rebuilds from this package, by a public name -> where it lives (a dotted path,
-# private helpers and kernels included). While a lab's test runs a learner's code, the harness
-# switches these off (course.notebook.harness.reference): the lab names the public key only,
-# so moving code here changes this table, never a lab. Resolved when a test asks (a kernel
-# module loads then, in a lab that has triton); tests/course/test_reference.py resolves all.
+# Lab -> {public name: dotted path} of what the lab rebuilds (docs/ARCHITECTURE.md, Lab sources).
 REFERENCE = {
     "12-grpo": {
         "group_advantages": "minirl.advantages.group_advantages",
