@@ -146,7 +146,7 @@ def _moe_launch(job) -> tuple:
 def _other_launch(job) -> tuple:
     """(kernel, args, kwargs) of the dequant and log-softmax launches."""
     from gpucompile import like
-    from miniquant import triton_dequant as D
+    from miniquant import dequant_kernel as D
     from minirl import logprob_kernels as L
 
     f32, i64 = like(torch.float32), like(torch.int64)
