@@ -34,6 +34,7 @@ from course.grader.autograde import HIDDEN
 ROOT = Path(__file__).resolve().parents[2]
 LAB = "00-setup-minigpt"
 TIMEOUT_S = 20      # lab 00's slowest cell takes about a second
+OLD_KEY = "Jos_Garc_a-978edf99a5"   # José García's key before keys always carried a hash
 pytestmark = [pytest.mark.notebooks,
               pytest.mark.skipif(shutil.which("bwrap") is None,
                                  reason="bubblewrap is not installed (apt-get install bubblewrap)")]
@@ -203,6 +204,11 @@ def cases(lab: Lab, tmp: Path) -> dict[str, tuple[object, float, str]]:
         "pasted": (pasted, lab.max, "grade_id not in this lab"),
         "garbage": (b"\x00\xffnot json at all" * 1000, 0, "not a readable notebook"),
         "José García": (full, lab.max, "graded"),
+        # a folder named as José's key once was: its page and journal must stay its own
+        OLD_KEY: (blank, 0, "graded"),
+        # IPython's input history printed after every test: it must hold no hidden test
+        "history": (with_cell(full, "print(In)\nprint(_ih)\nprint(_i, _ii)",
+                              at=len(full.cells)), lab.max, "graded"),
         **hostile,
     }
 
@@ -289,7 +295,7 @@ def test_hostile_students_changed_nothing_outside_their_sandbox(graded):
     assert stored_tests(tmp / "course") == before["tests"]
     rows = read_rows(tmp / "out")
     assert float(rows["full"]["score"]) == Lab().max
-    page = (tmp / "out" / "feedback" / "gradebook" / f"{LAB}.html").read_text()
+    page = (tmp / "out" / "feedback" / journal.student_key("gradebook") / f"{LAB}.html").read_text()
     assert "rewrote /" not in page and page.count("could not: unable to open database") == 2
 
 
@@ -298,7 +304,7 @@ def test_no_feedback_shows_a_hidden_test_or_unescaped_html(graded):
     pages = list((tmp / "out" / "feedback").rglob("*.html"))
     assert len(pages) >= 15
     hidden = Lab().hidden_lines()
-    snoop = (tmp / "out" / "feedback" / "snoop" / f"{LAB}.html").read_text()
+    snoop = (tmp / "out" / "feedback" / journal.student_key("snoop") / f"{LAB}.html").read_text()
     assert "# %% nbgrader=" not in snoop and snoop.count("FileNotFoundError") == 5
     for page in pages:
         text = page.read_text()
@@ -325,7 +331,12 @@ def test_every_student_has_a_row_feedback_and_a_summary(graded):
     assert rows["absent"]["status"] == "not submitted"
     assert (tmp / "out" / "feedback" / journal.student_key("José García")
             / f"{LAB}.html").is_file()
-    assert (tmp / "out" / "feedback" / "loud" / f"{LAB}.html").stat().st_size < 2_000_000
+    assert (tmp / "out" / "feedback" / journal.student_key("loud") / f"{LAB}.html"
+            ).stat().st_size < 2_000_000
+    jose, namesake = (tmp / "out" / "feedback" / journal.student_key(s) / f"{LAB}.html"
+                      for s in ("José García", OLD_KEY))
+    assert "José García" in jose.read_text() and OLD_KEY not in jose.read_text()
+    assert OLD_KEY in namesake.read_text() and "José" not in namesake.read_text()
     assert f"{LAB}.ipynb (older copy; graded {LAB}-Copy1.ipynb)" in stdout
     assert "submissions per minute" in stdout and "problems:" in stdout
 

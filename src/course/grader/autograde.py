@@ -29,7 +29,7 @@ from hashlib import sha256
 from pathlib import Path
 
 from ..authoring.build import graded_test_cells
-from .jupyter_kernel import Kernel, Reply
+from .jupyter_kernel import MAX_SUBMISSION_BYTES, Kernel, Reply
 from .sandbox import Sandbox
 
 HIDDEN = re.compile(r"^[ \t]*### BEGIN HIDDEN TESTS[ \t]*\n(.*?)"
@@ -148,6 +148,8 @@ class Run:
         self.sandbox, self.slot, self.timeout = sandbox, slot, timeout
         self.secret, self.name = secrets.token_hex(16), f"__labkit_{secrets.token_hex(6)}__"
         self.kernel: Kernel | None = None
+        self.budget = [MAX_SUBMISSION_BYTES]      # output characters left, across restarts
+        self.uid = sandbox.uid(slot)              # one per submission (restarts keep it)
         self.baseline: dict = {}
         self.counter = 0
 
@@ -161,7 +163,7 @@ class Run:
     def start(self) -> None:
         """A fresh kernel with the guard installed, and the fingerprint before student code."""
         self.close()
-        self.kernel = Kernel(self.sandbox, self.slot)
+        self.kernel = Kernel(self.sandbox, self.slot, self.budget, self.uid)
         setup = (f"_d = {{'__name__': 'labkit_guard'}}\nexec({GUARD_SOURCE!r}, _d)\n"
                  f"_d['install']({self.secret!r}, {self.name!r})\ndel _d\n")
         reply = self.kernel.run(setup, timeout=60, silent=True)
@@ -217,7 +219,7 @@ def _restart(run: Run, cells: list[Cell], upto: int) -> None:
         else:
             continue
         for chunk in code:
-            if run.kernel.run(chunk, run.timeout).status not in ("ok", "error"):
+            if run.kernel.run(chunk, run.timeout, history=False).status not in ("ok", "error"):
                 raise RuntimeError("a cell that ran before failed to run again after a restart")
 
 
@@ -227,7 +229,7 @@ def _run_test(run: Run, cell: Cell) -> None:
     for k, (hidden, code) in enumerate(cell.test.chunks):
         last = k == len(cell.test.chunks) - 1
         reply = run.kernel.run(code + (f"\n{run.name}.proof({label!r})\n" if last else ""),
-                               run.timeout)
+                               run.timeout, history=not hidden)
         proven = run.proven(reply, label) if last else True
         if not hidden:
             cell.outputs += reply.outputs

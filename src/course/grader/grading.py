@@ -86,9 +86,19 @@ def find_submissions(submissions: Path, labs: list[str]
     """Students; {(student, lab): notebook}; per student, notes on files not graded."""
     students, found, notes = [], {}, {}
     root = student_root(submissions)
-    for student_dir in sorted(p for p in root.iterdir()
-                              if p.is_dir() and not p.name.startswith(".")):
+    keys: dict[str, str] = {}
+    for student_dir in sorted(p for p in root.iterdir() if not p.name.startswith(".")):
         student = student_dir.name
+        if student_dir.is_symlink():    # could be another student's folder, or solutions/
+            notes.setdefault(student, []).append("the student folder is a symbolic link: "
+                                                 "not graded")
+            continue
+        if not student_dir.is_dir():
+            continue
+        if (key := journal.student_key(student)) in keys:
+            raise InputError(f"students {keys[key]!r} and {student!r} would share the "
+                             f"feedback and journal folder {key!r}: rename one")
+        keys[key] = student
         students.append(student)
         by_lab: dict[str, list[Path]] = {}
         for f in sorted(student_dir.rglob("*")):
@@ -145,9 +155,10 @@ def grade_one(student: str, lab: str, notebook: Path, source_nb, sandbox: Sandbo
         nb = nbformat.read(notebook, as_version=4)
         if not isinstance(nb.get("cells"), list):
             raise ValueError("no cells")
-    except Exception as e:  # any failure to parse means "not a notebook"
+    except Exception as e:  # any failure to parse means "not a notebook"; nothing of the
+        # file is echoed (a parser's message quotes its bytes)
         return GradeRow(student, lab, 0, max_score, f"not a readable notebook "
-                        f"({type(e).__name__}: {str(e)[:120]})", time.perf_counter() - start)
+                        f"({type(e).__name__})", time.perf_counter() - start)
     outcome = grade_notebook(nb, source_nb, sandbox, slot, timeout,
                              total_timeout=timeout * 20 + 600)
     status = _status(outcome)
@@ -158,20 +169,36 @@ def grade_one(student: str, lab: str, notebook: Path, source_nb, sandbox: Sandbo
                     time.perf_counter() - start, tests)
 
 
+# A cell a spreadsheet would evaluate as a formula starts with one of these (OWASP's list).
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def neutralise(cell: str) -> str:
+    """A text cell no spreadsheet evaluates: a leading ' before a formula character."""
+    return "'" + cell if cell.startswith(FORMULA_START) else cell
+
+
+def _restore(cell: str) -> str:
+    return cell[1:] if cell.startswith("'") and cell[1:].startswith(FORMULA_START) else cell
+
+
 def read_csv(path: Path) -> list[GradeRow]:
     """The rows of an earlier grades.csv (none if there is none)."""
     if not path.is_file():
         return []
     with open(path, newline="", encoding="utf-8") as f:
-        return [GradeRow(r["student"], r["lab"], float(r["score"]), float(r["max_score"]),
-                         r["status"]) for r in csv.DictReader(f)]
+        return [GradeRow(_restore(r["student"]), _restore(r["lab"]), float(r["score"]),
+                         float(r["max_score"]), _restore(r["status"]))
+                for r in csv.DictReader(f)]
 
 
 def write_csv(rows: list[GradeRow], path: Path) -> None:
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(["student", "lab", "score", "max_score", "status"])
-    writer.writerows(r.as_list() for r in sorted(rows, key=lambda r: (r.student, r.lab)))
+    writer.writerows([neutralise(r.student), neutralise(r.lab), score, top, neutralise(status)]
+                     for r in sorted(rows, key=lambda r: (r.student, r.lab))
+                     for _, _, score, top, status in [r.as_list()])
     atomic_write_text(path, buf.getvalue())
 
 

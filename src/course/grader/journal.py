@@ -20,16 +20,15 @@ from pathlib import Path
 from labkit.atomic import atomic_write_text
 from labkit.hashing import sha256_file
 
-SAFE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 GRADER_FILES = ("autograde.py", "jupyter_kernel.py", "kernel_guard.py", "sandbox.py")
 
 
 def student_key(student: str) -> str:
-    """`student` if it is a plain name, else an ASCII form of it and a hash (unique)."""
-    if SAFE.match(student) and student not in (".", ".."):
-        return student
+    """A safe folder name for `student`: an ASCII form of the name and a hash of the whole
+    name, always, so that no folder name can take another student's key (`Jos_Garc_a-…`
+    beside `José García` gets its own hash)."""
     ascii_name = re.sub(r"[^A-Za-z0-9_.-]+", "_", student).strip("._")[:40] or "student"
-    return f"{ascii_name}-{hashlib.sha256(student.encode()).hexdigest()[:10]}"
+    return f"{ascii_name}-{hashlib.sha256(student.encode()).hexdigest()[:16]}"
 
 
 def entry_path(out: Path, student: str, lab: str) -> Path:

@@ -35,6 +35,10 @@ START_TIMEOUT_S = 120.0
 MAX_TEXT = 100_000         # characters of text output kept per request
 MAX_OUTPUTS = 100          # outputs kept per request
 MAX_IMAGE = 2_000_000      # bytes of a base64 image kept
+MAX_CELL_BYTES = 4_000_000         # every mime type of every output of one request, together
+MAX_SUBMISSION_BYTES = 16_000_000  # the same over a whole submission (every request)
+# The only mime types kept (the rest is dropped: HTML and scripts are a hostile page's means).
+KEPT_MIME = ("text/plain", "image/png", "image/jpeg")
 MAX_MESSAGE = 64 << 20     # a larger message from the kernel drops its connection
 
 
@@ -50,29 +54,71 @@ class Reply:
         return self.status == "ok"
 
 
-def _cap(outputs: list, output: dict) -> None:
-    """Append `output` unless the request already printed too much (then a note, once)."""
+def size(output: dict) -> int:
+    """Characters an output holds: its text, its traceback and every mime type's data."""
+    data = output.get("data", {})
+    data = sum(len(str(v)) for v in data.values()) if isinstance(data, dict) else 0
+    return (len(str(output.get("text", ""))) + data
+            + sum(len(str(line)) for line in output.get("traceback", [])))
+
+
+def _cap(outputs: list, output: dict, budget: list[int] | None = None) -> None:
+    """Append `output` unless the request (or, with `budget` = [characters left], the
+    submission) already printed too much: then a note, once. Only KEPT_MIME data stays."""
+    if isinstance(output.get("data"), dict):
+        output["data"] = {m: v for m, v in output["data"].items() if m in KEPT_MIME}
+        if not output["data"] and output.get("output_type") != "stream":
+            output["data"] = {"text/plain": "[output of a kind the grader does not keep]"}
     text = sum(len(o.get("text", "")) for o in outputs)
-    if len(outputs) >= MAX_OUTPUTS or text >= MAX_TEXT:
+    used = sum(size(o) for o in outputs)
+    left = MAX_CELL_BYTES - used if budget is None else min(MAX_CELL_BYTES - used, budget[0])
+    if len(outputs) >= MAX_OUTPUTS or text >= MAX_TEXT or left <= 0:
         if not outputs or outputs[-1].get("name") != "labkit":
             outputs.append(nbformat.v4.new_output("stream", name="labkit",
                                                   text="[output cut by the grader]\n"))
         return
     if output.get("output_type") == "stream":
-        output["text"] = output["text"][:MAX_TEXT - text]
+        output["text"] = output["text"][:min(MAX_TEXT - text, left)]
+    if "traceback" in output:
+        output["traceback"] = [str(line)[:2000] for line in output["traceback"][:200]]
     for mime, data in list(output.get("data", {}).items()):
-        if isinstance(data, str) and len(data) > MAX_IMAGE:
-            output["data"][mime] = f"[{mime} of {len(data)} characters cut by the grader]"
+        if not isinstance(data, str) or len(data) > min(MAX_IMAGE, left):
+            output["data"][mime] = f"[{mime} of {len(str(data))} characters cut by the grader]"
+    if size(output) > left:
+        return _cap(outputs, {"output_type": "stream", "name": "labkit", "text": ""}, [0])
     outputs.append(output)
+    if budget is not None:
+        budget[0] -= size(output)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete `path` and everything under it; never raises and never recurses in Python (a
+    submission may leave a folder thousands of levels deep, or folders it made unreadable)."""
+    for argv in (["chmod", "-R", "u+rwx", str(path)], ["rm", "-rf", "--", str(path)]):
+        try:
+            subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=300, check=False)
+        except (OSError, subprocess.SubprocessError):
+            pass
+    if path.exists():                       # no rm (not Linux or macOS): Python's, guarded
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+        except RecursionError:
+            pass
 
 
 class Kernel:
     """A fresh IPython kernel in `sandbox`; `run` code in it; `close` kills everything."""
 
-    def __init__(self, sandbox: Sandbox, slot: int = 0):
+    def __init__(self, sandbox: Sandbox, slot: int = 0, budget: list[int] | None = None,
+                 uid: int | None = None):
+        """`budget`: [characters of output the submission has left], shared by the kernels
+        of one submission (a restart does not refill it); `uid`: the sandbox's uid when the
+        grader runs as root (a fresh one per submission, see Sandbox.command)."""
         self.sandbox, self.slot = sandbox, slot
+        self.budget = [MAX_SUBMISSION_BYTES] if budget is None else budget
         self.private = Path(tempfile.mkdtemp(prefix="labkit-sandbox-"))
-        sandbox.prepare(self.private, slot)
+        sandbox.prepare(self.private, slot, uid)
         inside = self.private if sandbox.unsafe else INSIDE
         info = {"transport": "ipc", "ip": str(inside / "kernel"), "shell_port": 1,
                 "iopub_port": 2, "stdin_port": 3, "control_port": 4, "hb_port": 5,
@@ -81,7 +127,7 @@ class Kernel:
         argv = [sys.executable, "-m", "ipykernel_launcher", "-f", str(inside / "kernel.json")]
         self.log = open(self.private.parent / f"{self.private.name}.log", "w+b")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            sandbox.command(argv, self.private, slot), stdin=subprocess.DEVNULL,
+            sandbox.command(argv, self.private, slot, uid), stdin=subprocess.DEVNULL,
             stdout=self.log, stderr=subprocess.STDOUT, cwd=self.private,
             env=sandbox.env(self.private) if sandbox.unsafe else {}, start_new_session=True)
         context = zmq.Context()
@@ -107,9 +153,10 @@ class Kernel:
         return self.proc.poll() is None
 
     def run(self, code: str, timeout: float, silent: bool = False,
-            expressions: dict | None = None) -> Reply:
-        """Execute `code`; its outputs, status and `expressions` (evaluated after success)."""
-        msg_id = self.client.execute(code, silent=silent, store_history=not silent,
+            expressions: dict | None = None, history: bool = True) -> Reply:
+        """Execute `code`; its outputs, status and `expressions` (evaluated after success).
+        `history=False` keeps it out of IPython's `In`/`_ih` (hidden tests)."""
+        msg_id = self.client.execute(code, silent=silent, store_history=history and not silent,
                                      user_expressions=expressions or {}, allow_stdin=False)
         reply = Reply("ok")
         deadline, interrupted = time.monotonic() + timeout, None
@@ -135,7 +182,7 @@ class Kernel:
                 reply.outputs.clear()
             elif kind in ("stream", "display_data", "execute_result", "error"):
                 try:
-                    _cap(reply.outputs, nbformat.v4.output_from_msg(msg))
+                    _cap(reply.outputs, nbformat.v4.output_from_msg(msg), self.budget)
                 except (KeyError, TypeError, ValueError, AttributeError):
                     continue        # a malformed message from a tampered kernel: dropped
             elif kind == "status" and msg["content"]["execution_state"] == "idle":
@@ -173,4 +220,4 @@ class Kernel:
         self.client.context.destroy(linger=0)
         self.log.close()
         Path(self.log.name).unlink(missing_ok=True)
-        shutil.rmtree(self.private, ignore_errors=True)
+        remove_tree(self.private)

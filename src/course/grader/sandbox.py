@@ -5,7 +5,9 @@
            writable:  a private, empty folder of the grader's, seen inside as /home/student
            absent:    solutions/, build/ (gradebook, sources, grades), other submissions,
                       the network, the host's processes (own PID namespace, killed with it)
-    -> setpriv  (as root) a uid of its own per parallel slot, no capabilities
+           /tmp:      a tmpfs of its own, size-limited (Limits.tmp_bytes)
+    -> setpriv  (as root) a uid of its own per submission, no capabilities; otherwise a
+                user namespace in which no further one can be made (--disable-userns)
     -> prlimit  address space, file size, processes, open files, no core files
     -> python -m ipykernel_launcher -f /home/student/kernel.json
 
@@ -15,6 +17,7 @@ the grader's user with the same limits and a private cwd, but sees the whole mac
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -26,6 +29,10 @@ from labkit.errors import InputError
 
 INSIDE = Path("/home/student")      # the private folder's path inside the sandbox
 SANDBOX_UID = 60000                 # + slot: a uid per parallel job, so limits are per job
+# As root, each submission gets a uid never used by the one before it in its slot, so that
+# what the kernel keeps per uid (its keyring) cannot reach the next submission.
+FRESH_UIDS = itertools.count()
+UID_CYCLE = 100_000
 INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: `sudo apt-get install bubblewrap`; "
                 "Fedora: `sudo dnf install bubblewrap`), or pass --unsafe-no-sandbox to grade "
                 "without one (student code then runs with your permissions)")
@@ -39,6 +46,7 @@ class Limits:
     processes: int = 1024            # threads count too (torch starts one per core)
     open_files: int = 1024
     cpu_seconds: int = 4 * 3600      # CPU time of the whole kernel (one thread per kernel)
+    tmp_bytes: int = 1 << 30         # the sandbox's /tmp, a tmpfs of this size (not the host's)
 
     def prlimit(self, processes: bool) -> list[str]:
         return (["prlimit", f"--as={self.memory_bytes}", f"--fsize={self.file_bytes}",
@@ -78,15 +86,22 @@ class Sandbox:
                 "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
                 "TRITON_INTERPRET": "1", "TQDM_MININTERVAL": "5"}
 
-    def command(self, argv: list[str], private: Path, slot: int) -> list[str]:
-        """The command line running `argv` in the sandbox, `private` mounted as INSIDE."""
+    def uid(self, slot: int) -> int:
+        """A fresh uid for the next submission in `slot` (as root; see FRESH_UIDS)."""
+        return 200_000 + (next(FRESH_UIDS) % UID_CYCLE) * 64 + slot % 64
+
+    def command(self, argv: list[str], private: Path, slot: int,
+                uid: int | None = None) -> list[str]:
+        """The command line running `argv` in the sandbox, `private` mounted as INSIDE; as
+        root, as `uid` (default: the slot's fixed one)."""
         as_root = os.geteuid() == 0
         if self.unsafe:
             return self.limits.prlimit(processes=False) + argv
         args = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
                 "--unshare-cgroup-try", "--die-with-parent", "--new-session",
                 "--hostname", "sandbox", "--proc", "/proc", "--dev", "/dev",
-                "--perms", "1777", "--tmpfs", "/tmp", "--clearenv"]
+                "--perms", "1777", "--size", str(self.limits.tmp_bytes), "--tmpfs", "/tmp",
+                "--clearenv"]
         for name in ("bin", "sbin", "lib", "lib32", "lib64"):
             host = Path("/") / name
             if host.is_symlink():
@@ -99,18 +114,19 @@ class Sandbox:
         for key, value in self.env().items():
             args += ["--setenv", key, value]
         if as_root:      # drop to a uid of the slot's own, so --nproc counts only this job
-            uid = str(SANDBOX_UID + slot)
+            uid = str(SANDBOX_UID + slot if uid is None else uid)
             args += ["--cap-add", "CAP_SETUID,CAP_SETGID", "--", "setpriv", f"--reuid={uid}",
                      f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
                      "--bounding-set=-all"]
-        else:
-            args += ["--unshare-user", "--"]
+        else:            # no user namespaces inside this one (bwrap needs --unshare-user)
+            args += ["--unshare-user", "--disable-userns", "--"]
         return args + self.limits.prlimit(processes=as_root) + argv
 
-    def prepare(self, private: Path, slot: int) -> None:
+    def prepare(self, private: Path, slot: int, uid: int | None = None) -> None:
         """Make `private` the sandbox user's own (when the grader runs as root)."""
         if not self.unsafe and os.geteuid() == 0:
-            os.chown(private, SANDBOX_UID + slot, SANDBOX_UID + slot)
+            uid = SANDBOX_UID + slot if uid is None else uid
+            os.chown(private, uid, uid)
         private.chmod(0o700)
 
     def check(self) -> None:
