@@ -396,8 +396,8 @@ def test_an_interrupted_run_keeps_finished_rows(graded, tmp_path, monkeypatch):
     monkeypatch.setattr(grading, "grade_one", interrupted)
     with pytest.raises(KeyboardInterrupt):
         grading.grade(subs, ROOT, out, timeout=TIMEOUT_S, course=tmp / "course", jobs=1)
-    assert (out / "journal" / "a" / f"{LAB}.json").is_file()
-    assert (out / "journal" / "b" / f"{LAB}.json").is_file()
+    assert (journal.entry_path(out, "a", LAB)).is_file()
+    assert (journal.entry_path(out, "b", LAB)).is_file()
 
     def counted(student, *args):
         called.append(student)
@@ -409,7 +409,7 @@ def test_an_interrupted_run_keeps_finished_rows(graded, tmp_path, monkeypatch):
     (subs / "b" / f"{LAB}.ipynb").write_bytes(b"changed")
     grading.grade(subs, ROOT, out, timeout=TIMEOUT_S, course=tmp / "course", jobs=1)
     assert called == ["c", "b"]                     # a changed submission is graded again
-    entry = out / "journal" / "a" / f"{LAB}.json"
+    entry = journal.entry_path(out, "a", LAB)
     entry.write_text(entry.read_text().replace('"score": 0', '"score": 11'))
     grading.grade(subs, ROOT, out, timeout=TIMEOUT_S, course=tmp / "course", jobs=1)
     assert called == ["c", "b"]                     # the key still matches: kept as journaled

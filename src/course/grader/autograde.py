@@ -29,12 +29,11 @@ from hashlib import sha256
 from pathlib import Path
 
 from ..authoring.build import graded_test_cells
-from .jupyter_kernel import MAX_SUBMISSION_BYTES, Kernel, Reply
+from .jupyter_kernel import MAX_SUBMISSION_BYTES, PROOF_MIME, Kernel, Reply
 from .sandbox import Sandbox
 
 HIDDEN = re.compile(r"^[ \t]*### BEGIN HIDDEN TESTS[ \t]*\n(.*?)"
                     r"^[ \t]*### END HIDDEN TESTS[ \t]*$\n?", re.MULTILINE | re.DOTALL)
-PROOF_MIME = "application/x-labkit-proof"
 GUARD_SOURCE = (Path(__file__).parent / "kernel_guard.py").read_text()
 MAX_RESTARTS = 3
 

@@ -37,8 +37,10 @@ MAX_OUTPUTS = 100          # outputs kept per request
 MAX_IMAGE = 2_000_000      # bytes of a base64 image kept
 MAX_CELL_BYTES = 4_000_000         # every mime type of every output of one request, together
 MAX_SUBMISSION_BYTES = 16_000_000  # the same over a whole submission (every request)
-# The only mime types kept (the rest is dropped: HTML and scripts are a hostile page's means).
-KEPT_MIME = ("text/plain", "image/png", "image/jpeg")
+# The only mime types kept (the rest is dropped: HTML and scripts are a hostile page's means);
+# the proof a test cell publishes is taken out by the grader before anything is shown.
+PROOF_MIME = "application/x-labkit-proof"
+KEPT_MIME = ("text/plain", "image/png", "image/jpeg", PROOF_MIME)
 MAX_MESSAGE = 64 << 20     # a larger message from the kernel drops its connection
 
 
