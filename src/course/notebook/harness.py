@@ -42,11 +42,12 @@ def resolve(path: str) -> object:
     (`minimoe.kernels._group_kernel`, `miniquant.nf4.NF4Weight.dequantize`)."""
     parts = path.split(".")
     for i in range(len(parts), 0, -1):
+        module = ".".join(parts[:i])
         try:
-            obj = importlib.import_module(".".join(parts[:i]))
+            obj = importlib.import_module(module)
             break
-        except ModuleNotFoundError:
-            if i == 1:
+        except ModuleNotFoundError as e:     # `module` (or a part of it) is no module:
+            if i == 1 or not f"{module}.".startswith(f"{e.name}."):     # try its parent
                 raise
     for name in parts[i:]:
         obj = getattr(obj, name)
