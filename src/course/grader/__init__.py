@@ -1,6 +1,7 @@
 """course.grader: autograde a class (instructors).
 
-grading (the class loop, grades.csv, journal, feedback, gradebook), autograde (one notebook,
-cell by cell, in a kernel inside a bubblewrap sandbox: sandbox, jupyter_kernel,
-kernel_guard).
+grading (the class loop, grades.csv, journal, feedback, gradebook), autograde (one notebook:
+the learner's cells in a kernel inside a bubblewrap sandbox (sandbox, jupyter_kernel, stubs),
+the tests in a trusted kernel reaching the learner's code as data: trusted_side,
+learner_side, wire, tests_setup).
 """

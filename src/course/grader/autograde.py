@@ -1,45 +1,35 @@
-"""Grade one notebook: the instructor's tests, run in the student's sandboxed kernel, and
-proven to have run.
+"""Grade one notebook: the learner's cells run in their sandboxed kernel, the lab's tests in
+a trusted kernel that never runs learner code and reaches it only as data (the bridge:
+trusted_side.py, learner_side.py, wire.py).
 
     plan(student notebook, instructor notebook) -> cells to run, in the student's order,
         every test cell taken from the instructor's source (hidden part included), a missing
         one put back after the cell it followed; grade_ids that are not this lab's tests
         are ordinary code
     run_plan(cells, sandbox):
-        fresh kernel; install the guard (kernel_guard.py); fingerprint F0
+        the learner's kernel (sandboxed; what the lab asks them to write is a stub there,
+        stubs.py) and the trusted kernel (the grader's own Python, connected to it)
         for each cell:
-            student code -> run it (time limit; a cell that swallows the interrupt or kills
-                            the kernel: restart, replay what ran before it, skip it)
-            test         -> fingerprint == F0, or "tampering detected" and no more tests;
-                            run its chunks (visible, then hidden); it earns its points when
-                            every chunk ran without error and the last one published
-                            HMAC(label) under this run's secret: proof that its body ran
+            student code -> the learner's kernel (time limit; a cell that swallows the
+                            interrupt or kills the kernel: restart both, replay, skip it)
+            test         -> the trusted kernel: the source's setup cells before it
+                            (tests_setup.py), the learner's names bound, its visible chunks
+                            (their output shown), then its hidden chunks case by case (the
+                            learner's printing dropped; a failure names only the case); it
+                            earns its points when every chunk ran without error
 """
 
 from __future__ import annotations
 
-import ast
-import hmac
-import json
-import re
-import secrets
 import time
 from dataclasses import dataclass, field
-from hashlib import sha256
-from pathlib import Path
 
 from ..authoring.build import graded_test_cells
-from .jupyter_kernel import MAX_SUBMISSION_BYTES, PROOF_MIME, Kernel, Reply
+from .jupyter_kernel import MAX_SUBMISSION_BYTES, Kernel
 from .sandbox import Sandbox
+from .tests_setup import HIDDEN, cases, learner_names, meta, setup_cells
 
-HIDDEN = re.compile(r"^[ \t]*### BEGIN HIDDEN TESTS[ \t]*\n(.*?)"
-                    r"^[ \t]*### END HIDDEN TESTS[ \t]*$\n?", re.MULTILINE | re.DOTALL)
-GUARD_SOURCE = (Path(__file__).parent / "kernel_guard.py").read_text()
 MAX_RESTARTS = 3
-
-
-def meta(cell) -> dict:
-    return cell.get("metadata", {}).get("nbgrader", {}) or {}
 
 
 @dataclass
@@ -67,9 +57,10 @@ class Cell:
     source: str
     test: Test | None = None
     outputs: list = field(default_factory=list)
-    status: str = "not run"        # "ok", "error", "timeout", "killed", "dead", "tampered"...
+    status: str = "not run"        # "ok", "error", "timeout", "killed", "dead"
     error: str = ""
     hidden_failed: bool = False
+    hidden_case: str = ""          # the label of the hidden case that failed
     earned: float = 0.0
 
 
@@ -132,7 +123,6 @@ def plan(student_nb, source_nb) -> tuple[list[Cell], list[str]]:
 class Outcome:
     cells: list[Cell]
     notes: list[str]
-    tampering: list[str] = field(default_factory=list)
     timed_out: str = ""            # why the whole submission was stopped, if it was
 
     @property
@@ -141,111 +131,108 @@ class Outcome:
 
 
 class Run:
-    """One submission's execution: the kernel, its guard, and the restarts."""
+    """One submission's two kernels and the restarts; `hidden=False` runs visible tests only
+    (the learner's self-check)."""
 
-    def __init__(self, sandbox: Sandbox, slot: int, timeout: float):
-        self.sandbox, self.slot, self.timeout = sandbox, slot, timeout
-        self.secret, self.name = secrets.token_hex(16), f"__labkit_{secrets.token_hex(6)}__"
-        self.kernel: Kernel | None = None
+    def __init__(self, sandbox: Sandbox, source_nb, slot: int = 0, timeout: float = 300,
+                 hidden: bool = True, lab: str = ""):
+        self.sandbox, self.slot, self.timeout, self.hidden = sandbox, slot, timeout, hidden
+        self.lab, self.names = lab, learner_names(source_nb)
+        self.setup = [(i, source_nb.cells[i].source) for i in setup_cells(source_nb)]
+        self.position = {meta(c)["grade_id"]: i for i, c in enumerate(source_nb.cells)
+                         if meta(c).get("grade")}
+        self.learner: Kernel | None = None
+        self.trusted: Kernel | None = None
         self.budget = [MAX_SUBMISSION_BYTES]      # output characters left, across restarts
         self.uid = sandbox.uid(slot)              # one per submission (restarts keep it)
-        self.baseline: dict = {}
-        self.counter = 0
-
-    def mac(self, text: str) -> str:
-        return hmac.new(self.secret.encode(), text.encode(), sha256).hexdigest()
-
-    def label(self) -> str:
-        self.counter += 1
-        return f"{self.name}:{self.counter}"
+        self.setup_done = 0
 
     def start(self) -> None:
-        """A fresh kernel with the guard installed, and the fingerprint before student code."""
+        """Fresh kernels: the learner's with the bridge's server and the lab's stubs, the
+        trusted one with a client of it."""
         self.close()
-        self.kernel = Kernel(self.sandbox, self.slot, self.budget, self.uid)
-        setup = (f"_d = {{'__name__': 'labkit_guard'}}\nexec({GUARD_SOURCE!r}, _d)\n"
-                 f"_d['install']({self.secret!r}, {self.name!r})\ndel _d\n")
-        reply = self.kernel.run(setup, timeout=60, silent=True)
+        self.learner = Kernel(self.sandbox, self.slot, self.budget, self.uid)
+        start = (f"import course.grader.learner_side\nimport course.grader.stubs\n"
+                 f"course.grader.stubs.install({self.lab!r})\n")
+        reply = self.learner.run(start, timeout=120, silent=True)
         if not reply.ok:
-            raise RuntimeError(f"the grader's guard did not install: {reply.error}")
-        self.baseline = self.fingerprint()
-        if not self.baseline:
-            raise RuntimeError("the grader's guard gave no fingerprint in a fresh kernel")
+            raise RuntimeError(f"the learner's kernel did not start the bridge: {reply.error}")
+        self.trusted = Kernel(Sandbox(self.sandbox.course, unsafe=True), self.slot, self.budget)
+        connect = (f"from course.grader.trusted_side import Bridge\n"
+                   f"__bridge__ = Bridge({self.learner.connection()!r}, timeout={self.timeout})"
+                   "\ndel Bridge\n")
+        reply = self.trusted.run(connect, timeout=120, silent=True)
+        if not reply.ok:
+            raise RuntimeError(f"the trusted kernel did not connect: {reply.error}")
+        self.setup_done = 0
 
-    def fingerprint(self) -> dict:
-        """The guard's state, or {} when it did not answer, or answered without the secret."""
-        label = self.label()
-        reply = self.kernel.run("", timeout=60, silent=True,
-                                expressions={"fp": f"{self.name}.fingerprint({label!r})"})
-        try:
-            text = json.loads(ast.literal_eval(reply.expressions["fp"]["data"]["text/plain"]))
-            state = json.dumps(text["state"], sort_keys=True)
-            return text["state"] if hmac.compare_digest(text["mac"],
-                                                        self.mac(label + state)) else {}
-        except (KeyError, TypeError, ValueError):
-            return {}
+    def alive(self) -> bool:
+        return self.learner.alive() and self.trusted.alive()
 
-    def changes(self) -> list[str]:
-        """What differs from the baseline fingerprint (empty: untampered)."""
-        now = self.fingerprint()
-        if not now:
-            return ["the grader's guard in the kernel was removed or did not answer"]
-        return sorted(k for k in self.baseline.keys() | now.keys()
-                      if self.baseline.get(k) != now.get(k))
+    def bind(self) -> None:
+        self.trusted.run(f"__bridge__.bind(globals(), {self.names!r})", 120, silent=True)
 
-    def proven(self, reply: Reply, label: str) -> bool:
-        """Whether the test's last line published this label's HMAC; removes it from outputs."""
-        proofs = [o for o in reply.outputs if PROOF_MIME in o.get("data", {})]
-        for o in proofs:
-            reply.outputs.remove(o)
-        return any(hmac.compare_digest(str(o["data"][PROOF_MIME]), self.mac(label))
-                   for o in proofs)
+    def quiet(self, hidden: bool) -> None:
+        self.trusted.run(f"__bridge__.hidden = {hidden}", 60, silent=True)
+
+    def prepare(self, test: Test) -> None:
+        """Run the source's setup cells that come before `test` and have not run yet."""
+        upto = self.position[test.grade_id]
+        while self.setup_done < len(self.setup) and self.setup[self.setup_done][0] < upto:
+            self.bind()
+            self.trusted.run(self.setup[self.setup_done][1], self.timeout, silent=True)
+            self.setup_done += 1
+        self.bind()
 
     def close(self) -> None:
-        if self.kernel is not None:
-            self.kernel.close()
-            self.kernel = None
+        for kernel in (self.learner, self.trusted):
+            if kernel is not None:
+                kernel.close()
+        self.learner = self.trusted = None
 
 
-def _restart(run: Run, cells: list[Cell], upto: int) -> None:
-    """A fresh kernel with every cell before `upto` that ran re-run, quietly, in order."""
-    run.start()
-    for cell in cells[:upto]:
-        if cell.kind == "code" and cell.status in ("ok", "error"):
-            code = [cell.source]
-        elif cell.kind == "test" and cell.status in ("ok", "error"):
-            code = [chunk for _, chunk in cell.test.chunks]
-        else:
+def _run_test(run: Run, cell: Cell, replay: bool = False) -> None:
+    """Run a test cell's chunks in the trusted kernel; it earns its points when all pass."""
+    run.prepare(cell.test)
+    run.quiet(replay)
+    for hidden, code in cell.test.chunks:
+        if hidden and not run.hidden:
             continue
-        for chunk in code:
-            if run.kernel.run(chunk, run.timeout, history=False).status not in ("ok", "error"):
-                raise RuntimeError("a cell that ran before failed to run again after a restart")
-
-
-def _run_test(run: Run, cell: Cell) -> None:
-    """Run a test cell's chunks; it earns its points only with the proof of its last line."""
-    label = run.label()
-    for k, (hidden, code) in enumerate(cell.test.chunks):
-        last = k == len(cell.test.chunks) - 1
-        reply = run.kernel.run(code + (f"\n{run.name}.proof({label!r})\n" if last else ""),
-                               run.timeout, history=not hidden)
-        proven = run.proven(reply, label) if last else True
-        if not hidden:
-            cell.outputs += reply.outputs
-        cell.status, cell.error = reply.status, reply.error
-        if not reply.ok:
-            cell.hidden_failed = hidden
-            return
-        if not proven:
-            cell.status = "unproven"
-            return
+        parts = cases(code) if hidden else [("", code)]
+        run.quiet(hidden or replay)
+        for label, part in parts:
+            reply = run.trusted.run(part, run.timeout, history=not (hidden or replay))
+            if not (hidden or replay):
+                cell.outputs += reply.outputs
+            cell.status, cell.error = reply.status, reply.error
+            if not reply.ok:
+                cell.hidden_failed, cell.hidden_case = hidden, label if hidden else ""
+                run.quiet(False)
+                return
+    run.quiet(False)
     cell.earned = cell.test.points
 
 
-def run_plan(cells: list[Cell], notes: list[str], sandbox: Sandbox, slot: int = 0,
-             timeout: float = 300, total_timeout: float = 3600) -> Outcome:
+def _restart(run: Run, cells: list[Cell], upto: int) -> None:
+    """Fresh kernels with every cell before `upto` that ran re-run, quietly, in order."""
+    run.start()
+    for cell in cells[:upto]:
+        if cell.status not in ("ok", "error"):
+            continue
+        if cell.kind == "code":
+            if run.learner.run(cell.source, run.timeout, history=False).status not in (
+                    "ok", "error"):
+                raise RuntimeError("a cell that ran before failed to run again after a restart")
+        elif cell.kind == "test":
+            _run_test(run, Cell("test", cell.source, cell.test), replay=True)
+
+
+def run_plan(cells: list[Cell], notes: list[str], sandbox: Sandbox, source_nb, slot: int = 0,
+             timeout: float = 300, total_timeout: float = 3600, hidden: bool = True,
+             lab: str = "") -> Outcome:
     """Execute the planned cells (see the module docstring); never raises for bad code."""
-    outcome, run = Outcome(cells, list(notes)), Run(sandbox, slot, timeout)
+    outcome = Outcome(cells, list(notes))
+    run = Run(sandbox, source_nb, slot, timeout, hidden, lab)
     deadline, restarts = time.monotonic() + total_timeout, 0
     try:
         run.start()
@@ -257,18 +244,11 @@ def run_plan(cells: list[Cell], notes: list[str], sandbox: Sandbox, slot: int = 
                                      "all; the tests after that point did not run")
                 break
             if cell.kind == "test":
-                if changed := run.changes():
-                    outcome.tampering.append(f"before {cell.test.grade_id}: "
-                                             + ", ".join(changed[:8]))
-                    cell.status = "tampered"
-                    break
                 _run_test(run, cell)
-                if cell.status == "unproven":
-                    outcome.tampering.append(f"{cell.test.grade_id} did not report that its "
-                                             "body ran (its code was skipped or rewritten)")
-                    break
+                if not run.alive():
+                    cell.status = "dead"
             else:
-                reply = run.kernel.run(cell.source, timeout)
+                reply = run.learner.run(cell.source, timeout)
                 cell.outputs, cell.status, cell.error = reply.outputs, reply.status, reply.error
             if cell.status in ("killed", "dead"):
                 restarts += 1
@@ -291,7 +271,9 @@ def run_plan(cells: list[Cell], notes: list[str], sandbox: Sandbox, slot: int = 
 
 
 def grade_notebook(student_nb, source_nb, sandbox: Sandbox, slot: int = 0,
-                   timeout: float = 300, total_timeout: float = 3600) -> Outcome:
+                   timeout: float = 300, total_timeout: float = 3600, hidden: bool = True,
+                   lab: str = "") -> Outcome:
     """plan + run_plan: the graded cells of one submission."""
     cells, notes = plan(student_nb, source_nb)
-    return run_plan(cells, notes, sandbox, slot, timeout, total_timeout)
+    return run_plan(cells, notes, sandbox, source_nb, slot, timeout, total_timeout, hidden,
+                    lab)

@@ -1,7 +1,7 @@
 """The feedback page a student gets back: their cells, the visible tests and what each earned.
 
 Safe to hand back: hidden tests never appear (neither their source nor anything they or the
-student's code printed while they ran; a failure shows only the exception's type), and
+student's code printed while they ran; a failure shows only the label of its case), and
 everything the student's notebook produced is escaped text. The only markup is ours; images
 are embedded only as base64 PNG/JPEG, checked character by character. No script, no link.
 """
@@ -60,14 +60,12 @@ def _output(o: dict) -> str:
 
 def _test_header(cell: Cell) -> str:
     t = cell.test
-    verdict = {"ok": "passed", "tampered": "not run: tampering detected",
-               "unproven": "not counted: it did not report that it ran",
-               "not run": "not run"}.get(cell.status)
+    verdict = {"ok": "passed", "not run": "not run"}.get(cell.status)
     if verdict is None:
-        # Nothing of a hidden failure's error: its class and text come from the learner's
-        # side and can carry what the hidden test did.
-        verdict = ("failed in the hidden tests" if cell.hidden_failed
-                   else "failed: " + _text(cell.error[:300]))
+        # Nothing of a hidden failure's error (it can carry what the hidden test did): the
+        # label the lab's author gave the case.
+        verdict = (f"failed a hidden test: {_text(cell.hidden_case or 'hidden tests')}"
+                   if cell.hidden_failed else "failed: " + _text(cell.error[:300]))
     css = "pass" if cell.earned else "fail"
     return (f'<h3 class="{css}">{_text(t.grade_id)}: {cell.earned:g} / {t.points:g} points, '
             f"{verdict}</h3>")

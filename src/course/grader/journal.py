@@ -20,7 +20,8 @@ from pathlib import Path
 from labkit.atomic import atomic_write_text
 from labkit.hashing import sha256_file
 
-GRADER_FILES = ("autograde.py", "jupyter_kernel.py", "kernel_guard.py", "sandbox.py")
+GRADER_FILES = ("autograde.py", "jupyter_kernel.py", "learner_side.py", "sandbox.py",
+                "stubs.py", "tests_setup.py", "trusted_side.py", "wire.py")
 
 
 def student_key(student: str) -> str:

@@ -37,10 +37,8 @@ MAX_OUTPUTS = 100          # outputs kept per request
 MAX_IMAGE = 2_000_000      # bytes of a base64 image kept
 MAX_CELL_BYTES = 4_000_000         # every mime type of every output of one request, together
 MAX_SUBMISSION_BYTES = 16_000_000  # the same over a whole submission (every request)
-# The only mime types kept (the rest is dropped: HTML and scripts are a hostile page's means);
-# the proof a test cell publishes is taken out by the grader before anything is shown.
-PROOF_MIME = "application/x-labkit-proof"
-KEPT_MIME = ("text/plain", "image/png", "image/jpeg", PROOF_MIME)
+# The only mime types kept (the rest is dropped: HTML and scripts are a hostile page's means).
+KEPT_MIME = ("text/plain", "image/png", "image/jpeg")
 MAX_MESSAGE = 64 << 20     # a larger message from the kernel drops its connection
 
 
@@ -126,6 +124,7 @@ class Kernel:
                 "iopub_port": 2, "stdin_port": 3, "control_port": 4, "hb_port": 5,
                 "key": new_id_bytes().decode(), "signature_scheme": "hmac-sha256"}
         (self.private / "kernel.json").write_text(json.dumps(info))
+        self.info = info
         argv = [sys.executable, "-m", "ipykernel_launcher", "-f", str(inside / "kernel.json")]
         self.log = open(self.private.parent / f"{self.private.name}.log", "w+b")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -146,6 +145,11 @@ class Kernel:
             time.sleep(0.05)
         self.client.start_channels()
         self.client.wait_for_ready(timeout=max(1.0, deadline - time.monotonic()))
+
+    def connection(self) -> dict:
+        """How a client on the host reaches this kernel (the trusted test kernel's bridge);
+        from the grader's memory, never from a file the kernel could have rewritten."""
+        return {**self.info, "ip": str(self.private / "kernel")}
 
     def stderr(self) -> str:
         self.log.seek(0)

@@ -18,6 +18,8 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterable, Iterator
 
+from . import bridged
+
 WHY = "this exercise rebuilds it, so it is switched off here"
 COURSE_PACKAGES = ("miniquant", "minimoe", "minigpt", "minituner", "minirl", "gpucompile")
 
@@ -127,10 +129,17 @@ def swap(target: object, replacement: object, namespace: dict | None = None
     return _rebound([(target, lambda label: replacement)], namespace)
 
 
+@contextlib.contextmanager
 def forbid(targets: Iterable[object], namespace: dict | None = None, why: str = WHY
-           ) -> contextlib.AbstractContextManager[None]:
+           ) -> Iterator[None]:
     """Replace every binding of each target (a function, class, kernel, or an `(owner, name)`
     pair) by a `Refuse` naming where it was reached, in the course packages and in
     `namespace`; restore all of them on exit. A target bound nowhere, or a pair naming a
-    missing attribute, raises before anything changes."""
-    return _rebound([(t, lambda label: Refuse(label, why)) for t in targets], namespace)
+    missing attribute, raises before anything changes. With the tests apart from the
+    learner's code (bridged.BRIDGE), the same happens in the learner's kernel too."""
+    targets = list(targets)
+    bridge = bridged.BRIDGE
+    here = [t for t in targets if not (bridge and bridge.owns(t))]
+    with _rebound([(t, lambda label: Refuse(label, why)) for t in here], namespace), \
+            (bridge.forbid(targets, why) if bridge else contextlib.nullcontext()):
+        yield

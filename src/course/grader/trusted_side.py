@@ -1,0 +1,397 @@
+"""The trusted test process's half of the bridge: learner names as proxies, data as data.
+
+A test cell here runs with every name the lab asks the learner to write bound to what the
+learner's kernel holds under it (`Bridge.bind`): data values (numbers, strings, tensors,
+containers of them) as exact copies, anything else as a `Remote`, a proxy whose every use is
+a request to the learner's kernel (course.grader.learner_side) answered with data:
+
+    remote(*args)      arguments travel by value (pickled; tensors in place of any tensor
+                       the call changes in place are written back); the torch RNG state and
+                       grad mode travel with the call, so seeds give the draws they would
+                       in one process; with grad enabled, the outputs that carry a graph are
+                       joined to this side's autograd (`_RemoteCall`): backward sends their
+                       gradients back and returns those of the inputs
+    remote.name        getattr (tensors come back as copies, .grad included)
+    remote.name = v    setattr; also [], len, iter, in, repr, str, bool, copy.deepcopy
+    isinstance(r, C)   by the nearest class of torch, builtins or the course packages in the
+                       learner's object's own class hierarchy, as the learner's side reports it
+
+A learner's exception comes back as its builtin base (`ValueError`, ...) or `LearnerError`.
+While `Bridge.hidden` is set (hidden tests), nothing the learner's kernel prints is shown.
+"""
+
+from __future__ import annotations
+
+import base64
+import builtins
+import contextlib
+import io
+import pickle
+import queue
+import sys
+import tempfile
+import time
+import types
+import weakref
+from pathlib import Path, PurePosixPath
+
+import torch
+
+from . import wire
+
+REPLY_TIMEOUT_S = 300.0
+MAX_PRINTED = 20_000          # characters of the learner's printing shown per request
+KNOWN_ROOTS = ("torch", "builtins", "collections", "minigpt", "miniquant", "minimoe",
+               "minituner", "minirl", "gpucompile", "triton", "numpy")
+
+
+class LearnerError(Exception):
+    """The learner's code raised an exception that is not one of wire.BUILTIN_ERRORS."""
+
+
+class LearnerKernelLost(Exception):
+    """The learner's kernel stopped answering (died, or ignored an interrupt)."""
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        return ("h", object.__getattribute__(obj, "_number")) if type(obj) is Remote else None
+
+
+def _known_class(names: str):
+    """The first class of `names` ("module.Qualname ...", the learner's object's class
+    hierarchy as its side reports it) that lives in a known package; Remote if none does."""
+    for name in names.split()[:32]:
+        module, _, qual = name.rpartition(".")
+        if module.split(".")[0] not in KNOWN_ROOTS or module not in sys.modules:
+            continue
+        obj = sys.modules[module]
+        for part in qual.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, type):
+            return obj
+    return Remote
+
+
+class Remote:
+    """A proxy for an object in the learner's kernel (see the module docstring)."""
+
+    __slots__ = ("_bridge", "_number", "_cls", "_callable", "__weakref__")
+
+    def __init__(self, bridge: Bridge, handle: wire.Handle):
+        for name, value in (("_bridge", bridge), ("_number", handle.number),
+                            ("_cls", handle.cls), ("_callable", handle.callable)):
+            object.__setattr__(self, name, value)
+
+    def _ask(self, op: str, **fields):
+        return object.__getattribute__(self, "_bridge").ask(
+            op, target=object.__getattribute__(self, "_number"), **fields)
+
+    @property
+    def __class__(self):
+        return _known_class(object.__getattribute__(self, "_cls"))
+
+    def __getattr__(self, name):
+        return self._ask("getattr", name=name)
+
+    def __setattr__(self, name, value):
+        self._ask("setattr", name=name, value=value)
+
+    def __delattr__(self, name):
+        self._ask("delattr", name=name)
+
+    def __call__(self, *args, **kwargs):
+        return object.__getattribute__(self, "_bridge").call(self, args, kwargs)
+
+    def __getitem__(self, key):
+        return self._ask("getitem", key=key)
+
+    def __setitem__(self, key, value):
+        self._ask("setitem", key=key, value=value)
+
+    def __len__(self):
+        return self._ask("len")
+
+    def __iter__(self):
+        return iter(self._ask("iter"))
+
+    def __contains__(self, value):
+        return self._ask("contains", value=value)
+
+    def __bool__(self):
+        return self._ask("bool")
+
+    def __repr__(self):
+        return self._ask("repr")
+
+    def __str__(self):
+        return self._ask("str")
+
+    def __deepcopy__(self, memo):
+        return self._ask("deepcopy")
+
+    def __copy__(self):
+        return self._ask("deepcopy")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a proxy for the learner's object travels only as its handle")
+
+
+class _RemoteCall(torch.autograd.Function):
+    """A learner's call inside this side's autograd graph: forward asks for the call, backward
+    for the gradients of its inputs (see learner_side._backward)."""
+
+    @staticmethod
+    def forward(ctx, bridge, box, _anchor, *inputs):
+        ctx.bridge, ctx.gid, ctx.n = bridge, box["gid"], len(inputs)
+        return tuple(box["outputs"][i] for i in range(len(box["outputs"])))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        got = ctx.bridge.ask("backward", gid=ctx.gid, grads=list(grads))
+        return (None, None, None, *(got + [None] * (ctx.n - len(got)))[:ctx.n])
+
+
+def _slots(value, tensors: list):
+    """`value` with every tensor in its lists, tuples and dicts moved into `tensors`."""
+    if isinstance(value, torch.Tensor) and type(value) is not Remote:
+        tensors.append(value)
+        return wire.Slot(len(tensors) - 1)
+    if type(value) in (list, tuple):
+        return type(value)(_slots(v, tensors) for v in value)
+    if type(value) is dict:
+        return {k: _slots(v, tensors) for k, v in value.items()}
+    return value
+
+
+def _ship(t: torch.Tensor) -> torch.Tensor:
+    """What of a tensor travels: its values, detached, a Parameter still a Parameter."""
+    if type(t) is torch.nn.Parameter:
+        return torch.nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+    return t.detach()
+
+
+def _swap(value, swaps: dict):
+    """`value` with each tensor whose id is in `swaps` replaced (autograd's outputs)."""
+    if isinstance(value, torch.Tensor) and id(value) in swaps:
+        return swaps[id(value)]
+    if type(value) in (list, tuple):
+        return type(value)(_swap(v, swaps) for v in value)
+    if type(value) is dict:
+        return {k: _swap(v, swaps) for k, v in value.items()}
+    return value
+
+
+class Bridge:
+    """A Jupyter client of the learner's kernel, asking one request at a time."""
+
+    def __init__(self, connection: dict, timeout: float = REPLY_TIMEOUT_S):
+        import zmq
+        from jupyter_client import BlockingKernelClient
+
+        context = zmq.Context()
+        context.setsockopt(zmq.MAXMSGSIZE, wire.MAX_REPLY + (1 << 20))
+        self.client = BlockingKernelClient(context=context)
+        self.client.load_connection_info(connection)
+        self.client.start_channels()
+        self.timeout, self.hidden = timeout, False
+        self.proxies: weakref.WeakValueDictionary[int, Remote] = weakref.WeakValueDictionary()
+        self.requests = 0
+        # copies of the learner's tensor attributes handed out: (copy, owner, name, version);
+        # one changed in place here is written back before the next request
+        self.copies: list[tuple[weakref.ref, int, str, int]] = []
+        from course.notebook import bridged
+
+        bridged.BRIDGE = self
+
+    def proxy(self, handle: wire.Handle) -> Remote:
+        remote = self.proxies.get(handle.number)
+        if remote is None:
+            remote = self.proxies[handle.number] = Remote(self, handle)
+        return remote
+
+    def _write_back(self) -> None:
+        """Send the copies of attributes changed in place here (`layer.lora_B.zero_()`)."""
+        live = []
+        for ref, owner, name, version in self.copies:
+            t = ref()
+            if t is None:
+                continue
+            if t._version != version:
+                self._send({"op": "setdata", "target": owner, "name": name,
+                            "tensors": [t.detach()]}, write_back=False)
+            live.append((ref, owner, name, t._version))
+        self.copies = live
+
+    def _send(self, request: dict, write_back: bool = True) -> wire.Decoded:
+        """Pickle `request`, run it as `serve(...)` in the learner's kernel, decode the reply."""
+        if write_back and self.copies:
+            self._write_back()
+        buffer = io.BytesIO()
+        _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(request)
+        code = ("__import__('course.grader.learner_side', fromlist=['serve']).serve("
+                f"{base64.b64encode(buffer.getvalue()).decode()!r})")
+        self.requests += 1
+        msg_id = self.client.execute(code, silent=True, store_history=False,
+                                     allow_stdin=False)
+        reply, printed = None, []
+        deadline = time.monotonic() + self.timeout
+        try:
+            while True:
+                try:
+                    msg = self.client.get_iopub_msg(timeout=1.0)
+                except queue.Empty:
+                    if time.monotonic() > deadline:
+                        self._interrupt()
+                        raise TimeoutError(f"your code did not answer in {self.timeout:g} s")
+                    if not self.client.is_alive():
+                        raise LearnerKernelLost("the kernel running your code died") from None
+                    continue
+                if msg["parent_header"].get("msg_id") != msg_id:
+                    continue
+                kind, content = msg["msg_type"], msg["content"]
+                if kind == "display_data" and wire.REPLY_MIME in content.get("data", {}):
+                    reply = content["data"][wire.REPLY_MIME]
+                elif kind == "stream" and not self.hidden:
+                    printed.append(str(content.get("text", ""))[:MAX_PRINTED])
+                elif kind == "status" and content.get("execution_state") == "idle":
+                    break
+        except KeyboardInterrupt:
+            self._interrupt()
+            raise
+        if printed:
+            sys.stdout.write("".join(printed)[:MAX_PRINTED])
+        if reply is None:
+            raise LearnerKernelLost("the kernel running your code sent no answer (was the "
+                                    "grader's bridge in it changed?)")
+        return wire.decode(reply, self.proxy)
+
+    def _interrupt(self) -> None:
+        self.client.control_channel.send(self.client.session.msg("interrupt_request"))
+
+    def _value(self, decoded: wire.Decoded):
+        value = decoded.value
+        if type(value) is not dict:
+            raise wire.InvalidReply("a reply is a dict")
+        if "error" in value:
+            name, base, message = (str(x)[:4000] for x in value["error"])
+            if base in wire.BUILTIN_ERRORS:
+                raise getattr(builtins, base)(message if name == base else f"({name}) {message}")
+            raise LearnerError(f"{name}: {message}")
+        return value
+
+    def ask(self, op: str, **fields):
+        """One request that is not a call; its value."""
+        tensors: list = []
+        request = {"op": op, **{k: _slots(v, tensors) for k, v in fields.items()},
+                   "tensors": [_ship(t) for t in tensors]}
+        if op == "backward":
+            request["grads"] = [None if g is None else g.detach() for g in fields["grads"]]
+            request["tensors"] = []
+        value = self._value(self._send(request))["value"]
+        if op == "getattr" and isinstance(value, torch.Tensor):
+            self.copies.append((weakref.ref(value), fields["target"], fields["name"],
+                                value._version))
+        return value
+
+    def call(self, remote: Remote, args: tuple, kwargs: dict):
+        tensors: list = []
+        args, kwargs = _slots(list(args), tensors), _slots(dict(kwargs), tensors)
+        grad = torch.is_grad_enabled()
+        request = {"op": "call", "target": object.__getattribute__(remote, "_number"),
+                   "args": args, "kwargs": kwargs, "grad": grad,
+                   "tensors": [_ship(t) for t in tensors],
+                   "requires_grad": [t.requires_grad for t in tensors],
+                   "rng": torch.get_rng_state(), "dtype": torch.get_default_dtype()}
+        decoded = self._send(request)
+        value = self._value(decoded)
+        torch.set_rng_state(value["rng"])
+        with torch.no_grad():
+            for i, new in value["changed"].items():
+                if type(i) is int and 0 <= i < len(tensors) and \
+                        new.shape == tensors[i].shape and new.dtype == tensors[i].dtype:
+                    tensors[i].copy_(new)
+        result = value["value"]
+        if value["gid"] is None or not decoded.outputs:
+            return result
+        outputs = [decoded.outputs[i] for i in sorted(decoded.outputs)]
+        inputs = [t for t in tensors if t.requires_grad]
+        box = {"gid": value["gid"], "outputs": outputs}
+        anchor = torch.zeros((), requires_grad=True)   # so that the outputs join the graph
+        joined = _RemoteCall.apply(self, box, anchor, *inputs)
+        return _swap(result, {id(o): j for o, j in zip(outputs, joined)})
+
+    def bind(self, namespace: dict, names: list[str]) -> None:
+        """Each of `names` the learner's kernel defines, into `namespace` (see the module
+        docstring); a name it does not define is removed, as if never defined."""
+        self.ask("release")
+        for name in names:
+            try:
+                namespace[name] = self.ask("global", target=name)
+            except AttributeError:
+                namespace.pop(name, None)
+
+    # -- what course.notebook.bridged and forbid ask of the learner's kernel ----------------
+
+    def owns(self, target) -> bool:
+        """Whether `target` (or the owner of an (owner, name) pair) is the learner's."""
+        if type(target) is tuple and len(target) == 2:
+            target = target[0]
+        return type(target) is Remote
+
+    def _spec(self, target) -> tuple:
+        from course.notebook.forbid import bindings
+
+        if type(target) is Remote:
+            return ("h", object.__getattribute__(target, "_number"))
+        if not (type(target) is tuple and len(target) == 2 and isinstance(target[1], str)):
+            found = [(o, n) for o, n in bindings(target) if not isinstance(o, dict)]
+            if not found:
+                raise LookupError(f"{target!r} is bound nowhere in the course packages")
+            target = found[0]
+        owner, name = target
+        if type(owner) is Remote:
+            return ("ha", object.__getattribute__(owner, "_number"), name)
+        if isinstance(owner, types.ModuleType):
+            return ("m", owner.__name__, name)
+        if isinstance(owner, type):
+            return ("c", owner.__module__, owner.__qualname__, name)
+        raise TypeError(f"cannot forbid {target!r} in the learner's kernel")
+
+    @contextlib.contextmanager
+    def forbid(self, targets: list, why: str):
+        self.ask("forbid", specs=[self._spec(t) for t in targets], why=why)
+        try:
+            yield
+        finally:
+            self.ask("unforbid")
+
+    def is_subclass(self, cls: Remote, base: type) -> bool:
+        return self.ask("subclass", target=object.__getattribute__(cls, "_number"),
+                        base=f"{base.__module__}.{base.__qualname__}")
+
+    def in_learner(self, source: str, name: str, args: tuple, kwargs: dict):
+        return self.ask("run_check", source=source, name=name, args=list(args), kwargs=kwargs)
+
+    def learner_dir(self) -> str:
+        return self.ask("learner_dir")
+
+    def fetch_dir(self, path: str) -> Path:
+        files = self.ask("read_dir", path=path)
+        local = Path(tempfile.mkdtemp(prefix="lab-fetched-"))
+        for name, data in files.items():
+            parts = PurePosixPath(name).parts if type(name) is str else ()
+            if type(name) is not str or type(data) is not bytes or not parts or ".." in parts \
+                    or name.startswith("/"):
+                raise wire.InvalidReply(f"a file name {name!r} outside the folder")
+            (local / name).parent.mkdir(parents=True, exist_ok=True)
+            (local / name).write_bytes(data)
+        return local
+
+    def send_dir(self, local: Path) -> str:
+        files = {str(p.relative_to(local)): p.read_bytes()
+                 for p in sorted(local.rglob("*")) if p.is_file()}
+        return self.ask("write_dir", files=files)
+
+    def close(self) -> None:
+        self.client.stop_channels()
