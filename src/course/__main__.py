@@ -67,7 +67,7 @@ def _which_lab(root: Path) -> InputError:
 def _check(args) -> int:
     if args.lab is None:
         raise _which_lab(Path(args.root))
-    from .authoring.exercises import self_check
+    from .grader.check import self_check
 
     notebook = Path(args.notebook) if args.notebook else None
     return 0 if self_check(Path(args.root), args.lab, notebook,

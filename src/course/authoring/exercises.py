@@ -1,5 +1,5 @@
 """Prove every exercise is graded (blank one solution region at a time, some test must fail),
-and let a learner check their notebook against its visible tests (`self_check`).
+and find the notebook a learner's `check` runs (course.grader.check runs it).
 
 A region is the code between `### BEGIN SOLUTION` and `### END SOLUTION`; blanking it the
 way nbgrader does (the region becomes `CODE_STUB` at its indentation)
@@ -13,12 +13,10 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
-from nbclient.exceptions import DeadKernelError
 
 from labkit.errors import InputError
 
 from ..learner import WORK, notebook_to_check, release_notebook_path, released_labs
-from ..notebook.mine import save
 from ..quiet import client_options
 from .build import CELL_TIMEOUT_S, CODE_STUB, graded_test_cells, lab_names, source_notebook
 
@@ -127,42 +125,3 @@ def notebook_for_check(root: Path, lab: str, notebook: Path | None
     if not graded_test_cells(nb):
         raise InputError(f"{named} has no graded test cells: is it a lab notebook?")
     return path, nb
-
-
-def self_check(root: Path, lab: str, notebook: Path | None = None,
-               timeout: int = CELL_TIMEOUT_S) -> bool:
-    """Run a learner's notebook and print each visible test with its points.
-
-    The notebook (see `notebook_for_check`) runs from its own folder, as in JupyterLab; the
-    file is read, never written. True when every test cell passes; the hidden tests exist
-    only in solutions/ and run when the notebook is graded.
-    """
-    root = root.resolve()
-    path, nb = notebook_for_check(root, lab, notebook)
-    try:
-        passed = test_results(nb, path.parent, timeout)   # executes `nb` in place
-    except DeadKernelError as e:
-        raise InputError(f"{path}: the kernel died while running it (a cell ended the Python "
-                         "process, e.g. os._exit or out of memory)") from e
-    print(f"{lab}: visible tests of {path}")
-    setup = failed_setup(nb)
-    if setup:
-        print(f"  setup cell {setup[1]} failed: {' '.join(setup[2].split())}; the tests below "
-              "it cannot run")
-    below = {id(c) for c in nb.cells[setup[0] + 1:]} if setup else set()
-    earned = total = 0
-    for cell in graded_test_cells(nb):
-        grade_id, points = cell.metadata.nbgrader.grade_id, cell.metadata.nbgrader.points
-        error = error_of(cell)
-        if error and id(cell) in below:
-            error = f"cannot run: setup cell {setup[1]} failed"
-        earned, total = earned + (0 if error else points), total + points
-        print(f"  {'FAIL' if error else 'PASS'}  {grade_id:<40} "
-              f"{0 if error else points:g} / {points:g}" + (f"   {error[:100]}" if error else ""))
-    print(f"{earned:g} / {total:g} points from the visible tests "
-          "(the grader also runs hidden tests)")
-    if path != release_notebook_path(root, lab).resolve() and any(passed.values()):
-        saved = save(root, lab, nbformat.read(path, as_version=4), passed, path)
-        print(f"your definitions are saved to {saved.relative_to(root)}: `use(\"mine\")` runs "
-              f"the pieces whose tests passed (`python -m course mine` lists them)")
-    return all(passed.values())

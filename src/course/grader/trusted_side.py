@@ -197,9 +197,10 @@ class Bridge:
         self.timeout, self.hidden = timeout, False
         self.proxies: weakref.WeakValueDictionary[int, Remote] = weakref.WeakValueDictionary()
         self.requests = 0
-        # copies of the learner's tensor attributes handed out: (copy, owner, name, version);
-        # one changed in place here is written back before the next request
-        self.copies: list[tuple[weakref.ref, int, str, int]] = []
+        # copies of the learner's tensor attributes handed out in this test cell: (copy,
+        # owner, name, version); one changed in place here (even a temporary one:
+        # `layer.lora_B.zero_()`) is written back before the next request
+        self.copies: list[tuple[torch.Tensor, int, str, int]] = []
         from course.notebook import bridged
 
         bridged.BRIDGE = self
@@ -212,16 +213,11 @@ class Bridge:
 
     def _write_back(self) -> None:
         """Send the copies of attributes changed in place here (`layer.lora_B.zero_()`)."""
-        live = []
-        for ref, owner, name, version in self.copies:
-            t = ref()
-            if t is None:
-                continue
+        for k, (t, owner, name, version) in enumerate(self.copies):
             if t._version != version:
                 self._send({"op": "setdata", "target": owner, "name": name,
                             "tensors": [t.detach()]}, write_back=False)
-            live.append((ref, owner, name, t._version))
-        self.copies = live
+                self.copies[k] = (t, owner, name, t._version)
 
     def _send(self, request: dict, write_back: bool = True) -> wire.Decoded:
         """Pickle `request`, run it as `serve(...)` in the learner's kernel, decode the reply."""
@@ -290,8 +286,7 @@ class Bridge:
             request["tensors"] = []
         value = self._value(self._send(request))["value"]
         if op == "getattr" and isinstance(value, torch.Tensor):
-            self.copies.append((weakref.ref(value), fields["target"], fields["name"],
-                                value._version))
+            self.copies.append((value, fields["target"], fields["name"], value._version))
         return value
 
     def call(self, remote: Remote, args: tuple, kwargs: dict):
@@ -325,6 +320,7 @@ class Bridge:
         """Each of `names` the learner's kernel defines, into `namespace` (see the module
         docstring); a name it does not define is removed, as if never defined."""
         self.ask("release")
+        self.copies.clear()
         for name in names:
             try:
                 namespace[name] = self.ask("global", target=name)

@@ -1,0 +1,66 @@
+"""`make check LAB=NN-name`: a learner's notebook graded as the grader grades it, visible tests
+only.
+
+The learner's cells run in a kernel of their own and the lab's visible tests (from the
+release notebook, so an edited test cell is put back) in a trusted kernel, through the same
+bridge as grading (autograde.py), so the verdict is the one the grader will give; there is
+no sandbox (it is the learner's own machine). The hidden tests exist only in solutions/ and
+run when the notebook is graded. The file is read, never written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+
+from ..authoring.build import CELL_TIMEOUT_S
+from ..authoring.exercises import notebook_for_check
+from ..learner import release_notebook_path
+from ..notebook.mine import save
+from .autograde import grade_notebook
+from .sandbox import Sandbox
+
+
+def _first_line_of_setup_failure(cells) -> str:
+    """The first learner cell above every test that failed (an import error, say), or ""."""
+    for i, cell in enumerate(cells, start=1):
+        if cell.kind == "test":
+            return ""
+        if cell.kind == "code" and cell.status not in ("ok", "not run"):
+            return f"cell {i} failed ({' '.join(cell.error.split())[:300]}); the tests need it"
+    return ""
+
+
+def self_check(root: Path, lab: str, notebook: Path | None = None,
+               timeout: int = CELL_TIMEOUT_S) -> bool:
+    """Print each visible test with its points and, for a failure, its whole message; True
+    when every test passes."""
+    root = root.resolve()
+    path, nb = notebook_for_check(root, lab, notebook)
+    release = nbformat.read(release_notebook_path(root, lab), as_version=4)
+    outcome = grade_notebook(nb, release, Sandbox(root, unsafe=True), timeout=timeout,
+                             total_timeout=timeout * 20 + 600, hidden=False, lab=lab)
+    print(f"{lab}: visible tests of {path}")
+    if setup := _first_line_of_setup_failure(outcome.cells):
+        print(f"  {setup}")
+    for note in outcome.notes:
+        print(f"  note: {note}")
+    passed: dict[str, bool] = {}
+    earned = total = 0.0
+    for cell in (c for c in outcome.cells if c.kind == "test"):
+        grade_id, points, ok = cell.test.grade_id, cell.test.points, cell.earned > 0
+        passed[grade_id] = ok or points == 0 and cell.status == "ok"
+        earned, total = earned + cell.earned, total + points
+        print(f"  {'PASS' if passed[grade_id] else 'FAIL'}  {grade_id:<40} "
+              f"{cell.earned:g} / {points:g}")
+        if not passed[grade_id]:
+            message = cell.error if cell.status != "not run" else "not run"
+            print("".join(f"        {line}\n" for line in message.splitlines()[:12]), end="")
+    print(f"{earned:g} / {total:g} points from the visible tests "
+          "(the grader also runs hidden tests)")
+    if path != release_notebook_path(root, lab).resolve() and any(passed.values()):
+        saved = save(root, lab, nbformat.read(path, as_version=4), passed, path)
+        print(f"your definitions are saved to {saved.relative_to(root)}: `use(\"mine\")` runs "
+              f"the pieces whose tests passed (`python -m course mine` lists them)")
+    return all(passed.values())

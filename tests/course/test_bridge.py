@@ -1,0 +1,279 @@
+"""The bridge between the trusted test kernel and the learner's kernel (course.grader: wire,
+learner_side, trusted_side): data only comes back, and what the tests see equals one process.
+
+The kernel-backed tests start one learner kernel (no sandbox: these test the bridge, the
+sandbox has its own tests) and talk to it from this process, as the trusted kernel does.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from course.grader import wire
+from course.grader.jupyter_kernel import Kernel
+from course.grader.sandbox import Sandbox
+from course.grader.trusted_side import Bridge, LearnerError, LearnerKernelLost, Remote
+from course.notebook import bridged
+from course.notebook.forbid import forbid
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def reply(tree, tensors=None) -> str:
+    blob = save(tensors) if tensors else b""
+    return json.dumps({"v": tree, "st": base64.b64encode(blob).decode()})
+
+
+# -- wire: what decodes, and what does not ----------------------------------------------------
+
+def test_every_data_type_round_trips_with_its_exact_type():
+    value = [1, 2.5, True, None, "s", (1, (2,)), {"k": [3], 4: 5}, {1, 2}, frozenset({3}),
+             b"\x00\xff", 1 + 2j, torch.float16, torch.device("cpu"), torch.Size([2, 3]),
+             slice(1, None, 2), Ellipsis, float("nan")]
+    enc = wire.Encoder(lambda obj: 0)
+    back = wire.decode(wire.pack(enc(value), enc.tensors), lambda h: h).value
+    assert [type(v) for v in back] == [type(v) for v in value]
+    assert back[:-1] == value[:-1] and back[-1] != back[-1]
+
+
+def test_tensors_come_back_as_plain_tensors_with_grad_and_parameter_kind():
+    p = torch.nn.Parameter(torch.randn(2, 3))
+    p.grad = torch.ones(2, 3)
+    enc = wire.Encoder(lambda obj: 0)
+    t, q = wire.decode(wire.pack(enc([torch.arange(4), p]), enc.tensors), lambda h: h).value
+    assert type(t) is torch.Tensor and torch.equal(t, torch.arange(4))
+    assert type(q) is torch.nn.Parameter and torch.equal(q, p) and torch.equal(q.grad, p.grad)
+
+
+def test_a_learner_subclass_of_a_data_type_is_a_handle_not_data():
+    class AlwaysEqual(list):
+        def __eq__(self, other):
+            return True
+
+    enc = wire.Encoder(lambda obj: 7)
+    got = wire.decode(wire.pack(enc(AlwaysEqual([1])), enc.tensors), lambda h: h).value
+    assert type(got) is wire.Handle and got.number == 7 and "AlwaysEqual" in got.cls
+
+
+@pytest.mark.parametrize("tree, why", [
+    ({"X": []}, "unknown node"),
+    ({"L": [1], "T": [2]}, "not data"),
+    ({"t": "t9", "p": False, "r": False, "g": None, "o": None}, "not in the reply"),
+    ({"dt": "object"}, "unknown node"),
+    ({"dev": "file:///etc"}, "unknown node"),
+    ({"h": "1", "c": "x", "k": True}, "unknown node"),
+    ([1], "not data"),
+])
+def test_a_malformed_reply_is_refused(tree, why):
+    with pytest.raises(wire.InvalidReply, match=why):
+        wire.decode(reply(tree), lambda h: h)
+
+
+def test_a_grad_of_another_shape_and_a_deep_or_huge_reply_are_refused():
+    t = {"t0": torch.zeros(2), "t1": torch.zeros(3)}
+    with pytest.raises(wire.InvalidReply, match="shape"):
+        wire.decode(reply({"t": "t0", "p": False, "r": False, "g": "t1", "o": None}, t),
+                    lambda h: h)
+    deep = 0
+    for _ in range(200):
+        deep = {"L": [deep]}
+    with pytest.raises(wire.InvalidReply, match="deep"):
+        wire.decode(reply(deep), lambda h: h)
+    with pytest.raises(wire.InvalidReply, match="at most"):
+        wire.decode("x" * (wire.MAX_REPLY + 1), lambda h: h)
+    with pytest.raises(wire.InvalidReply, match="safetensors"):
+        wire.decode(json.dumps({"v": 1, "st": base64.b64encode(b"junk").decode()}), lambda h: h)
+
+
+# -- one learner kernel, asked from here -----------------------------------------------------
+
+LEARNER = '''
+import math, torch, torch.nn as nn
+from pathlib import Path
+
+def scale(x, s=2.0):
+    return x * s + 1
+
+class Lin(nn.Module):
+    def __init__(self, base, r=4):
+        super().__init__()
+        if r <= 0:
+            raise ValueError(f"r must be positive, got {r}")
+        base.requires_grad_(False)
+        self.base, self.drop = base, nn.Dropout(0.5)
+        self.A = nn.Parameter(torch.randn(r, base.in_features))
+        self.B = nn.Parameter(torch.zeros(base.out_features, r))
+
+    def forward(self, x):
+        return self.base(x) + self.drop(x) @ self.A.t() @ self.B.t()
+
+class MatMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w.t(), x.t() @ g
+
+def triple_into(out, x):
+    out.copy_(x * 3)
+
+def shout():
+    print("printed by the learner")
+    raise KeyError("nope")
+
+class Custom(Exception):
+    pass
+
+def custom():
+    raise Custom("mine")
+
+class AlwaysEqual(list):
+    def __eq__(self, other):
+        return True
+
+def always_equal():
+    return AlwaysEqual([0])
+
+def calls_sum(x):
+    return torch.sum(x)
+
+def save_to(folder):
+    (Path(folder) / "a.txt").write_text("hi")
+
+def read_from(folder):
+    return (Path(folder) / "b.txt").read_text()
+
+CONST = torch.arange(5.)
+# the learner's kernel patches torch: only its own process is fooled
+torch.testing.assert_close = lambda *a, **k: None
+torch.allclose = lambda *a, **k: True
+'''
+NAMES = ["scale", "Lin", "MatMul", "triple_into", "shout", "custom", "always_equal",
+         "calls_sum", "save_to", "read_from", "CONST", "not_defined"]
+
+
+@pytest.fixture(scope="module")
+def learner():
+    kernel = Kernel(Sandbox(ROOT, unsafe=True), slot=0)
+    assert kernel.run(LEARNER, timeout=120).ok
+    bridge = Bridge(kernel.connection(), timeout=60)
+    ns: dict = {}
+    bridge.bind(ns, NAMES)
+    yield bridge, ns, kernel
+    bridged.BRIDGE = None
+    bridge.close()
+    kernel.close()
+
+
+def test_names_bind_as_data_or_proxies(learner):
+    _, ns, _ = learner
+    assert "not_defined" not in ns
+    assert type(ns["CONST"]) is torch.Tensor and torch.equal(ns["CONST"], torch.arange(5.))
+    assert type(ns["scale"]) is Remote
+
+
+def test_calls_and_autograd_equal_one_process(learner):
+    _, ns, _ = learner
+    x = torch.randn(3, 4, requires_grad=True)
+    ns["scale"](x, s=3.0).sum().backward()
+    assert torch.equal(x.grad, torch.full((3, 4), 3.0))
+    xx = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    ww = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(ns["MatMul"].apply, (xx, ww))
+
+
+def test_modules_rng_attributes_and_write_back(learner):
+    _, ns, _ = learner
+    layer = ns["Lin"](torch.nn.Linear(4, 2), r=3)
+    assert isinstance(layer, torch.nn.Module) and layer.train() is layer
+    assert type(layer.A) is torch.nn.Parameter and not layer.base.weight.requires_grad
+    assert isinstance(layer.drop, torch.nn.Dropout) and layer.drop.p == 0.5
+    torch.manual_seed(7)
+    y1 = layer(torch.ones(2, 4))
+    torch.manual_seed(7)
+    assert torch.equal(y1, layer(torch.ones(2, 4))), "the RNG state did not travel"
+    with torch.no_grad():
+        layer.B.fill_(1.0)                      # a copy, changed here: written back
+    layer.eval()
+    layer(torch.ones(2, 4)).sum().backward()
+    assert layer.A.grad is not None and torch.equal(layer.B, torch.ones(2, 3))
+    assert [n for n, p in layer.named_parameters() if p.requires_grad] == ["A", "B"]
+    out = torch.zeros(3)
+    ns["triple_into"](out, torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 3.0))
+    assert bridged.is_subclass(ns["Lin"], torch.nn.Module)
+
+
+def test_errors_arrive_as_builtin_bases_or_learner_error(learner, capsys):
+    _, ns, _ = learner
+    with pytest.raises(ValueError, match="r must be positive"):
+        ns["Lin"](torch.nn.Linear(2, 2), r=0)
+    with pytest.raises(KeyError):
+        ns["shout"]()
+    assert "printed by the learner" in capsys.readouterr().out
+    with pytest.raises(LearnerError, match="Custom: mine"):
+        ns["custom"]()
+
+
+def test_the_learners_patches_and_objects_cannot_pass_a_check(learner):
+    _, ns, _ = learner
+    got = ns["always_equal"]()
+    assert type(got) is Remote and got != [1] and not torch.allclose(torch.zeros(1),
+                                                                     torch.ones(1))
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(torch.zeros(1), torch.ones(1))
+
+
+def test_hidden_mode_drops_the_learners_printing(learner, capsys):
+    bridge, ns, _ = learner
+    bridge.hidden = True
+    try:
+        with pytest.raises(KeyError):
+            ns["shout"]()
+    finally:
+        bridge.hidden = False
+    assert "printed by the learner" not in capsys.readouterr().out
+
+
+def test_forbid_files_and_in_process_checks_reach_the_learners_kernel(learner, tmp_path):
+    _, ns, _ = learner
+    with forbid([(torch, "sum")], ns, why="no sum"), pytest.raises(AssertionError,
+                                                                    match="no sum"):
+        ns["calls_sum"](torch.ones(2))
+    assert ns["calls_sum"](torch.ones(2)) == 2
+    folder = bridged.learner_dir()
+    ns["save_to"](folder)
+    assert (bridged.fetch_dir(folder) / "a.txt").read_text() == "hi"
+    (tmp_path / "b.txt").write_text("yo")
+    assert ns["read_from"](bridged.send_dir(tmp_path)) == "yo"
+
+    def probe(n):
+        return [type(scale).__name__, n]  # noqa: F821  (a learner global, there)
+
+    assert bridged.in_learner(probe, 3) == ["function", 3]
+
+
+def test_a_tampered_server_gives_an_error_never_a_value(learner):
+    bridge, ns, kernel = learner
+    assert kernel.run("import course.grader.learner_side as _s\n_real = _s.serve\n"
+                      "_s.serve = lambda payload: None", timeout=30).ok
+    try:
+        with pytest.raises(LearnerKernelLost, match="no answer"):
+            ns["scale"](torch.ones(1))
+        assert kernel.run("from IPython.display import publish_display_data as _p\n"
+                          "_s.serve = lambda payload: _p({'application/x-course-reply': "
+                          "'{\"v\": {\"X\": 1}, \"st\": \"\"}'})", timeout=30).ok
+        with pytest.raises(wire.InvalidReply):
+            ns["scale"](torch.ones(1))
+    finally:
+        assert kernel.run("_s.serve = _real", timeout=30).ok
