@@ -149,9 +149,19 @@ def test_each_submission_gets_a_fresh_uid_as_root(monkeypatch):
     assert f"--reuid={uids[1]}" in argv_of(box, uids[1])
 
 
-def test_a_hidden_failure_shows_nothing_of_its_error():
-    test = Test("test_x", 2.0, [(False, "f(1)"), (True, "assert f(2) == 3")], "f(1)")
+def test_a_hidden_failure_shows_its_case_label_and_nothing_of_its_error():
+    test = Test("test_x", 2.0, [(False, "f(1)"), (True, "# case: a tie\nassert f(2) == 3")],
+                "f(1)")
     cell = Cell("test", test.visible, test, status="error", hidden_failed=True,
-                error="LEAK_assert_f_2_eq_3: AssertionError('assert f(2) == 3')")
+                hidden_case="a tie", error="LEAK_assert_f_2_eq_3: AssertionError('f(2) == 3')")
     page = render("ann", LAB, 0, 2, "graded", [cell])
-    assert "failed in the hidden tests" in page and "LEAK" not in page and "f(2)" not in page
+    assert "failed a hidden test: a tie" in page and "LEAK" not in page and "f(2)" not in page
+
+
+def test_a_hidden_chunk_splits_at_its_case_labels():
+    from course.grader.tests_setup import cases
+
+    code = "x = 1\n# case: a float64 base\nassert x\nfor i in range(2):\n    pass\n" \
+           "# case: a tie\nassert x == 1\n"
+    assert [label for label, _ in cases(code)] == ["hidden tests", "a float64 base", "a tie"]
+    assert "".join(part for _, part in cases(code)) == code

@@ -184,7 +184,9 @@ def cases(lab: Lab, tmp: Path) -> dict[str, tuple[object, float, str]]:
     pasted.cells.insert(3, copy.deepcopy(next(c for c in other.cells if meta(c).get("solution"))))
     pasted.cells.insert(4, copy.deepcopy(next(c for c in other.cells if meta(c).get("grade"))))
     partial = {first, last}
-    hostile = {name: (with_cell(full, code), 0, "tampering detected")
+    # the tests run apart from the learner's kernel: an attack there on a blank notebook
+    # changes nothing (test_grading_hostile.py has the families on several labs)
+    hostile = {name: (with_cell(blank, code), 0, "graded")
                for name, code in attacks(tmp).items()}
     for name in ("gradebook", "detached", "snoop"):     # harmless in the sandbox: full marks
         hostile[name] = (hostile[name][0], lab.max, "graded")
@@ -482,17 +484,20 @@ def test_no_bubblewrap_refuses_and_says_how_to_install(monkeypatch):
     sandbox.Sandbox(ROOT, unsafe=True).check()          # refusing is the sandbox's job only
 
 
-def test_unsafe_no_sandbox_still_grades_and_guards():
+def test_unsafe_no_sandbox_still_grades_apart():
     """Without bubblewrap (--unsafe-no-sandbox) the grading itself is the same."""
     from course.grader.autograde import grade_notebook
     from course.grader.sandbox import Sandbox
     lab = Lab()
     full = lab.submission(set(lab.solutions))
-    outcome = grade_notebook(full, lab.source, Sandbox(ROOT, unsafe=True), timeout=TIMEOUT_S)
-    assert outcome.score == lab.max and not outcome.tampering
+    outcome = grade_notebook(full, lab.source, Sandbox(ROOT, unsafe=True), timeout=TIMEOUT_S,
+                             lab=LAB)
+    assert outcome.score == lab.max, [(c.test.grade_id, c.error) for c in outcome.cells
+                                      if c.kind == "test" and not c.earned]
     cheat = with_cell(lab.submission(set()), attacks(Path("/nonexistent"))["transformer"])
-    outcome = grade_notebook(cheat, lab.source, Sandbox(ROOT, unsafe=True), timeout=TIMEOUT_S)
-    assert outcome.score == 0 and "input_transformers_post" in outcome.tampering[0]
+    outcome = grade_notebook(cheat, lab.source, Sandbox(ROOT, unsafe=True), timeout=TIMEOUT_S,
+                             lab=LAB)
+    assert outcome.score == 0
 
 
 @pytest.mark.parametrize("lab", lab_names(ROOT))
@@ -506,6 +511,7 @@ def test_feedback_of_every_lab_hides_its_hidden_tests(lab):
     tests = [c for c in cells if c.kind == "test"]
     for k, cell in enumerate(tests):
         cell.status, cell.hidden_failed = ("ok", False) if k % 2 else ("error", True)
+        cell.hidden_case = "a labelled case" if k % 4 == 0 else ""
         cell.error = "AssertionError: secret expected value"
     page = render("student", lab, 0, 1, "graded", cells)
     visible = "\n".join(c.source for c in cells)
