@@ -32,7 +32,7 @@ from labkit.atomic import atomic_write_text
 from labkit.errors import InputError
 
 from ..authoring.build import CELL_TIMEOUT_S, graded_test_cells, lab_names, source_notebook
-from . import journal
+from . import cgroup, journal
 from .autograde import grade_notebook
 from .feedback import render
 from .gradebook import record
@@ -266,8 +266,11 @@ def grade(submissions: Path, root: Path, out: Path | None = None,
     students, found, notes = find_submissions(submissions.resolve(), labs)
     if not students:
         raise InputError(f"SUBMISSIONS {submissions} holds no student folders")
-    sandbox = Sandbox(root, unsafe=unsafe_no_sandbox)
+    why_not = "no sandbox" if unsafe_no_sandbox else cgroup.why_not()
+    sandbox = Sandbox(root, unsafe=unsafe_no_sandbox, cgroups=not why_not)
     sandbox.check()
+    print("resource limits: " + ("memory, tasks and CPU weight per submission (a cgroup v2 each)"
+                                 if not why_not else f"per process only ({why_not})"))
     graded_labs = sorted({lab for _, lab in found}) or labs
     grader = _Grader(root, out, graded_labs, sandbox, jobs, timeout)
     rows, todo = [], []

@@ -28,7 +28,8 @@ import zmq
 from jupyter_client import BlockingKernelClient
 from jupyter_client.session import new_id_bytes
 
-from .sandbox import INSIDE, Sandbox
+from .cgroup import Cgroup
+from .sandbox import RUN, Sandbox
 
 GRACE_S = 10.0             # after an interrupt, how long a cell gets to stop by itself
 START_TIMEOUT_S = 120.0
@@ -119,7 +120,7 @@ class Kernel:
         self.budget = [MAX_SUBMISSION_BYTES] if budget is None else budget
         self.private = Path(tempfile.mkdtemp(prefix="labkit-sandbox-"))
         sandbox.prepare(self.private, slot, uid)
-        inside = self.private if sandbox.unsafe else INSIDE
+        inside = self.private if sandbox.unsafe else RUN
         info = {"transport": "ipc", "ip": str(inside / "kernel"), "shell_port": 1,
                 "iopub_port": 2, "stdin_port": 3, "control_port": 4, "hb_port": 5,
                 "key": new_id_bytes().decode(), "signature_scheme": "hmac-sha256"}
@@ -127,8 +128,14 @@ class Kernel:
         self.info = info
         argv = [sys.executable, "-m", "ipykernel_launcher", "-f", str(inside / "kernel.json")]
         self.log = open(self.private.parent / f"{self.private.name}.log", "w+b")  # noqa: SIM115
+        argv = sandbox.command(argv, self.private, slot, uid)
+        self.group = None
+        if sandbox.cgroups and not sandbox.unsafe:
+            self.group = Cgroup(self.private.name, sandbox.limits.memory_bytes,
+                                sandbox.limits.processes)
+            argv = self.group.wrap(argv)
         self.proc = subprocess.Popen(
-            sandbox.command(argv, self.private, slot, uid), stdin=subprocess.DEVNULL,
+            argv, stdin=subprocess.DEVNULL,
             stdout=self.log, stderr=subprocess.STDOUT, cwd=self.private,
             env=sandbox.env(self.private) if sandbox.unsafe else {}, start_new_session=True)
         context = zmq.Context()
@@ -145,6 +152,7 @@ class Kernel:
             time.sleep(0.05)
         self.client.start_channels()
         self.client.wait_for_ready(timeout=max(1.0, deadline - time.monotonic()))
+        self.sandbox.seal(self.private)
 
     def connection(self) -> dict:
         """How a client on the host reaches this kernel (the trusted test kernel's bridge);
@@ -222,6 +230,8 @@ class Kernel:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        if self.group is not None:
+            self.group.remove()
         self.client.stop_channels()
         self.client.context.destroy(linger=0)
         self.log.close()

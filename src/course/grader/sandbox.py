@@ -2,14 +2,20 @@
 
     bwrap  read-only: /usr /etc (+ /bin /lib... links), Python, the venv, <course>/src,
                       <course>/experiments (the published base weights)
-           writable:  a private, empty folder of the grader's, seen inside as /home/student
+           /home/student, /tmp: tmpfs of their own, size-limited (Limits.home_bytes,
+                      tmp_bytes), the kernel's working folder and scratch
+           /run/course: a private folder of the grader's holding the connection file and
+                      the kernel's sockets; as root, closed to new files once the kernel
+                      listens (`seal`), so nothing else reaches the host's disk
            absent:    solutions/, build/ (gradebook, sources, grades), other submissions,
                       the network, the host's processes (own PID namespace, killed with it)
-           /tmp:      a tmpfs of its own, size-limited (Limits.tmp_bytes)
     -> setpriv  (as root) a uid of its own per submission, no capabilities; otherwise a
                 user namespace in which no further one can be made (--disable-userns)
     -> prlimit  address space, file size, processes, open files, no core files
-    -> python -m ipykernel_launcher -f /home/student/kernel.json
+    -> python -m ipykernel_launcher -f /run/course/kernel.json
+
+Where cgroups v2 allow it, the whole sandbox also runs in a cgroup of its own (cgroup.py):
+memory, tasks and CPU weight counted for all its processes and tmpfs pages together.
 
 Without bubblewrap the grader refuses to run unless `unsafe` is set; then the kernel runs as
 the grader's user with the same limits and a private cwd, but sees the whole machine.
@@ -27,7 +33,8 @@ from pathlib import Path
 
 from labkit.errors import InputError
 
-INSIDE = Path("/home/student")      # the private folder's path inside the sandbox
+INSIDE = Path("/home/student")      # the kernel's home and working folder (a tmpfs)
+RUN = Path("/run/course")           # the private folder (connection file, sockets) inside
 SANDBOX_UID = 60000                 # + slot: a uid per parallel job, so limits are per job
 # As root, each submission gets a uid never used by the one before it in its slot, so that
 # what the kernel keeps per uid (its keyring) cannot reach the next submission.
@@ -47,6 +54,7 @@ class Limits:
     open_files: int = 1024
     cpu_seconds: int = 4 * 3600      # CPU time of the whole kernel (one thread per kernel)
     tmp_bytes: int = 1 << 30         # the sandbox's /tmp, a tmpfs of this size (not the host's)
+    home_bytes: int = 256 << 20      # its /home/student, likewise
 
     def prlimit(self, processes: bool) -> list[str]:
         return (["prlimit", f"--as={self.memory_bytes}", f"--fsize={self.file_bytes}",
@@ -77,6 +85,7 @@ class Sandbox:
     course: Path             # the course checkout (src/ and experiments/ are read from it)
     unsafe: bool = False     # no bubblewrap: limits only
     limits: Limits = Limits()
+    cgroups: bool = False    # a cgroup v2 per kernel (grading.grade turns it on where it works)
 
     def env(self, home: Path = INSIDE) -> dict[str, str]:
         """The kernel's whole environment: nothing of the grader's leaks in."""
@@ -110,7 +119,9 @@ class Sandbox:
                 args += ["--ro-bind", str(host), str(host)]
         for path in _ro_binds(self.course):
             args += _dirs_for(path) + ["--ro-bind", str(path), str(path)]
-        args += _dirs_for(INSIDE) + ["--bind", str(private), str(INSIDE), "--chdir", str(INSIDE)]
+        args += _dirs_for(INSIDE) + ["--perms", "1777", "--size", str(self.limits.home_bytes),
+                                     "--tmpfs", str(INSIDE), "--chdir", str(INSIDE)]
+        args += _dirs_for(RUN) + ["--bind", str(private), str(RUN)]
         for key, value in self.env().items():
             args += ["--setenv", key, value]
         if as_root:      # drop to a uid of the slot's own, so --nproc counts only this job
@@ -128,6 +139,13 @@ class Sandbox:
             uid = SANDBOX_UID + slot if uid is None else uid
             os.chown(private, uid, uid)
         private.chmod(0o700)
+
+    def seal(self, private: Path) -> None:
+        """As root, once the kernel listens: `private` becomes root's, so the sandbox can use
+        its sockets but create nothing more on the host's disk."""
+        if not self.unsafe and os.geteuid() == 0:
+            os.chown(private, 0, 0)
+            private.chmod(0o711)
 
     def check(self) -> None:
         """Raise InputError saying why, when a sandbox cannot start here."""
