@@ -32,7 +32,7 @@ ALLOWED = {
     "course.quiet": {"miniquant"},
     "course.notebook": MODEL_PACKAGES | {"minirl", "labkit"} | COURSE_BASE,
     "course.authoring": {"labkit", "course.notebook"} | COURSE_BASE,
-    "course.grader": {"labkit", "course.authoring"} | COURSE_BASE,
+    "course.grader": {"labkit", "course.authoring", "course.notebook"} | COURSE_BASE,
     "course.labserver": {"labkit", "course.authoring"} | COURSE_BASE,
     "course.__init__": set(),
     "course.__main__": {"labkit", "course.authoring", "course.grader", "course.notebook",
