@@ -64,7 +64,8 @@ def test_a_learner_subclass_of_a_data_type_is_a_handle_not_data():
 @pytest.mark.parametrize("tree, why", [
     ({"X": []}, "unknown node"),
     ({"L": [1], "T": [2]}, "not data"),
-    ({"t": "t9", "p": False, "r": False, "g": None, "o": None}, "not in the reply"),
+    ({"t": "t9", "p": False, "r": False, "g": None, "o": None, "d": "cpu"}, "not in the reply"),
+    ({"t": "t9", "p": False, "r": False, "g": None, "o": None, "d": "meta"}, "on device"),
     ({"dt": "object"}, "unknown node"),
     ({"dev": "file:///etc"}, "unknown node"),
     ({"h": "1", "c": "x", "k": True}, "unknown node"),
@@ -78,7 +79,8 @@ def test_a_malformed_reply_is_refused(tree, why):
 def test_a_grad_of_another_shape_and_a_deep_or_huge_reply_are_refused():
     t = {"t0": torch.zeros(2), "t1": torch.zeros(3)}
     with pytest.raises(wire.InvalidReply, match="shape"):
-        wire.decode(reply({"t": "t0", "p": False, "r": False, "g": "t1", "o": None}, t),
+        wire.decode(reply({"t": "t0", "p": False, "r": False, "g": "t1", "o": None,
+                           "d": "cpu"}, t),
                     lambda h: h)
     deep = 0
     for _ in range(200):

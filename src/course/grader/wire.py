@@ -16,7 +16,7 @@ unknown tag, a tensor name not in the blob, too deep a tree or too large a messa
     {"S": [...]} {"F": [...]}        set, frozenset
     {"B": base64} {"C": [re, im]}    bytes, complex
     {"t": name, "p": is Parameter, "r": requires_grad, "g": name of .grad or null,
-     "o": index among the outputs autograd follows, or null}
+     "o": index among the outputs autograd follows, or null, "d": "cpu" or "cuda[:n]"}
     {"dt": "float32"} {"dev": "cpu"} {"sz": [...]} {"sl": [start, stop, step]} {"E": 0}
                                      torch.dtype, torch.device, torch.Size, slice, Ellipsis
     {"h": number, "c": "module.Class ..." (its class hierarchy), "k": callable}
@@ -93,7 +93,8 @@ class Encoder:
             grad = v.grad if v.is_leaf else None
             out = self.follow(v) if self.follow else None
             return {"t": self.tensor(v), "p": kind is torch.nn.Parameter, "r": v.requires_grad,
-                    "g": None if grad is None else self.tensor(grad), "o": out}
+                    "g": None if grad is None else self.tensor(grad), "o": out,
+                    "d": str(v.device)}
         if kind is torch.dtype:
             return {"dt": str(v).removeprefix("torch.")}
         if kind is torch.device:
@@ -146,6 +147,13 @@ def decode(text: str, handle) -> Decoded:
             raise InvalidReply(f"tensor {name!r} is not in the reply")
         return tensors[name]
 
+    def device(name) -> torch.device:
+        if type(name) is not str or name.split(":")[0] not in ("cpu", "cuda"):
+            raise InvalidReply(f"a tensor on device {name!r}")
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise InvalidReply("a CUDA tensor where there is no GPU")
+        return torch.device(name)
+
     def dec(node, depth: int):
         count[0] += 1
         if depth > MAX_DEPTH or count[0] > MAX_NODES:
@@ -155,7 +163,7 @@ def decode(text: str, handle) -> Decoded:
             return node
         if kind is float:
             return node
-        if kind is not dict or len(node) not in (1, 3, 5):
+        if kind is not dict or len(node) not in (1, 3, 6):
             raise InvalidReply(f"a node of type {kind.__name__} is not data")
         d = lambda x: dec(x, depth + 1)  # noqa: E731
         if len(node) == 1:
@@ -184,9 +192,10 @@ def decode(text: str, handle) -> Decoded:
         elif set(node) == {"h", "c", "k"} and type(node["h"]) is int \
                 and type(node["c"]) is str and type(node["k"]) is bool:
             return handle(Handle(node["h"], node["c"][:2000], node["k"]))
-        elif set(node) == {"t", "p", "r", "g", "o"} and type(node["p"]) is bool \
+        elif set(node) == {"t", "p", "r", "g", "o", "d"} and type(node["p"]) is bool \
                 and type(node["r"]) is bool:
-            t = tensor(node["t"]).clone()
+            where = device(node["d"])
+            t = tensor(node["t"]).to(where).clone()       # a name used twice: two tensors
             if node["o"] is not None:
                 if type(node["o"]) is not int or node["o"] in outputs:
                     raise InvalidReply("a bad output index")
@@ -196,7 +205,7 @@ def decode(text: str, handle) -> Decoded:
             elif node["r"] and node["o"] is None and (t.is_floating_point() or t.is_complex()):
                 t.requires_grad_(True)
             if node["g"] is not None:
-                g = tensor(node["g"]).clone()
+                g = tensor(node["g"]).to(where).clone()
                 if g.shape != t.shape or g.dtype != t.dtype:
                     raise InvalidReply("a .grad of another shape or dtype than its tensor")
                 t.grad = g
