@@ -26,7 +26,7 @@ LAB_ARGS ?=
 # learners do not see them.
 MODE ?= learner
 
-.PHONY: venv lab test test-fast course grade reproduce run readme times bench-gpu compile-report check-exercises check mine lint lock clean
+.PHONY: venv lab test test-fast course grade reproduce run readme times bench-gpu device-check compile-report check-exercises check mine lint lock clean
 
 venv: $(STAMP)
 
@@ -66,6 +66,11 @@ compile-report: $(STAMP)  ## compile every Triton kernel for sm_80/sm_90 (no GPU
 
 bench-gpu: $(STAMP)  ## GPU tests + both kernel benchmarks, one run -> benchmarks/results/gpu/<device>.json [BENCH_ARGS=--tiny on a CPU]
 	$(PY) benchmarks/bench_gpu.py $(BENCH_ARGS)
+
+# No venv: a lent GPU machine has a system Python with torch and triton, and no network.
+device-check: PY := python3
+device-check:  ## (lent GPU machine) GPU tests + dequant, MoE, log-prob benchmarks, one bounded run -> benchmarks/results/gpu/<device>.json and $$OUT [PY=python3 COMMIT=hash DEVICE_ARGS=--tiny]
+	PYTHONUNBUFFERED=1 PYTHONPATH=src$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) benchmarks/device_check.py $(if $(COMMIT),--commit $(COMMIT)) $(DEVICE_ARGS)
 
 check-exercises: $(STAMP)  ## blank each solution region alone; some test must fail (slow)
 	$(PY) -m course check-exercises $(LAB)

@@ -33,12 +33,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import resource
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from datetime import UTC, datetime
@@ -55,7 +58,8 @@ TINY_DIR = Path("build/bench-gpu")
 # What the timings measure: these scripts and the two packages whose kernels they time.
 CODE = ("benchmarks/bench_gpu.py", "benchmarks/bench_dequant.py", "benchmarks/bench_moe.py",
         "benchmarks/timing.py", "src/miniquant", "src/minimoe")
-TINY_MOE = ["--models", "mixtral-8x7b,olmoe-1b-7b", "--rank", "4"]  # few and many experts
+TINY_MOE_MODELS, TINY_MOE_RANK = ("mixtral-8x7b", "olmoe-1b-7b"), 4  # few and many experts
+TINY_MOE = ["--models", ",".join(TINY_MOE_MODELS), "--rank", str(TINY_MOE_RANK)]
 # docs/ARCHITECTURE.md, Performance targets, checked per shape; "many experts" is where the
 # MoE target applies.
 TARGETS = {"triton_of_copy": 0.8, "triton_vs_bitsandbytes": 1.0,
@@ -90,15 +94,17 @@ def slug(device_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") or "unknown"
 
 
-def result_path(tiny: bool, cuda: bool, device_name: str, out: str | None) -> Path:
-    """Where this run writes; refuse a run that could pass a smoke test off as a GPU result."""
+def result_path(tiny: bool, cuda: bool, device_name: str, out: str | None,
+                tiny_dir: Path = TINY_DIR) -> Path:
+    """Where this run writes (a --tiny run: under `tiny_dir`); refuse a run that could pass a
+    smoke test off as a GPU result."""
     if not (tiny or cuda):
         raise Refused(
             "no CUDA GPU here (torch.cuda.is_available() is False): a full run measures the "
             f"kernels on a GPU and writes {RESULTS}/<device>.json. On a CPU, `--tiny` (`make "
             f"bench-gpu BENCH_ARGS=--tiny`) checks the pipeline instead and writes "
             f"{TINY_DIR}/tiny-cpu.json.")
-    default = (TINY_DIR / f"tiny-{slug(device_name)}.json" if tiny
+    default = (tiny_dir / f"tiny-{slug(device_name)}.json" if tiny
                else RESULTS / f"{slug(device_name)}.json")
     path = (ROOT / default) if out is None else Path(out).resolve()
     if tiny and path.is_relative_to((ROOT / RESULTS).resolve()):
@@ -107,11 +113,43 @@ def result_path(tiny: bool, cuda: bool, device_name: str, out: str | None) -> Pa
     return path
 
 
-def run_gpu_tests(tmp: Path, paths: list[str]) -> dict:
-    """`pytest -m gpu PATHS` in a child process; its counts from pytest's JUnit XML."""
+def run_child(argv: list[str], timeout: float | None = None) -> int:
+    """`python ARGV` in a child process in the repository root, its output (stderr merged)
+    passed on to our stdout line by line as it comes; its exit status. Past `timeout` seconds
+    the child and any process it started are killed and StepFailed is raised."""
+    command = shlex.join(["python", *argv])
+    child = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, errors="replace",
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                             start_new_session=hasattr(os, "killpg"))
+
+    def relay():
+        for line in child.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    relaying = threading.Thread(target=relay, daemon=True)
+    relaying.start()
+    try:
+        code = child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        if hasattr(os, "killpg"):
+            os.killpg(child.pid, signal.SIGKILL)
+        else:
+            child.kill()
+        child.wait()
+        relaying.join(5)
+        raise StepFailed(f"`{command}` ran past its {timeout:.0f} s and was stopped") from None
+    relaying.join()
+    return code
+
+
+def run_gpu_tests(tmp: Path, paths: list[str], options: list[str] = (),
+                  timeout: float | None = None) -> dict:
+    """`pytest -m gpu [OPTIONS] PATHS` in a child process; its counts from pytest's JUnit XML."""
     junit = tmp / "gpu-tests.xml"
-    argv = ["-m", "pytest", "-m", "gpu", "-q", *paths]
-    code = subprocess.run([sys.executable, *argv, f"--junitxml={junit}"], cwd=ROOT).returncode
+    argv = ["-m", "pytest", "-m", "gpu", "-q", *options, *paths]
+    code = run_child([*argv, f"--junitxml={junit}"], timeout)
     if code not in (0, 1, 5) or not junit.is_file():  # 5: no test is marked gpu
         raise StepFailed(f"`pytest -m gpu` did not finish (exit status {code})")
     suites = ET.parse(junit).getroot().iter("testsuite")
@@ -125,13 +163,13 @@ def run_gpu_tests(tmp: Path, paths: list[str]) -> dict:
                 skipped=skipped)
 
 
-def run_bench(script: str, args: list[str], tmp: Path) -> dict:
+def run_bench(script: str, args: list[str], tmp: Path, timeout: float | None = None) -> dict:
     """One benchmark script in a child process (its table goes to our stdout); its report."""
     out = tmp / f"{Path(script).stem}.json"
     argv = [f"benchmarks/{script}", *args]
-    done = subprocess.run([sys.executable, *argv, "--out", str(out)], cwd=ROOT)
-    if done.returncode != 0:
-        raise StepFailed(f"{script} failed (exit status {done.returncode})")
+    code = run_child([*argv, "--out", str(out)], timeout)
+    if code != 0:
+        raise StepFailed(f"{script} failed (exit status {code})")
     return dict(command=shlex.join(["python", *argv]), report=json.loads(out.read_text()))
 
 
@@ -187,9 +225,9 @@ def summarize_moe(report: dict) -> dict:
                 met=met)
 
 
-def code_digests() -> dict[str, str]:
-    """sha256 of every file in CODE (folders: their .py files), keyed by path from the root."""
-    files = [p for entry in CODE for p in
+def code_digests(code: tuple[str, ...] = CODE) -> dict[str, str]:
+    """sha256 of every file in `code` (folders: their .py files), keyed by path from the root."""
+    files = [p for entry in code for p in
              (sorted((ROOT / entry).rglob("*.py")) if (ROOT / entry).is_dir() else [ROOT / entry])]
     return {p.relative_to(ROOT).as_posix(): sha256_file(p) for p in files}
 

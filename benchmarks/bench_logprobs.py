@@ -2,7 +2,7 @@
 forward + backward, time and peak memory from one run.
 
     python benchmarks/bench_logprobs.py [--tiny] [--device cpu|cuda] [--dtype bf16|fp16|fp32]
-                                        [--out path.json]
+                                        [--shapes ROWSxVOCAB,...] [--out path.json]
 
 Two tasks, each timed as a user calls it (argument and finiteness checks included):
 
@@ -52,6 +52,17 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TASKS = ("logp", "logp+entropy")
 
 
+def shape_list(text: str) -> list[tuple[int, int]]:
+    """"4096x32000,16384x151936" -> [(4096, 32000), (16384, 151936)]."""
+    try:
+        shapes = [tuple(int(n) for n in item.lower().split("x")) for item in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"expected ROWSxVOCAB[,ROWSxVOCAB...], got {text!r}")
+    return shapes
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="small shapes (always used on CPU)")
@@ -59,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="logits dtype; default bf16 on cuda, fp32 on cpu (the interpreter's)")
+    p.add_argument("--shapes", type=shape_list, default=None, metavar="ROWSxVOCAB,...",
+                   help="these logits shapes instead of the tiny or full ones")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--repeats", type=int, default=None, help="default: 20 on cuda, 3 on cpu")
     p.add_argument("--warmup", type=int, default=None, help="default: 3 on cuda, 1 on cpu")
@@ -188,7 +201,7 @@ def main(argv=None) -> dict:
     from minirl.logprob_kernels import interpreting
 
     dtype = DTYPES[args.dtype]
-    shapes = SHAPES["tiny" if args.tiny or args.device == "cpu" else "full"]
+    shapes = args.shapes or SHAPES["tiny" if args.tiny or args.device == "cpu" else "full"]
     rows = [r for shape in shapes for r in bench_shape(shape, args, dtype)]
     result = dict(
         device=args.device,

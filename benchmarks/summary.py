@@ -2,10 +2,11 @@
 
 `python -m labkit readme` puts what `readme(part, results)` returns in each block opened by
 `labkit.readme.gpu_marker(part)`, for each part in PARTS. `results` holds every result under
-benchmarks/results/gpu/ as (path, verified manifest), newest first; a block shows the newest,
-and with none it says that the benchmark has not been run on a GPU and how to run it.
-bench_gpu.py computes every ratio (the manifest's metrics); this file only words them. Only
-`make readme` reads it.
+benchmarks/results/gpu/ as (path, verified manifest), newest first, from `make bench-gpu` or
+`make device-check`; a block shows the newest that measured its part (a device-check step
+that failed leaves its part null), and with none it says that the benchmark has not been run
+on a GPU and how to run it. bench_gpu.py computes every ratio (the manifest's metrics); this
+file only words them. Only `make readme` reads it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def source(path: str, manifest: dict) -> str:
             f"{manifest.get('recorded_at', 'undated')[:10]}")
 
 
-def tests_clause(tests: dict) -> str:
+def tests_clause(tests: dict | None) -> str:
+    if tests is None:
+        return "the GPU tests did not finish in the same run"
     failed = tests["failed"] + tests["errors"]
     return (f"the GPU tests in the same run: {tests['passed']} passed, "
             f"{'**' + str(failed) + ' failed**' if failed else '0 failed'}, "
@@ -57,7 +60,8 @@ def dequant(results: list[tuple[str, dict]]) -> str:
     d = m["dequant"]
     others = ", ".join(f"[{p.rpartition('/')[2]}]({p})" for p, _ in results[1:])
     intro = paragraph(
-        f"Measured by `make bench-gpu` on {m['device_name']} ({source(path, manifest)}; "
+        f"Measured by `make {manifest['experiment']}` on {m['device_name']} "
+        f"({source(path, manifest)}; "
         f"{d['dtype']} out, blocksize {d['blocksize']}, median of {d['repeats']}; "
         f"{tests_clause(m['gpu_tests'])}){f'; other GPUs: {others}' if others else ''}. "
         "Each method's GB/s, and Triton's as a fraction of a plain copy's and against "
@@ -107,6 +111,7 @@ def moe(results: list[tuple[str, dict]]) -> str:
 
 
 def readme(part: str, results: list[tuple[str, dict]]) -> str:
+    results = [(path, m) for path, m in results if m["metrics"].get(part) is not None]
     if not results:
         return not_run(part) + "\n"
     return {"dequant": dequant, "moe": moe}[part](results)
