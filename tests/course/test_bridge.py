@@ -155,13 +155,29 @@ def save_to(folder):
 def read_from(folder):
     return (Path(folder) / "b.txt").read_text()
 
+def fill_dict(d):
+    d["n"] = 3
+
+import triton, triton.language as tl
+
+@triton.jit
+def fill_kernel(out, N, BLOCK: tl.constexpr):    # one element past N: outside a view
+    i = tl.arange(0, BLOCK)
+    tl.store(out + i, i.to(tl.float32) + 1, mask=i < N + 1)
+
+import minimoe
+
+def calls_route(*args):
+    return minimoe.route(*args)
+
 CONST = torch.arange(5.)
 # the learner's kernel patches torch: only its own process is fooled
 torch.testing.assert_close = lambda *a, **k: None
 torch.allclose = lambda *a, **k: True
 '''
 NAMES = ["scale", "Lin", "MatMul", "triple_into", "shout", "custom", "always_equal",
-         "calls_sum", "save_to", "read_from", "CONST", "not_defined"]
+         "calls_sum", "save_to", "read_from", "fill_dict", "fill_kernel", "calls_route",
+         "CONST", "not_defined"]
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +230,25 @@ def test_modules_rng_attributes_and_write_back(learner):
     ns["triple_into"](out, torch.ones(3))
     assert torch.equal(out, torch.full((3,), 3.0))
     assert bridged.is_subclass(ns["Lin"], torch.nn.Module)
+
+
+def test_a_kernels_writes_come_back_whole_storage_and_shared_objects_change(learner):
+    _, ns, _ = learner
+    buffer = torch.zeros(6)
+    ns["fill_kernel"][(1,)](buffer[1:5], 4, BLOCK=8)     # no version bump; writes past it
+    assert buffer.tolist() == [0, 1, 2, 3, 4, 5]
+    d = bridged.share({})
+    ns["fill_dict"](d)
+    assert d["n"] == 3
+
+
+def test_forbid_a_course_object_in_both_kernels(learner):
+    import minimoe
+
+    _, ns, _ = learner
+    with forbid([minimoe.route], ns, why="route is off"), pytest.raises(AssertionError,
+                                                                       match="route is off"):
+        ns["calls_route"](torch.randn(4, 3), 2)
 
 
 def test_errors_arrive_as_builtin_bases_or_learner_error(learner, capsys):

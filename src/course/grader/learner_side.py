@@ -31,7 +31,16 @@ _forbidden: list = []               # the forbid blocks the trusted side has ope
 MAX_FILES_BYTES = 64 << 20          # what fetch_dir sends back, in all
 
 
+class _Shared:
+    """Wraps a shared object so that it comes back as a handle even if it is data."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+
 def _handle(obj) -> int:
+    if type(obj) is _Shared:
+        obj = obj.obj
     number = _numbers.get(id(obj))
     if number is None:
         number = _numbers[id(obj)] = len(_objects) + 1
@@ -45,13 +54,16 @@ class _Unpickler(pickle.Unpickler):
 
 
 def _fill(value, tensors: list):
-    """`value` with every wire.Slot replaced by its tensor."""
+    """`value` with every wire.Slot replaced by its tensor; a container without one is
+    itself (it may be an object of the learner's, reached through its handle)."""
     if type(value) is Slot:
         return tensors[value.index]
     if type(value) in (list, tuple):
-        return type(value)(_fill(v, tensors) for v in value)
+        items = [_fill(v, tensors) for v in value]
+        return value if all(a is b for a, b in zip(items, value)) else type(value)(items)
     if type(value) is dict:
-        return {k: _fill(v, tensors) for k, v in value.items()}
+        items = {k: _fill(v, tensors) for k, v in value.items()}
+        return value if all(items[k] is v for k, v in value.items()) else items
     return value
 
 
@@ -59,14 +71,22 @@ def _call(request: dict) -> dict:
     """Call the target; the result, the tensors changed in place, the RNG state after it."""
     flags = request["requires_grad"]
     tensors = [t.requires_grad_(True) if rg else t for t, rg in zip(request["tensors"], flags)]
-    versions = [t._version for t in tensors]
+    # A Triton kernel writes through pointers (no version bump), and may write outside the
+    # view it was given: a tensor changed is one whose whole storage changed, sent back whole.
+    before = [_storage(t).clone() for t in tensors]
     args, kwargs = _fill(request["args"], tensors), _fill(request["kwargs"], tensors)
     torch.set_rng_state(request["rng"])
     torch.set_default_dtype(request["dtype"])
     with torch.set_grad_enabled(request["grad"]):
         result = _objects[request["target"]](*args, **kwargs)
-    changed = {i: t for i, (t, v) in enumerate(zip(tensors, versions)) if t._version != v}
+    changed = {i: _storage(t) for i, (t, b) in enumerate(zip(tensors, before))
+               if not torch.equal(_storage(t), b)}
     return {"value": result, "changed": changed, "rng": torch.get_rng_state()}
+
+
+def _storage(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of `t`'s whole storage, as a uint8 tensor sharing it (NaN compares equal)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
 def _followed(result) -> list[torch.Tensor]:
@@ -113,6 +133,8 @@ def _answer(request: dict):
         return bool(obj)
     if op == "deepcopy":
         return copy.deepcopy(obj)
+    if op == "share":               # the tests' object, kept here: the reply is its handle
+        return _Shared(_fill(request["value"], request["tensors"]))
     if op == "release":
         _graphs.clear()
         return None
@@ -125,10 +147,11 @@ def _answer(request: dict):
     if op == "run_check":           # a check the lab declares must run here (bridged.in_learner)
         import __main__
 
-        namespace = dict(vars(__main__))
+        namespace = vars(__main__)      # globals() in the check is the learner's
         exec(compile(request["source"], f"<check {request['name']}>", "exec"), namespace)
-        return namespace[request["name"]](*_fill(request["args"], request["tensors"]),
-                                          **_fill(request["kwargs"], request["tensors"]))
+        check = namespace.pop(request["name"])
+        return check(*_fill(request["args"], request["tensors"]),
+                     **_fill(request["kwargs"], request["tensors"]))
     if op in ("forbid", "unforbid"):
         return _forbid(request)
     if op in ("learner_dir", "read_dir", "write_dir"):

@@ -1,7 +1,8 @@
 """What a lab asks the learner to write does not exist in the learner's kernel.
 
 `install(lab)` runs in the learner's kernel before any of their code: every object the
-packages' REFERENCE tables name for `lab` (course.notebook.harness.reference) is replaced,
+packages' REFERENCE tables name for `lab` (course.notebook.harness.reference), less what
+their GIVEN tables hand the learner to build on, is replaced,
 wherever a loaded module of the course holds it (its own module, the package's re-export,
 any other module's import of it), by a stub that raises `NotInThisLab`. An alias, closure
 or container the learner's code makes afterwards can only capture the stub; the trusted test
@@ -10,8 +11,10 @@ kernel, where the tests compare against the reference, has the real packages.
 
 from __future__ import annotations
 
+import importlib
+
 from ..notebook.forbid import bindings
-from ..notebook.harness import reference
+from ..notebook.harness import REFERENCE_PACKAGES, reference
 
 
 class NotInThisLab(RuntimeError):
@@ -43,8 +46,12 @@ def install(lab: str) -> list[str]:
         table = reference(lab) if lab else {}
     except ValueError:               # no package names anything this lab rebuilds
         table = {}
+    given = {name for package in REFERENCE_PACKAGES
+             for name in getattr(importlib.import_module(package), "GIVEN", {}).get(lab, ())}
     replaced = []
     for name, obj in table.items():
+        if name in given:
+            continue
         for owner, attr in bindings(obj):
             where = f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{attr}"
             setattr(owner, attr, Stub(where, lab))

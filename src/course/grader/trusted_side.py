@@ -301,11 +301,10 @@ class Bridge:
         decoded = self._send(request)
         value = self._value(decoded)
         torch.set_rng_state(value["rng"])
-        with torch.no_grad():
-            for i, new in value["changed"].items():
-                if type(i) is int and 0 <= i < len(tensors) and \
-                        new.shape == tensors[i].shape and new.dtype == tensors[i].dtype:
-                    tensors[i].copy_(new)
+        for i, new in value["changed"].items():         # whole storages, as bytes
+            if type(i) is int and 0 <= i < len(tensors) and new.dtype == torch.uint8 \
+                    and new.numel() == tensors[i].untyped_storage().nbytes():
+                tensors[i].untyped_storage().copy_(new.untyped_storage())
         result = value["value"]
         if value["gid"] is None or not decoded.outputs:
             return result
@@ -365,6 +364,9 @@ class Bridge:
     def is_subclass(self, cls: Remote, base: type) -> bool:
         return self.ask("subclass", target=object.__getattribute__(cls, "_number"),
                         base=f"{base.__module__}.{base.__qualname__}")
+
+    def share(self, obj) -> Remote:
+        return self.ask("share", value=obj)
 
     def in_learner(self, source: str, name: str, args: tuple, kwargs: dict):
         return self.ask("run_check", source=source, name=name, args=list(args), kwargs=kwargs)

@@ -10,6 +10,9 @@ so through these:
     fetch_dir(path)     the regular files the learner's code wrote under `path`, as a local
                         folder the test may read (apart: copied over as bytes)
     send_dir(local)     a folder the learner's code can read holding `local`'s files
+    share(obj)          the tests' object kept where the learner's code runs, so that what it
+                        changes in place (a model it wraps, a dict it fills) is seen: apart,
+                        a proxy for a copy sent there once; beside, `obj` itself
     is_subclass(c, b)   issubclass for a class of the learner's
     in_learner(f, ...)  call the test's function `f` where the learner's code runs: a check
                         that must look inside their process (a spy, a ledger of saved
@@ -39,6 +42,10 @@ def fetch_dir(path) -> Path:
 
 def send_dir(local) -> str:
     return BRIDGE.send_dir(Path(local)) if BRIDGE else str(local)
+
+
+def share(obj):
+    return BRIDGE.share(obj) if BRIDGE else obj
 
 
 def is_subclass(cls, base: type) -> bool:

@@ -140,6 +140,7 @@ def forbid(targets: Iterable[object], namespace: dict | None = None, why: str = 
     targets = list(targets)
     bridge = bridged.BRIDGE
     here = [t for t in targets if not (bridge and bridge.owns(t))]
-    with _rebound([(t, lambda label: Refuse(label, why)) for t in here], namespace), \
-            (bridge.forbid(targets, why) if bridge else contextlib.nullcontext()):
+    # the learner's kernel first: its specs are read off the bindings before they change here
+    with (bridge.forbid(targets, why) if bridge else contextlib.nullcontext()), \
+            _rebound([(t, lambda label: Refuse(label, why)) for t in here], namespace):
         yield
