@@ -63,6 +63,7 @@ import torch
 import minigpt
 import miniquant
 import miniquant.intquant as intquant
+from course.notebook.harness import forbid
 
 # Small tensors: one CPU thread is faster than several that wait for each other.
 torch.set_num_threads(1)
@@ -85,17 +86,21 @@ def _reference_called(*args, **kwargs):
 
 @contextlib.contextmanager
 def reference_disabled():
-    """Used by the tests: inside this block, miniquant's integer quantizers raise if called."""
+    """Used by the tests: inside this block, miniquant's integer quantizers raise if called
+    (every name bound to them is switched off where your code runs, and their code too)."""
     names = ["quantize_absmax_int8", "dequantize_absmax_int8", "quantize_symmetric_per_group",
              "dequantize_symmetric_per_group", "round_to_grid"]
     saved = {name: getattr(intquant, name).__code__ for name in names}
-    try:
-        for name in names:
-            getattr(intquant, name).__code__ = _reference_called.__code__
-        yield
-    finally:
-        for name, code in saved.items():
-            getattr(intquant, name).__code__ = code
+    with forbid([(intquant, name) for name in names], globals(),
+                why="this exercise must not call the miniquant reference: write it with torch "
+                    "operations"):
+        try:
+            for name in names:
+                getattr(intquant, name).__code__ = _reference_called.__code__
+            yield
+        finally:
+            for name, code in saved.items():
+                getattr(intquant, name).__code__ = code
 
 
 def _codes_equal(got, want, where):
@@ -276,6 +281,7 @@ except AssertionError as _e:
 print("quantize_absmax_int8 (per tensor) matches the hand-worked cases and miniquant")
 
 ### BEGIN HIDDEN TESTS
+# case: random weights of several shapes (error bound, code range)
 _g = torch.Generator().manual_seed(1)
 for _shape in [(7,), (3, 4, 9), (1, 1), (64, 33)]:
     _w = torch.randn(*_shape, generator=_g) * 3
@@ -285,13 +291,13 @@ for _shape in [(7,), (3, 4, 9), (1, 1), (64, 33)]:
     assert (_err <= _s / 2).all(), f"shape {_shape}: max error {_err.max()} > scale/2 = {_s / 2}"
     assert _q.abs().max() == 127 and _q.min() >= -127, \
         f"shape {_shape}: codes should reach ±127 and never -128, got {_q.min()}..{_q.max()}"
-# half-precision inputs: computed in float32
+# case: float16 and bfloat16 weights
 for _dt in (torch.float16, torch.bfloat16):
     _check_absmax((torch.randn(6, 10, generator=_g) * 5).to(_dt))
-# the real weight, and the same weight transposed (not contiguous)
+# case: the real weight, and the same weight transposed (not contiguous)
 _check_absmax(W)
 _check_absmax(W.T)
-# ties everywhere: halves of every parity
+# case: many exact ties, of both parities
 _ = _check_absmax(torch.cat([torch.arange(-10, 11) + 0.5, torch.tensor([127.0])]),
                   want_q=torch.tensor([*torch.round(torch.arange(-10, 11) + 0.5).tolist(), 127],
                                       dtype=torch.int8))
@@ -319,14 +325,18 @@ for _r in range(6):
 print("quantize_absmax_int8 (per row) matches the hand-worked case and miniquant")
 
 ### BEGIN HIDDEN TESTS
+# case: a matrix, per column and dim=1
 _g = torch.Generator().manual_seed(2)
-_check_absmax(_w, dim=0)                                   # per column: scale [1, 11]
+_check_absmax(_w, dim=0)
 _check_absmax(_w, dim=1)
+# case: a 3-d tensor, every dim (positive and negative)
 _w3 = torch.randn(3, 5, 7, generator=_g)
 for _d in (0, 1, 2, -1, -2):
     _check_absmax(_w3, dim=_d)
+# case: the real weight per row, and in bfloat16 per column
 _check_absmax(W, dim=-1)
 _check_absmax(W.to(torch.bfloat16), dim=0)
+# case: the real weight per row, error bound
 _q, _s, _deq = _check_absmax(W, dim=-1)
 assert ((W - _deq).abs() - _deq.abs() * torch.finfo(torch.float32).eps <= _s / 2).all(), \
     "per-row error above scale/2"
@@ -550,6 +560,7 @@ for _kw in ({"bits": 1}, {"bits": 9}, {"group_size": 0}):
 print("quantize_symmetric_per_group matches the hand-worked cases, a loop and miniquant")
 
 ### BEGIN HIDDEN TESTS
+# case: every bit width 2..8, shapes and group sizes (partial groups, one group, size 1)
 _g = torch.Generator().manual_seed(3)
 for _bits in range(2, 9):
     for _shape, _gs in [((1,), 64), ((65,), 64), ((5, 13), 8), ((3, 4, 9), 7), ((100,), 1),
@@ -559,17 +570,18 @@ for _bits in range(2, 9):
         _qmax = 2 ** (_bits - 1) - 1
         assert _q.min() >= -_qmax and _q.max() <= _qmax, \
             f"bits={_bits}: codes should lie in [-{_qmax}, {_qmax}], got {_q.min()}..{_q.max()}"
-# half-precision inputs, a transposed (non-contiguous) weight, the real weight
+# case: bfloat16 and float16 weights
 _check_per_group((torch.randn(9, 14, generator=_g) * 4).to(torch.bfloat16), 4, 32)
 _check_per_group((torch.randn(9, 14, generator=_g) * 4).to(torch.float16), 8, 20)
+# case: the real weight, transposed (not contiguous) and as it is
 _check_per_group(W.T, 4, 64, naive=False)
 _check_per_group(W, 8, 100, naive=False)
-# an all-zero group in the middle, a tie exactly on the grid
+# case: an all-zero group in the middle
 _w = torch.randn(24, generator=_g)
 _w[8:16] = 0
 _q, _s = _check_per_group(_w, 3, 8)
 assert _s[1] == 0 and not _q[8:16].any(), "an all-zero group should get scale 0 and codes 0"
-# bad arguments raise ValueError
+# case: invalid bits or group_size (including non-integers)
 for _kw in ({"bits": 1}, {"bits": 9}, {"bits": 4.0}, {"group_size": 0}, {"group_size": -8},
             {"group_size": 2.5}):
     try:
@@ -611,13 +623,17 @@ _check_per_group_round_trip(torch.randn(3, 4, 9, generator=_g), 8, 7)
 print("dequantize_symmetric_per_group matches miniquant; every error is within scale/2")
 
 ### BEGIN HIDDEN TESTS
+# case: several bit widths, shapes and group sizes
 _g = torch.Generator().manual_seed(4)
 for _bits in (2, 3, 5, 6, 7, 8):
     for _shape, _gs in [((1,), 64), ((65,), 64), ((100,), 1), ((10, 10), 1000), ((6, 7), 5)]:
         _check_per_group_round_trip(torch.randn(*_shape, generator=_g), _bits, _gs)
+# case: the real weight, as it is and transposed
 _check_per_group_round_trip(W, 4, 64)
 _check_per_group_round_trip(W.T, 8, 96)
+# case: a bfloat16 weight
 _check_per_group_round_trip(torch.randn(6, 10, generator=_g).to(torch.bfloat16), 4, 16)
+# case: an invalid group_size
 try:
     dequantize_symmetric_per_group(torch.ones(4, dtype=torch.int8), torch.ones(1), group_size=0)
 except ValueError:
@@ -732,16 +748,18 @@ _check_error(torch.randn(5, 13, generator=_g), 8, None)
 print("quant_error matches the hand-worked cases and the definition")
 
 ### BEGIN HIDDEN TESTS
+# case: the real weight, several bit widths and group sizes (None included)
 for _bits in (2, 3, 4, 6, 8):
     for _gs in (1, 7, 64, 4096, None):
         _check_error(W, _bits, _gs)
+# case: a bfloat16 weight, and a 3-d weight
 _check_error(W.to(torch.bfloat16), 4, 64)
 _check_error(torch.randn(3, 4, 9, generator=_g), 5, 10)
-# group_size=None is per tensor: for 8 bits, the same as absmax int8
+# case: group_size=None against per-tensor absmax int8
 _qt, _st = quantize_absmax_int8_ref(W)
 _want = ((W - dequantize_absmax_int8_ref(_qt, _st)).norm() / W.norm()).item()
 _check_error(W, 8, None, want=_want)
-# more bits, less error
+# case: the error across bit widths 2..8
 _errs = [quant_error(W, bits=_b, group_size=64) for _b in range(2, 9)]
 assert _errs == sorted(_errs, reverse=True), f"error should fall as bits grow, got {_errs}"
 ### END HIDDEN TESTS
@@ -933,17 +951,19 @@ except RuntimeError as _e:
 print("wasted_fraction matches the hand-worked cases and a loop over groups")
 
 ### BEGIN HIDDEN TESTS
+# case: bit widths, shapes and group sizes (partial groups, size 1, one group)
 _g = torch.Generator().manual_seed(5)
 for _bits in (2, 4, 8):
     for _shape, _gs in [((1,), 64), ((65,), 64), ((5, 13), 8), ((3, 4, 9), 7), ((10, 10), 1),
                         ((10, 10), 1000)]:
         _w = torch.randn(*_shape, generator=_g)
         _check_wasted(quantize_per_group_ref(_w, bits=_bits, group_size=_gs)[0], _bits, _gs)
-# an all-zero group wastes everything but the zero level; group_size 1 everywhere: k = 0
+# case: an all-zero group
 _check_wasted(torch.zeros(8, dtype=torch.int8), 3, 8, want=torch.tensor([1 - 1 / 7]))
+# case: group_size 1 at 3 bits
 _check_wasted(torch.tensor([3, -3, 1], dtype=torch.int8), 3, 1,
               want=torch.full((3,), 1 - 1 / 7))
-# the real weight with an outlier: only the outlier's group wastes most of its grid
+# case: the real weight with one outlier injected
 _wo = W.clone()
 _wo[3, 17] = 20 * W.abs().max()
 _q, _ = quantize_per_group_ref(_wo, bits=8, group_size=64)
