@@ -77,7 +77,6 @@ import time
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import minigpt
 import minimoe
@@ -223,16 +222,22 @@ def my_route(logits: torch.Tensor, k: int, method: str = "softmax_topk",
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_route_softmax", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+from course.notebook.forbid import bindings
+
 # What this lab rebuilds (minimoe.REFERENCE): while a test runs your code inside
 # `_forbid_reference()`, each of them raises if reached (under any name).
 _WHY = "this exercise rebuilds it, so the tests switch it off while your code runs"
 _REFERENCE = list(reference("07-moe-routing").values())
+# each reference named by a module attribute that binds it, (module, name): forbid then
+# switches off every binding of it, here and where your code runs
+_BOUND_AT = {t: next((o, n) for o, n in bindings(t) if not isinstance(o, dict))
+             for t in _REFERENCE}
 
 
 def _forbid_reference():
     """While the block runs, minimoe's routing, sorting and dispatch functions raise if
     called (also through names this notebook imported from them)."""
-    return forbid(_REFERENCE, globals(), why=_WHY)
+    return forbid([_BOUND_AT[t] for t in _REFERENCE], globals(), why=_WHY)
 
 
 def _naive_route(logits, k, method, renormalize=True, bias=None):
@@ -315,14 +320,21 @@ print("softmax_topk: choices, order, ties and weights as minimoe.route, renormal
 
 ### BEGIN HIDDEN TESTS
 # ties everywhere: integer logits, and all-equal logits (every token picks 0..k-1)
+# case: integer logits with many ties
 _check_route(randint(3, 40, 8, seed=3).float(), 2, naive=False, what="hidden: ")
+# case: all-equal logits
 _w, _e = _check_route(torch.zeros(4, 6), 3, naive=False, what="hidden: ")
 assert _e.tolist() == [[0, 1, 2]] * 4, f"hidden: all-equal logits should pick [0, 1, 2], got {_e}"
+# case: a single token
 _check_route(randn(1, 8, seed=4), 2, what="hidden: ")                       # T = 1
+# case: k equal to the number of experts, not renormalised
 _w, _ = _check_route(randn(5, 4, seed=5), 4, renormalize=False, what="hidden: ")   # k = E
 assert torch.allclose(_w.sum(-1), torch.ones(5)), "hidden: k = E keeps all the softmax mass"
+# case: bfloat16 logits
 _check_route((randn(16, 8, seed=6) * 3).bfloat16(), 2, what="hidden: ")     # bf16 logits
+# case: float64 logits, not renormalised
 _check_route((randn(16, 8, seed=7) * 3).double(), 2, renormalize=False, what="hidden: ")
+# case: invalid k or method
 for _bad in (dict(k=0), dict(k=9), dict(k=2, method="top2")):
     try:
         with _forbid_reference():
@@ -355,17 +367,22 @@ else:
 print("sigmoid_topk: unbiased weights, a selection-only bias, as minimoe.route")
 
 ### BEGIN HIDDEN TESTS
+# case: k = 3 with a larger bias, renormalised
 _check_route(_logits, 3, "sigmoid_topk", renormalize=True, bias=_bias * 2, what="hidden: ")
+# case: a single token, k equal to the number of experts, with a bias
 _check_route(randn(1, 6, seed=12), 6, "sigmoid_topk", renormalize=False,
              bias=randn(6, seed=13), what="hidden: ")                                # T=1, k=E
+# case: bfloat16 logits and a bfloat16 bias
 _check_route((randn(20, 8, seed=14) * 4).bfloat16(), 2, "sigmoid_topk", renormalize=False,
              bias=torch.linspace(-0.2, 0.2, 8).bfloat16(), what="hidden: ")          # bf16
+# case: two experts tied on the biased score
 # a bias that makes two experts tie on the selection score: the lower index wins
 _lg = torch.zeros(3, 4)
 _w, _e = _check_route(_lg, 1, "sigmoid_topk", renormalize=False,
                       bias=torch.tensor([0.0, 0.25, 0.25, 0.0]), naive=False, what="hidden: ")
 assert _e.flatten().tolist() == [1, 1, 1], f"hidden: tie on the biased score -> expert 1: {_e}"
 assert torch.allclose(_w, torch.full((3, 1), 0.5)), "hidden: weights are sigmoid(0) = 0.5"
+# case: gradients with a bias that requires grad
 # the bias never carries a gradient into the weights
 _lg = randn(5, 8, seed=15).requires_grad_()
 _b = torch.linspace(-1, 1, 8).requires_grad_()
@@ -497,12 +514,17 @@ _check_balance((randn(24, 8, seed=25) * 3).bfloat16(), distinct_experts(24, 2, 8
 print("load-balancing loss: 1.0 when uniform, E when collapsed, minimoe's value and gradient")
 
 ### BEGIN HIDDEN TESTS
+# case: k = 3
 _lg = randn(50, 6, seed=22)
 _check_balance(_lg, minimoe.route(_lg, 3)[1], what="hidden: ")                 # k = 3
+# case: experts that receive no slot
 _check_balance(_lg, torch.full((50, 2), 5), what="hidden: ")              # experts 0-4 unused
+# case: bfloat16 logits
 _check_balance((randn(30, 8, seed=23) * 3).bfloat16(), distinct_experts(30, 2, 8, seed=23),
                what="hidden: ")
+# case: a single token
 _check_balance(randn(1, 8, seed=24), torch.tensor([[3, 1]]), what="hidden: ")   # T = 1
+# case: one token per expert, equal logits
 _check_balance(torch.zeros(6, 6), torch.arange(6).view(6, 1), want=1.0, what="hidden: ")
 ### END HIDDEN TESTS
 
@@ -532,10 +554,14 @@ _check_z((randn(6, 8, seed=36) * 4).bfloat16(), what="bfloat16 logits (float32 m
 print("z-loss: (log E)² for zero logits, means over every leading position")
 
 ### BEGIN HIDDEN TESTS
+# case: very large logits
 _check_z(torch.full((2, 4), 100.0), want=(100 + torch.tensor(4.0).log().item()) ** 2,
          what="hidden: ")                               # exp(100) overflows float32
+# case: bfloat16 logits
 _check_z((randn(16, 8, seed=32) * 5).bfloat16(), what="hidden: ")
+# case: a single token and a single expert
 _check_z(randn(1, 1, seed=33), what="hidden: ")
+# case: the gradient
 _lg = randn(4, 8, seed=34).requires_grad_()
 with _forbid_reference():
     my_router_z_loss(_lg).backward()
@@ -655,12 +681,19 @@ else:
 print("flatten_sort_count: stable order, slots, inclusive end offsets — as minimoe")
 
 ### BEGIN HIDDEN TESTS
+# case: k = 3
 _check_fsc(distinct_experts(7, 3, 6, seed=42), 6, what="hidden: ")                  # k = 3
+# case: a single token
 _check_fsc(torch.tensor([[4, 1, 0]]), 6, what="hidden: ")                           # T = 1
+# case: every token to one expert
 _check_fsc(torch.full((5, 2), 2), 4, what="hidden: ")               # every token to one expert
+# case: a single expert
 _check_fsc(torch.zeros(4, 1, dtype=torch.int64), 1, what="hidden: ")                # E = 1
+# case: int32 expert ids
 _check_fsc(distinct_experts(33, 2, 8, seed=43).int(), 8, what="hidden: ")           # int32
+# case: only the last experts used
 _check_fsc(torch.tensor([[7, 6], [6, 7]]), 8, what="hidden: ")       # experts 0..5 empty
+# case: invalid inputs
 for _bad in ((torch.tensor([[0, 8]]), 8), (torch.tensor([[0, -1]]), 8), (torch.arange(4), 8)):
     try:
         with _forbid_reference():
@@ -739,19 +772,7 @@ def my_moe_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_moe_forward", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-class _CountMatmuls(TorchDispatchMode):
-    """Counts the matrix products (mm, bmm, mv, dot, ...) that run inside the block."""
-
-    KINDS = ("mm", "bmm", "addmm", "baddbmm", "mv", "addmv", "dot", "vdot", "_mm")
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in self.KINDS:
-            self.n += 1
-        return func(*args, **(kwargs or {}))
+from course.notebook.bridged import in_learner
 
 
 def moe_case(T, C, F_, E, k, seed=0, dtype=torch.float32, experts=None):
@@ -765,10 +786,32 @@ def moe_case(T, C, F_, E, k, seed=0, dtype=torch.float32, experts=None):
     return x, w, e, *ws
 
 
-def _check_moe_forward(T, C, F_, E, k, seed=0, dtype=torch.float32, experts=None, what=""):
+# in-process check: how many matrix products my_moe_forward runs (counted where it runs)
+def _count_moe_forward_matmuls(x, w, e, wg, wu, wd):
+    """Runs my_moe_forward(x, w, e, wg, wu, wd) once, in the process that runs your code,
+    under a dispatch mode that counts the matrix products (mm, bmm, mv, dot, ...); their
+    number."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        KINDS = ("mm", "bmm", "addmm", "baddbmm", "mv", "addmv", "dot", "vdot", "_mm")
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in self.KINDS:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter() as counter:
+        my_moe_forward(x, w, e, wg, wu, wd)
+    return counter.n
+
+
+def _check_moe_forward(T, C, F_, E, k, seed=0, dtype=torch.float32, experts=None, what="",
+                       count=False):
     x, w, e, wg, wu, wd = moe_case(T, C, F_, E, k, seed, dtype, experts)
     where = f"{what}my_moe_forward on T={T}, C={C}, F={F_}, E={E}, k={k}, {dtype}"
-    with _forbid_reference(), _CountMatmuls() as counter:
+    with _forbid_reference():
         got = my_moe_forward(x, w, e, wg, wu, wd)
     want = moe_loop(x, w, e, wg, wu, wd)
     assert isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == x.dtype, \
@@ -776,24 +819,33 @@ def _check_moe_forward(T, C, F_, E, k, seed=0, dtype=torch.float32, experts=None
         f"{getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))}"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: (
         f"{where}: the output differs from minimoe.reference.moe_loop:\n{m}"))
-    used = len(e.unique())
-    assert counter.n <= 3 * used, \
-        f"{where}: {counter.n} matrix products for {used} experts with tokens; expected at " \
-        f"most 3 per expert (gather each expert's tokens and run them together, not one " \
-        f"token at a time)"
+    if count:
+        with _forbid_reference():
+            n = in_learner(_count_moe_forward_matmuls, x, w, e, wg, wu, wd)
+        used = len(e.unique())
+        assert isinstance(n, int) and n <= 3 * used, \
+            f"{where}: {n} matrix products for {used} experts with tokens; expected at " \
+            f"most 3 per expert (gather each expert's tokens and run them together, not one " \
+            f"token at a time)"
 
 
-_check_moe_forward(T=7, C=24, F_=40, E=4, k=2)
-_check_moe_forward(T=64, C=16, F_=24, E=8, k=2, seed=1)
-_check_moe_forward(T=5, C=8, F_=12, E=4, k=1, seed=2)
+_check_moe_forward(T=7, C=24, F_=40, E=4, k=2, count=True)
+_check_moe_forward(T=64, C=16, F_=24, E=8, k=2, seed=1, count=True)
+_check_moe_forward(T=5, C=8, F_=12, E=4, k=1, seed=2, count=True)
+_check_moe_forward(T=9, C=16, F_=24, E=6, k=3, seed=11, count=True)
 print("my_moe_forward: equals the per-token loop, with at most 3 matrix products per expert")
 
 ### BEGIN HIDDEN TESTS
+# case: a single token
 _check_moe_forward(T=1, C=24, F_=40, E=8, k=2, seed=3, what="hidden: ")              # T = 1
+# case: k = 3
 _check_moe_forward(T=9, C=16, F_=24, E=6, k=3, seed=4, what="hidden: ")              # k = 3
+# case: experts without tokens
 _check_moe_forward(T=6, C=8, F_=12, E=4, k=2, seed=5, what="hidden: ",        # experts 0, 3 idle
                    experts=torch.tensor([[1, 2], [2, 1]] * 3))
+# case: a single expert
 _check_moe_forward(T=8, C=8, F_=12, E=1, k=1, seed=6, what="hidden: ")               # E = 1
+# case: float64 inputs
 _check_moe_forward(T=10, C=12, F_=20, E=5, k=2, seed=7, dtype=torch.float64, what="hidden: ")
 ### END HIDDEN TESTS
 
@@ -840,11 +892,15 @@ _check_moe_backward(T=4, C=8, F_=12, E=4, k=2, seed=9, what="two idle experts: "
 print("my_moe_forward backward: dx, dgates, dw_gate, dw_up, dw_down equal the loop's")
 
 ### BEGIN HIDDEN TESTS
+# case: experts without tokens
 # experts 0 and 3 receive nothing: their gradients are exact zeros, not NaN, not missing
 _check_moe_backward(T=6, C=8, F_=12, E=4, k=2, seed=5, what="hidden: ",
                     experts=torch.tensor([[1, 2], [2, 1]] * 3))
+# case: k = 3
 _check_moe_backward(T=9, C=16, F_=24, E=6, k=3, seed=4, what="hidden: ")
+# case: a single token
 _check_moe_backward(T=1, C=8, F_=12, E=8, k=2, seed=3, what="hidden: ")
+# case: float64, every token to one expert
 _check_moe_backward(T=5, C=8, F_=12, E=3, k=1, seed=8, dtype=torch.float64, what="hidden: ",
                     experts=torch.full((5, 1), 2))                     # every token to one expert
 ### END HIDDEN TESTS
@@ -919,8 +975,11 @@ _check_bias(torch.tensor([0.5, -0.2, 0.0]), torch.tensor([1.0, 7.0, 1.0]), 0.1)
 print("update_selection_bias: up for the underloaded, down for the overloaded, as minimoe")
 
 ### BEGIN HIDDEN TESTS
+# case: a balanced load
 _check_bias(torch.linspace(-1, 1, 8), torch.full((8,), 5), 0.3, what="hidden: ")  # balanced
+# case: a rate of 0
 _check_bias(torch.ones(6), torch.tensor([0, 0, 0, 0, 0, 12]), 0.0, what="hidden: ")  # rate 0
+# case: a bfloat16 bias
 _check_bias(torch.zeros(5, dtype=torch.bfloat16), torch.tensor([3, 1, 4, 1, 5]), 0.05,
             what="hidden: ")
 ### END HIDDEN TESTS
@@ -995,8 +1054,8 @@ def _yours_in_the_model():
     with contextlib.ExitStack() as stack:
         for reference, mine in yours.items():
             stack.enter_context(swap(reference, mine, globals()))
-        stack.enter_context(forbid([t for t in _REFERENCE if t not in yours], globals(),
-                                   why=_WHY))
+        stack.enter_context(forbid([_BOUND_AT[t] for t in _REFERENCE if t not in yours],
+                                   globals(), why=_WHY))
         yield
 
 
@@ -1023,6 +1082,7 @@ print(f"MiniGPT-MoE on {len(_idx)} prompts with your code: same routing in all 4
       f"balancing loss {_got[2]:.4f} (4 blocks)")
 
 ### BEGIN HIDDEN TESTS
+# case: other prompts, truncated
 _idx = eval_batch(per_task=4, seed=1)[:, :9]
 _want = run_moe(moe_model, _idx)
 with _yours_in_the_model():

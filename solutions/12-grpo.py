@@ -202,9 +202,15 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_group_advantages", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+from course.notebook.forbid import bindings
+
 # The minirl pieces this lab rebuilds: each raises if your code reaches it (under any name)
 # while the tests run it.
 _REFERENCE = list(harness.reference("12-grpo").values())
+# each named by a module attribute that binds it, (module, name): forbid then switches off
+# every binding of it, here and where your code runs
+_REFERENCE = [next((o, n) for o, n in bindings(t) if not isinstance(o, dict))
+              for t in _REFERENCE]
 
 
 def _no_reference():
@@ -272,19 +278,28 @@ _raises("group_advantages of a 1-D tensor [4]", lambda: group_advantages(torch.o
 print("group_advantages matches the loop, gives exact zeros for equal groups, refuses G = 1")
 
 ### BEGIN HIDDEN TESTS
+# case: one equal group, G = 2
 _check_advantages(torch.full((1, 2), 0.3), what="one equal group, G = 2")
+# case: equal groups, G = 8
 _check_advantages(torch.full((2, 8), 0.7), what="equal groups, G = 8")
+# case: an equal float64 group
 _check_advantages(torch.full((1, 7), 1 / 3, dtype=torch.float64) * 2, what="an equal group")
+# case: partial credits
 _check_advantages(torch.randint(0, 4, (6, 16), generator=torch.Generator().manual_seed(1)) / 3,
                   what="partial credits")
+# case: a large offset, float64
 _check_advantages(torch.tensor([[1e6, 1e6 + 1.0, 1e6, 1e6 + 2.0]], dtype=torch.float64),
                   what="a large offset")
+# case: eps other than the default
 _check_advantages(torch.tensor([[1.0, 0.0, 1.0], [0.5, 0.5, 0.5]]), eps=0.5, what="rewards")
+# case: an equal group with eps = 0
 _check_advantages(torch.tensor([[0.1, 0.1, 0.1]], dtype=torch.float64), eps=0.0,
                   what="an equal group")
+# case: invalid shapes or G
 _raises("group_advantages of rewards [1, 1]", lambda: group_advantages(torch.ones(1, 1)))
 _raises("group_advantages of a 1-D tensor", lambda: group_advantages(torch.ones(4)))
 _raises("group_advantages of a 3-D tensor", lambda: group_advantages(torch.ones(2, 2, 2)))
+# case: float64 rewards
 assert group_advantages(torch.ones(2, 3, dtype=torch.float64)).dtype == torch.float32, \
     "group_advantages must return float32 for float64 rewards"
 ### END HIDDEN TESTS
@@ -366,12 +381,19 @@ for _ in range(40):
 print("partial_credit matches the hand-computed credits and the loop")
 
 ### BEGIN HIDDEN TESTS
+# case: both empty
 _check_credit("", "", 1.0)
+# case: an empty answer
 _check_credit("", "x", 0.0)
+# case: one character, exact
 _check_credit("7", "7", 1.0)
+# case: a completion longer than the answer
 _check_credit("7", "77", 0.5)
+# case: a completion shorter than the answer
 _check_credit("abcdef", "abc", 0.5)
+# case: a repeated answer
 _check_credit("abc", "abcabc", 0.5)
+# case: random short strings
 for _ in range(60):
     _ans, _comp = _random_string(_gc, "01", 0, 5), _random_string(_gc, "01", 0, 5)
     _check_credit(_ans, _comp, _loop_credit(_ans, _comp))
@@ -380,6 +402,7 @@ for _ in range(60):
     assert _full == (_ans == _comp), \
         f"partial_credit(answer {_ans!r}, completion {_comp!r}) is 1.0 only for the exact answer"
 # it plugs into minirl.score as a Reward
+# case: as a Reward in minirl.score
 _exs = [tasks.Example("t", "p=", a) for a in ("abc", "42", "7")]
 with _no_reference():
     _sc = score(partial_credit, _exs, ["abd", "4", "7"])
@@ -581,12 +604,18 @@ _raises("grpo_loss with kl_coef=0.1 and no ref_logp",
 print("grpo_loss matches the token-by-token loop (value and gradient); clipping as the table")
 
 ### BEGIN HIDDEN TESTS
+# case: ref given, kl_coef 0
 _check_loss(8, 9, seed=3, eps=0.1, beta=0.0)        # ref given, kl_coef 0: no KL term
+# case: no reference
 _check_loss(8, 9, seed=4, eps=0.3, with_ref=False)
+# case: most tokens clipped
 _check_loss(5, 12, seed=5, eps=0.2, beta=0.05, spread=1.5)   # most tokens clipped
+# case: one sequence
 _check_loss(1, 4, seed=6, beta=0.2)                 # one sequence
+# case: non-finite values outside the mask
 _check_loss(2, 3, seed=7, eps=0.2, beta=0.1, garbage=float("inf"))
 # the other two clip cases, and the KL gradient beta·(1 - e^(ref - logp))
+# case: the clip cases and the KL gradient, one token
 _, _g = _one_token(math.log(0.5), 0.0, 1.0)
 assert abs(_g + 0.5) < 1e-5, f"rho = 0.5, A = +1: gradient -A·rho = -0.5 expected, got {_g}"
 _, _g = _one_token(math.log(0.5), 0.0, -1.0)
@@ -600,6 +629,7 @@ assert abs(_l - 0.1 * (1 / 1.5 + math.log(1.5) - 1)) < 1e-6, f"k3 value: got {_l
 _l, _g = _one_token(-0.7, -0.7, 0.0, ref=-0.7, beta=0.5)
 assert abs(_l) < 1e-7 and abs(_g) < 1e-7, f"policy = reference: KL 0 and gradient 0, got {_l}, {_g}"
 # constants get no gradient
+# case: gradients of the constants
 _lp, _old, _adv, _mask, _ref = _batch(4, 6, seed=8, garbage=0.0)
 _oldr, _advr, _refr, _lpr = (harness.leaf(t) for t in (_old, _adv, _ref, _lp))
 with _no_reference():
@@ -607,6 +637,7 @@ with _no_reference():
 for _name, _t in (("old_logp", _oldr), ("advantages", _advr), ("ref_logp", _refr)):
     assert _t.grad is None or not _t.grad.any(), f"grpo_loss: {_name} must get no gradient"
 # bad inputs
+# case: invalid inputs
 _m0 = _mask.clone()
 _m0[1] = False
 _raises("grpo_loss with a sequence without completion tokens",
@@ -845,12 +876,14 @@ def _launch_fwd(N, V, BLOCK_R, BLOCK_V, seed=0, layout="padded", **kind):
     x, ids = _logits(N, V, seed, **kind)
     want = _torch_stats(x, ids)
     x, ids = _strided(x.to(DEVICE), layout), ids.to(DEVICE)
+    # each output is the first N entries of a buffer of sentinels; the kernel gets the whole
+    # buffer (the same pointer), so that anything written past row N-1 shows
     bufs = [torch.full((N + BLOCK_R + 3,), SENTINEL, device=DEVICE) for _ in range(3)]
-    outs = [b[:N] for b in bufs]
     grid = (triton.cdiv(N, BLOCK_R),)
     with _no_reference():
-        logsoftmax_fwd_kernel[grid](x, ids, *outs, N, V, x.stride(0), x.stride(1),
+        logsoftmax_fwd_kernel[grid](x, ids, *bufs, N, V, x.stride(0), x.stride(1),
                                     BLOCK_R=BLOCK_R, BLOCK_V=BLOCK_V)
+    outs = [b[:N] for b in bufs]
     where = (f"logsoftmax_fwd_kernel[{grid}], N={N}, V={V}, BLOCK_R={BLOCK_R}, "
              f"BLOCK_V={BLOCK_V}, {layout} logits" + (f", {kind}" if kind else ""))
     for name, b in zip(("logp", "row_max", "log_sum"), bufs, strict=True):
@@ -869,15 +902,24 @@ _launch_fwd(5, 45, 4, 16, seed=12, offset=1e4)        # logits near 1e4: subtrac
 print("logsoftmax_fwd_kernel matches log_softmax + gather, the row max and the log-sum")
 
 ### BEGIN HIDDEN TESTS
+# case: one row
 _launch_fwd(1, 45, 1, 16, seed=3)                     # one row
+# case: one row in a 16-row program
 _launch_fwd(1, 45, 16, 64, seed=4)                    # one row in a 16-row program
+# case: a longer vocabulary
 _launch_fwd(33, 1000, 8, 128, seed=5)                 # a longer vocabulary, 8 chunks
+# case: transposed logits, V smaller than the block
 _launch_fwd(7, 10, 4, 64, seed=6, layout="transposed")
+# case: V = 2
 _launch_fwd(9, 2, 4, 16, seed=7)                      # V = 2
+# case: logits near 1e4
 _launch_fwd(6, 45, 4, 16, seed=8, offset=1e4)         # logits near 1e4: z - m stays exact
+# case: very peaked rows
 _launch_fwd(6, 45, 4, 16, seed=9, scale=30.0)         # very peaked rows
+# case: -inf logits, transposed
 _launch_fwd(7, 64, 4, 16, seed=10, neg_inf=True, layout="transposed")
 # a row that is -inf everywhere: logp NaN, as torch.log_softmax
+# case: a row that is -inf everywhere
 _xa, _ia = _logits(3, 45, seed=11)
 _xa[1] = float("-inf")
 _outs = [torch.empty(3, device=DEVICE) for _ in range(3)]
@@ -890,17 +932,32 @@ assert _outs[1][1].item() == float("-inf"), "row_max of an all -inf row must be 
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_my_logsoftmax_stats", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+def _launches(run, kernel):
+    """Whether `run()` launches (or calls) `kernel`: with the kernel switched off wherever it
+    is bound, it must fail by reaching it."""
+    try:
+        with _no_reference(), harness.forbid([kernel], globals(), why=_LAUNCH_PROBE):
+            run()
+    except AssertionError as e:
+        return _LAUNCH_PROBE in str(e)
+    return False
+
+
+_LAUNCH_PROBE = "the test switched it off to see that your code launches it"
+
+
 def _check_stats(N, V, seed=0, layout=None, **kw):
     x, ids = _logits(N, V, seed)
     want = _torch_stats(x, ids)
     x, ids = x.to(DEVICE), ids.to(DEVICE)
     if layout:
         x = _strided(x, layout)
-    with _no_reference(), harness.spy_on(globals(), logsoftmax_fwd_kernel) as spy:
+    with _no_reference():
         got = my_logsoftmax_stats(x, ids, **kw)
     where = f"my_logsoftmax_stats, N={N}, V={V}" + (f", {layout} logits" if layout else "") \
             + (f", {kw}" if kw else "")
-    assert spy.grids, f"{where}: logsoftmax_fwd_kernel was not launched"
+    assert _launches(lambda: my_logsoftmax_stats(x, ids, **kw), logsoftmax_fwd_kernel), \
+        f"{where}: logsoftmax_fwd_kernel was not launched"
     assert isinstance(got, tuple) and len(got) == 3, \
         f"{where}: expected (logp, row_max, log_sum), got {type(got).__name__}"
     for name, gt, wt in zip(("logp", "row_max", "log_sum"), got, want, strict=True):
@@ -919,9 +976,13 @@ harness.assert_rejects("my_logsoftmax_stats", [
 print("my_logsoftmax_stats launches your kernel and matches PyTorch")
 
 ### BEGIN HIDDEN TESTS
+# case: one row
 _check_stats(1, 45, seed=2)
+# case: transposed logits
 _check_stats(7, 100, seed=3, layout="transposed")
+# case: V = 1
 _check_stats(5, 1, seed=4)                                    # V = 1: log p = 0
+# case: invalid inputs
 _xb, _ib = _logits(4, 45, seed=5)
 _xb, _ib = _xb.to(DEVICE), _ib.to(DEVICE)
 _bad = [("ids of another length", lambda: my_logsoftmax_stats(_xb, _ib[:-1])),
@@ -1082,13 +1143,16 @@ def _launch_bwd(N, V, BLOCK_R, BLOCK_V, seed=0, layout="padded", **kind):
     want = _torch_grad(x, ids, g)
     _, m, ls = _torch_stats(x, ids)
     xs = _strided(x.to(DEVICE), layout)
+    # dlogits is dbuf[:N, :V], all NaN at first (every element must be written); the kernel
+    # gets the whole buffer (the same pointer and strides), so that a write outside shows
     dbuf = torch.full((N + BLOCK_R, V + 3), float("nan"), device=DEVICE)
-    d = dbuf[:N, :V]                   # starts as NaN: every element must be written
     grid = (triton.cdiv(N, BLOCK_R),)
     with _no_reference():
         logsoftmax_bwd_kernel[grid](xs, ids.to(DEVICE), m.to(DEVICE), ls.to(DEVICE),
-                                    g.to(DEVICE), d, N, V, xs.stride(0), xs.stride(1),
-                                    d.stride(0), d.stride(1), BLOCK_R=BLOCK_R, BLOCK_V=BLOCK_V)
+                                    g.to(DEVICE), dbuf, N, V, xs.stride(0), xs.stride(1),
+                                    dbuf.stride(0), dbuf.stride(1), BLOCK_R=BLOCK_R,
+                                    BLOCK_V=BLOCK_V)
+    d = dbuf[:N, :V]
     where = (f"logsoftmax_bwd_kernel[{grid}], N={N}, V={V}, BLOCK_R={BLOCK_R}, "
              f"BLOCK_V={BLOCK_V}, {layout} logits" + (f", {kind}" if kind else ""))
     outside = dbuf.clone()
@@ -1107,13 +1171,21 @@ print("logsoftmax_bwd_kernel matches autograd of log_softmax + gather, writes al
       "and nothing else")
 
 ### BEGIN HIDDEN TESTS
+# case: one row
 _launch_bwd(1, 45, 1, 16, seed=4)
+# case: one row in a 16-row program
 _launch_bwd(1, 45, 16, 64, seed=5)
+# case: a longer vocabulary
 _launch_bwd(33, 1000, 8, 128, seed=6)
+# case: transposed logits, V smaller than the block
 _launch_bwd(7, 10, 4, 64, seed=7, layout="transposed")
+# case: V = 2
 _launch_bwd(9, 2, 4, 16, seed=8)
+# case: logits near 1e4
 _launch_bwd(6, 45, 4, 16, seed=9, offset=1e4)
+# case: very peaked rows
 _launch_bwd(6, 45, 4, 16, seed=10, scale=30.0)
+# case: -inf logits, transposed
 _launch_bwd(7, 64, 4, 16, seed=11, neg_inf=True, layout="transposed")
 ### END HIDDEN TESTS
 
@@ -1128,16 +1200,22 @@ def _check_function(N, V, seed=0, layout=None, upstream="random", **kind):
     g = torch.randn(N, generator=torch.Generator().manual_seed(seed + 9)).to(DEVICE)
     (want_logp.sum() if upstream == "sum" else (want_logp * g).sum()).backward()
     xm = harness.leaf(x)
-    with _no_reference(), harness.spy_on(globals(), logsoftmax_fwd_kernel,
-                                         logsoftmax_bwd_kernel) as (fwd, bwd):
+
+    def forward_backward(xm=xm):
         logp = my_selective_log_softmax(xm, ids)
         (logp.sum() if upstream == "sum" else (logp * g).sum()).backward()
+        return logp
+
+    with _no_reference():
+        logp = forward_backward()
     where = f"my_selective_log_softmax, N={N}, V={V}" + (f", {layout} logits" if layout else "") \
             + (", upstream gradient of logp.sum()" if upstream == "sum" else "") \
             + (f", {kind}" if kind else "")
-    assert fwd.grids and bwd.grids, \
-        f"{where}: your kernels were not both launched (forward {len(fwd.grids)}, backward " \
-        f"{len(bwd.grids)} launches)"
+    fwd = _launches(lambda: forward_backward(harness.leaf(x)), logsoftmax_fwd_kernel)
+    bwd = _launches(lambda: forward_backward(harness.leaf(x)), logsoftmax_bwd_kernel)
+    assert fwd and bwd, \
+        f"{where}: your kernels were not both launched (forward: {'yes' if fwd else 'no'}, " \
+        f"backward: {'yes' if bwd else 'no'})"
     _assert_same(logp, want_logp, f"{where}: logp")
     assert xm.grad is not None, f"{where}: no gradient reached the logits"
     _assert_same(xm.grad, xr.grad, f"{where}: d logits")
@@ -1149,9 +1227,13 @@ _check_function(8, 45, seed=6, upstream="sum")         # g arrives expanded, wit
 print("my_selective_log_softmax: value and gradient match PyTorch, through your two kernels")
 
 ### BEGIN HIDDEN TESTS
+# case: one row
 _check_function(1, 45, seed=2)
+# case: many rows, gradient of logp.sum()
 _check_function(24, 45, seed=3, upstream="sum")        # g arrives expanded, stride 0
+# case: -inf logits
 _check_function(5, 45, seed=4, neg_inf=True)
+# case: padded logits, a longer vocabulary, gradient of logp.sum()
 _check_function(6, 300, seed=5, layout="padded", upstream="sum")
 ### END HIDDEN TESTS
 
