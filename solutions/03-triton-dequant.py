@@ -213,13 +213,46 @@ def axpy(alpha: float, x: torch.Tensor, y: torch.Tensor, block: int = 1024) -> t
 # %% nbgrader={"grade": true, "grade_id": "test_axpy", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # Helpers used by this and the later test cells. While a test runs your code inside
 # `_no_reference()`, miniquant's dequantization and unpacking raise if reached (under any name).
-_REFERENCE = list(harness.reference("03-triton-dequant").values())
+from course.notebook.bridged import in_learner
+
+_REFERENCE = [(harness.resolve(_path.rpartition(".")[0]), _path.rpartition(".")[2])
+              for _path in miniquant.REFERENCE["03-triton-dequant"].values()]
+_SWITCHED_OFF = "the test switched this kernel off to see that your wrapper launches it"
 
 
 def _no_reference(*yours):
     """harness.forbid(...) of the references, and of the functions of yours in `yours`."""
     return harness.forbid([*_REFERENCE, *yours], globals(),
                   why="this exercise must be done with your own kernel, without it")
+
+
+def _launches(kernel, call, what):
+    """With `kernel` switched off, call() must fail by reaching it: `what` launches it."""
+    try:
+        with harness.forbid([kernel], globals(), why=_SWITCHED_OFF):
+            call()
+    except NotImplementedError:
+        raise
+    except AssertionError as e:
+        if _SWITCHED_OFF in str(e):
+            return
+        raise AssertionError(f"{what} failed without reaching its kernel: {e}") from e
+    raise AssertionError(f"{what} did not launch its kernel: the work must happen in the kernel")
+
+
+def _run_kernel(kernel, grid, args, kwargs):
+    kernel[grid](*args, **kwargs)
+    return args
+
+
+def _launch(kernel, grid, *args, **kwargs):
+    """kernel[grid](*args, **kwargs) where your kernel is defined; the tensors it wrote are
+    copied back into `args` (graded apart, a kernel's stores through a pointer are not seen as
+    an in-place change, so the launch itself runs there; this checks nothing there)."""
+    after = in_learner(_run_kernel, kernel, grid, args, kwargs)
+    for before, now in zip(args, after):
+        if isinstance(before, torch.Tensor) and before is not now:
+            before.copy_(now)
 
 
 def _rejects(what, call):
@@ -257,7 +290,7 @@ def _launch_axpy(n, BLOCK, alpha=-1.5, extra_programs=0, seed=1):
     y = torch.randn(n + pad, generator=g).to(DEVICE)
     out = torch.full((n + pad,), 1234.5, device=DEVICE)
     grid = (triton.cdiv(n, BLOCK) + extra_programs,)
-    axpy_kernel[grid](x, y, out, alpha, n, BLOCK=BLOCK)
+    _launch(axpy_kernel, grid, x, y, out, alpha, n, BLOCK=BLOCK)
     where = f"axpy_kernel[{grid}](..., n={n}, BLOCK={BLOCK})"
     torch.testing.assert_close(out[:n], alpha * x[:n] + y[:n], rtol=1e-6, atol=1e-6,
                                msg=lambda m: f"{where}, elements 0..n-1:\n{m}")
@@ -286,24 +319,24 @@ _rejects("axpy with float64 x and y", lambda: axpy(
 _rejects("axpy with shapes (3,) and (4,)", lambda: axpy(
     1.0, torch.zeros(3, device=DEVICE), torch.zeros(4, device=DEVICE)))
 # the arithmetic happens in the kernel: the wrapper launches axpy_kernel
-with harness.spy_on(globals(), axpy_kernel) as _spy:
-    _check_axpy(50, seed=4)
-assert _spy.grids, "axpy did not launch axpy_kernel: the arithmetic must happen in the kernel"
+_launches(axpy_kernel, lambda: _check_axpy(50, seed=4), "axpy")
 print("axpy matches alpha * x + y, and the kernel leaves memory past n alone")
 
 ### BEGIN HIDDEN TESTS
+# case: axpy through the wrapper, several sizes and alphas
 _check_axpy(4096, alpha=0.0)
 _check_axpy((13, 11), alpha=-3.25, seed=2)
 _check_axpy(1, alpha=1e-3, seed=3)
+# case: the kernel launched directly, lanes past n masked
 for _n, _b in ((1, 16), (33, 16), (1000, 64), (1024, 128)):
     _launch_axpy(_n, BLOCK=_b, seed=_n)
 _launch_axpy(20, BLOCK=8, extra_programs=2)   # whole programs beyond n: all lanes masked
-# a transposed (non-contiguous) input
+# case: a transposed (non-contiguous) input
 _x = torch.randn(9, 5).to(DEVICE).T
 _y = torch.randn(5, 9).to(DEVICE)
 torch.testing.assert_close(axpy(0.5, _x, _y), 0.5 * _x + _y, rtol=1e-6, atol=1e-6,
                            msg=lambda m: f"axpy with a transposed x (use .contiguous()):\n{m}")
-# bad inputs
+# case: inputs the wrapper must refuse
 for _bad in ((torch.zeros(3), torch.zeros(4)), (torch.zeros(3, dtype=torch.float64),) * 2,
              (torch.zeros(2, 3), torch.zeros(3, 2))):
     try:
@@ -313,10 +346,8 @@ for _bad in ((torch.zeros(3), torch.zeros(4)), (torch.zeros(3, dtype=torch.float
     else:
         raise AssertionError(f"axpy accepted x {_bad[0].dtype}{tuple(_bad[0].shape)} and "
                              f"y {_bad[1].dtype}{tuple(_bad[1].shape)}; expected ValueError")
-# the wrapper launches the kernel
-with harness.spy_on(globals(), axpy_kernel) as _spy:
-    _check_axpy(100, seed=5)
-assert _spy.grids, "axpy did not launch axpy_kernel: the arithmetic must happen in the kernel"
+# case: the wrapper launches the kernel
+_launches(axpy_kernel, lambda: _check_axpy(100, seed=5), "axpy")
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -430,7 +461,7 @@ def _launch_unpack(n, BLOCK, seed=1):
     codes, packed = _random_packed(n, seed)
     out = torch.full((n + BLOCK + 2,), 0xEE, dtype=torch.uint8, device=DEVICE)
     grid = (triton.cdiv(n, BLOCK),)
-    unpack_nibbles_kernel[grid](packed.to(DEVICE), out, n, BLOCK=BLOCK)
+    _launch(unpack_nibbles_kernel, grid, packed.to(DEVICE), out, n, BLOCK=BLOCK)
     out = out.cpu()
     where = f"unpack_nibbles_kernel[{grid}](..., n={n}, BLOCK={BLOCK})"
     assert torch.equal(out[:n], codes), \
@@ -450,24 +481,27 @@ _rejects("my_unpack_nibbles(4 bytes, n=5): 5 codes need 3 bytes", lambda: my_unp
     torch.zeros(4, dtype=torch.uint8, device=DEVICE), 5))
 # off-limits: the reference is switched off, and the wrapper must launch your kernel
 _codes, _packed = _random_packed(41, 10)
-with _no_reference(), harness.spy_on(globals(), unpack_nibbles_kernel) as _spy:
+with _no_reference():
     _got = my_unpack_nibbles(_packed.to(DEVICE), 41).cpu()
 assert torch.equal(_got, _codes), "my_unpack_nibbles is wrong once the reference is unavailable"
-assert _spy.grids, "my_unpack_nibbles did not launch unpack_nibbles_kernel"
+_launches(unpack_nibbles_kernel, lambda: my_unpack_nibbles(_packed.to(DEVICE), 41),
+          "my_unpack_nibbles")
 print("my_unpack_nibbles matches miniquant.nf4.unpack_nibbles, high nibble first")
 
 ### BEGIN HIDDEN TESTS
+# case: my_unpack_nibbles on odd and even counts
 _check_unpack(4097, seed=3, garbage_pad=True)
 _check_unpack(2, seed=4)
+# case: the kernel launched directly, pad nibble and lanes past n
 for _n, _b in ((1, 2), (9, 8), (130, 64), (1001, 256)):
     _launch_unpack(_n, BLOCK=_b, seed=_n)
-# every byte value, in order
+# case: every byte value, in order
 _all = torch.arange(256, dtype=torch.uint8)
 _want = torch.stack([_all >> 4, _all & 15], 1).reshape(-1)
 _got = my_unpack_nibbles(_all.to(DEVICE), 512).cpu()
 assert torch.equal(_got, _want), f"bytes 0..255: first mismatch at " \
     f"{(_got != _want).nonzero().flatten()[:4].tolist()}"
-# bad inputs
+# case: inputs the wrapper must refuse
 for _args in ((torch.zeros(3, dtype=torch.uint8), 7), (torch.zeros(4, dtype=torch.uint8), 5),
               (torch.zeros(3, dtype=torch.int32), 5), (torch.zeros(2, 2, dtype=torch.uint8), 7),
               (torch.zeros(0, dtype=torch.uint8), 0)):
@@ -478,12 +512,13 @@ for _args in ((torch.zeros(3, dtype=torch.uint8), 7), (torch.zeros(4, dtype=torc
     else:
         raise AssertionError(f"my_unpack_nibbles accepted {_args[0].dtype} "
                              f"{tuple(_args[0].shape)} with n = {_args[1]}; expected ValueError")
-# the reference is off-limits, and the wrapper launches the kernel
+# case: the reference off-limits, and the wrapper launches the kernel
 _codes, _packed = _random_packed(301, 9)
-with _no_reference(), harness.spy_on(globals(), unpack_nibbles_kernel) as _spy:
+with _no_reference():
     _got = my_unpack_nibbles(_packed.to(DEVICE), 301).cpu()
 assert torch.equal(_got, _codes), "my_unpack_nibbles is wrong once the reference is unavailable"
-assert _spy.grids, "my_unpack_nibbles did not launch unpack_nibbles_kernel"
+_launches(unpack_nibbles_kernel, lambda: my_unpack_nibbles(_packed.to(DEVICE), 301),
+          "my_unpack_nibbles")
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -596,8 +631,8 @@ def _launch_nf4(n, blocksize, BLOCK, table=None, seed=0):
                          for j in range(n)], dtype=torch.float32)   # float32 product of floats
     out = torch.full((n + BLOCK + 1,), -999.0, device=DEVICE)
     grid = (triton.cdiv(n, BLOCK),)
-    nf4_dequant_kernel[grid](packed.to(DEVICE), absmax.to(DEVICE), table.to(DEVICE), out, n,
-                             BLOCKSIZE=blocksize, BLOCK=BLOCK)
+    _launch(nf4_dequant_kernel, grid, packed.to(DEVICE), absmax.to(DEVICE), table.to(DEVICE),
+            out, n, BLOCKSIZE=blocksize, BLOCK=BLOCK)
     out = out.cpu()
     where = f"nf4_dequant_kernel[{grid}](..., n={n}, BLOCKSIZE={blocksize}, BLOCK={BLOCK})"
     bad = (out[:n] != want).nonzero().flatten()
@@ -615,8 +650,10 @@ _launch_nf4(45, blocksize=32, BLOCK=32, table=torch.arange(16, dtype=torch.float
 print("nf4_dequant_kernel matches a Python loop, including on another code table")
 
 ### BEGIN HIDDEN TESTS
+# case: one element, and a count past a multiple of BLOCK
 _launch_nf4(1, blocksize=64, BLOCK=16, seed=1)
 _launch_nf4(257, blocksize=64, BLOCK=64, seed=2)
+# case: another code table, BLOCK larger than the blocksize
 _launch_nf4(130, blocksize=32, BLOCK=128, seed=3,
             table=torch.linspace(-3.0, 5.0, 16, dtype=torch.float32) ** 3)
 ### END HIDDEN TESTS
@@ -659,19 +696,22 @@ _rejects("my_dequantize_nf4(a plain tensor)",
 # off-limits: the references are switched off, and the wrapper must launch your kernel
 _q = quantize_nf4(torch.randn(5, 48).to(DEVICE), blocksize=32, double_quant=True)
 _want = dequantize_nf4(_q, torch.float32)
-with _no_reference(), harness.spy_on(globals(), nf4_dequant_kernel) as _spy:
+with _no_reference():
     _got = my_dequantize_nf4(_q)
 assert torch.equal(_got, _want), "my_dequantize_nf4 is wrong once the reference is unavailable"
-assert _spy.grids, "my_dequantize_nf4 did not launch nf4_dequant_kernel"
+_launches(nf4_dequant_kernel, lambda: my_dequantize_nf4(_q), "my_dequantize_nf4")
 print("my_dequantize_nf4 is bit-identical to dequantize_nf4 on the visible shapes")
 
 ### BEGIN HIDDEN TESTS
+# case: shapes, blocksizes and double quantization
 _check_dequant((2, 96), blocksize=64, seed=11)           # rows not a multiple of blocksize
 _check_dequant((6, 80), blocksize=32, double_quant=True, seed=12)
 _check_dequant((5, 1, 33), blocksize=128, double_quant=True, seed=13)
 _check_dequant((100, 201), blocksize=32, double_quant=True, seed=14)   # > 256 scale blocks
+# case: weights quantized from bfloat16 and float16
 _check_dequant((31, 17), blocksize=64, dtype=torch.bfloat16, seed=15)
 _check_dequant((3, 3, 3), blocksize=32, dtype=torch.float16, seed=16)
+# case: arguments the wrapper must refuse
 for _bad in (torch.zeros(4), None, (torch.zeros(2, dtype=torch.uint8), torch.ones(1))):
     try:
         my_dequantize_nf4(_bad)
@@ -680,15 +720,15 @@ for _bad in (torch.zeros(4), None, (torch.zeros(2, dtype=torch.uint8), torch.one
     else:
         raise AssertionError(f"my_dequantize_nf4 accepted a {type(_bad).__name__}; "
                              "expected ValueError")
-# the reference is off-limits, and the wrapper launches the kernel
+# case: the reference off-limits, and the wrapper launches the kernel
 _w = torch.randn(9, 70).to(DEVICE)
 for _dq in (False, True):
     _q = quantize_nf4(_w, blocksize=64, double_quant=_dq)
     _want = dequantize_nf4(_q, torch.float32)
-    with _no_reference(), harness.spy_on(globals(), nf4_dequant_kernel) as _spy:
+    with _no_reference():
         _got = my_dequantize_nf4(_q)
     assert torch.equal(_got, _want), "my_dequantize_nf4 is wrong once the reference is unavailable"
-    assert _spy.grids, "my_dequantize_nf4 did not launch nf4_dequant_kernel"
+    _launches(nf4_dequant_kernel, lambda: my_dequantize_nf4(_q), "my_dequantize_nf4")
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -875,9 +915,11 @@ def _check_selective(E, d_out, d_in, active, blocksize=64, double_quant=False, s
     where = (f"[E={E}, {d_out}, {d_in}], blocksize {blocksize}, double_quant={double_quant}, "
              f"active {active.tolist()} (experts {others} poisoned)")
     if forbid:
-        with _no_reference(my_dequantize_nf4), harness.spy_on(globals(), selective_dequant_kernel) as spy:
+        with _no_reference(my_dequantize_nf4):
             got = my_selective_dequantize(poisoned, active.to(DEVICE))
-        assert spy.grids, f"{where}: selective_dequant_kernel was never launched"
+        _launches(selective_dequant_kernel,
+                  lambda: my_selective_dequantize(poisoned, active.to(DEVICE)),
+                  f"my_selective_dequantize, {where}")
     else:
         got = my_selective_dequantize(poisoned, active.to(DEVICE))
     assert isinstance(got, torch.Tensor) and got.shape == want.shape \
@@ -906,8 +948,8 @@ _ids = torch.tensor([2, 0], dtype=torch.int64)
 _want = dequantize_nf4(_qd, torch.float32)[_ids.to(DEVICE)].reshape(-1)
 _pq, _ = _poisoned(_qd, _ids)
 _out = torch.full((2 * 128 + 256,), -999.0, device=DEVICE)
-selective_dequant_kernel[(1, 2)](_pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE),
-                                 _ids.to(DEVICE), _out, 128, BLOCKSIZE=64, BLOCK=256)
+_launch(selective_dequant_kernel, (1, 2), _pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE),
+        _ids.to(DEVICE), _out, 128, BLOCKSIZE=64, BLOCK=256)
 assert torch.equal(_out[:256], _want), \
     f"selective_dequant_kernel[(1, 2)] with BLOCK=256 > M=128: {(_out[:256] != _want).sum()} " \
     "of 256 values differ from the reference (row r starts at out_ptr + r*M)"
@@ -928,26 +970,29 @@ _check_selective(4, 4, 32, [2, 0], blocksize=32, seed=8, forbid=True)
 print("my_selective_dequantize reads only the listed experts and matches the reference")
 
 ### BEGIN HIDDEN TESTS
+# case: several experts, repeats and orders, with and without double quantization
 _check_selective(6, 16, 64, [5, 4, 3, 2, 1, 0], blocksize=128, seed=3)    # all, reversed
 _check_selective(8, 16, 128, [7, 0, 6], blocksize=32, double_quant=True, seed=4)  # 512 blocks
 _check_selective(3, 2, 64, [1], blocksize=64, seed=5)
+# case: the references off-limits, and the wrapper launches the kernel
 _check_selective(7, 12, 48, [6, 2, 2, 4], blocksize=64, seed=6, forbid=True)
 _check_selective(5, 8, 64, [0, 4], blocksize=32, double_quant=True, seed=7, forbid=True)
-# a tile size that cuts experts into several programs, launched directly
+# case: the kernel launched directly, several tiles per expert
 _qd = quantize_nf4(torch.randn(4, 6, 32).to(DEVICE), blocksize=64)
 _ids = torch.tensor([2, 1], dtype=torch.int64)
 _want = dequantize_nf4(_qd, torch.float32)[_ids.to(DEVICE)]
 _pq, _ = _poisoned(_qd, _ids)
 _out = torch.full((2, 6, 32), -999.0, device=DEVICE)
-selective_dequant_kernel[(triton.cdiv(192, 64), 2)](
-    _pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE), _ids.to(DEVICE), _out, 192,
-    BLOCKSIZE=64, BLOCK=64)
+_launch(selective_dequant_kernel, (triton.cdiv(192, 64), 2),
+        _pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE), _ids.to(DEVICE), _out, 192,
+        BLOCKSIZE=64, BLOCK=64)
 assert torch.equal(_out, _want), "selective_dequant_kernel[(3, 2)] with BLOCK=64 differs from " \
     f"the reference at {(_out != _want).sum().item()} elements"
+# case: the kernel launched directly, one tile longer than an expert
 _out = torch.full((1, 6, 32), -999.0, device=DEVICE)
-selective_dequant_kernel[(1, 1)](
-    _pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE), _ids[1:].to(DEVICE), _out, 192,
-    BLOCKSIZE=64, BLOCK=256)                      # one tile, masked past M = 192
+_launch(selective_dequant_kernel, (1, 1),
+        _pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE), _ids[1:].to(DEVICE), _out, 192,
+        BLOCKSIZE=64, BLOCK=256)                  # one tile, masked past M = 192
 assert torch.equal(_out[0], _want[1]), "selective_dequant_kernel with BLOCK=256 > M differs"
 ### END HIDDEN TESTS
 
@@ -966,8 +1011,10 @@ _expect_value_error("out*in = 40 with blocksize 32 (a scale block would straddle
 print("bad expert ids raise ValueError")
 
 ### BEGIN HIDDEN TESTS
+# case: ids of the wrong dtype or shape
 _expect_value_error("float ids", _q3, torch.tensor([0.0, 1.0], device=DEVICE))
 _expect_value_error("2-D ids", _q3, torch.tensor([[0, 1]], device=DEVICE))
+# case: weights the wrapper must refuse
 _expect_value_error("a 2-D weight", quantize_nf4(torch.randn(8, 16).to(DEVICE), 64),
                     torch.tensor([0], device=DEVICE))
 _expect_value_error("out*in = 48 with blocksize 32",
@@ -1093,6 +1140,7 @@ for _shape, _bs in (((17, 40), 32), ((3, 5, 7), 128)):
 print("dequant_traffic counts the same bytes as benchmarks/bench_dequant.py")
 
 ### BEGIN HIDDEN TESTS
+# case: real layer shapes and small counts
 _check_traffic((14336, 4096), 64, torch.float16, (29_360_128 + 3_670_016, 117_440_512))
 _check_traffic((1,), 32, torch.bfloat16, (1 + 4, 2))
 _check_traffic((65,), 64, torch.bfloat16, (33 + 8, 130))

@@ -236,7 +236,45 @@ def sorted_expert_linear(x: torch.Tensor, W: torch.Tensor, expert_idxs: torch.Te
 # %% nbgrader={"grade": true, "grade_id": "test_sorted_expert_linear", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # What this lab rebuilds, and the loops the tests compare with: while a test runs your code
 # inside `harness.forbid(_REFERENCE, globals())`, each of them raises if reached (under any name).
-_REFERENCE = list(harness.reference("08-moe-forward-kernel").values())
+from course.notebook.bridged import in_learner
+
+_REFERENCE = [(harness.resolve(_path.rpartition(".")[0]), _path.rpartition(".")[2])
+              for _path in minimoe.REFERENCE["08-moe-forward-kernel"].values()]
+_SWITCHED_OFF = "the test switched this kernel off to see that your wrapper launches it"
+
+
+def _launches(kernel, call, what):
+    """With `kernel` switched off, call() must fail by reaching it: `what` launches it."""
+    try:
+        with harness.forbid([kernel], globals(), why=_SWITCHED_OFF):
+            call()
+    except NotImplementedError:
+        raise
+    except AssertionError as e:
+        if _SWITCHED_OFF in str(e):
+            return
+        raise AssertionError(f"{what} failed without reaching its kernel: {e}") from e
+    raise AssertionError(f"{what} did not launch its kernel: the work must happen in the kernel")
+
+
+def _run_kernel(kernel, grid, args, kwargs):
+    kernel[grid](*args, **kwargs)
+    return [torch.empty(0, dtype=a.dtype, device=a.device).set_(a.untyped_storage())
+            if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _launch(kernel, grid, *args, **kwargs):
+    """kernel[grid](*args, **kwargs) where your kernel is defined; whatever it wrote into the
+    tensors' storage (views: their whole buffer) is copied back here. Graded apart, a kernel's
+    stores through a pointer are not seen as an in-place change, so the launch itself runs
+    there; this checks nothing there."""
+    after = in_learner(_run_kernel, kernel, grid, args, kwargs)
+    for before, now in zip(args, after):
+        if isinstance(before, torch.Tensor):
+            whole = torch.empty(0, dtype=before.dtype, device=before.device)
+            whole.set_(before.untyped_storage())
+            if whole.data_ptr() != now.data_ptr():
+                whole.copy_(now)
 
 
 def _problem(T, K, N, E, k, seed=0, **routing):
@@ -280,12 +318,18 @@ _check_sorted_linear(33, 40, 24, 8, 2, seed=1)
 print("sorted_expert_linear matches reference.linear_loop")
 
 ### BEGIN HIDDEN TESTS
+# case: an expert with no tokens
 _check_sorted_linear(9, 24, 24, 4, 2, seed=2, skip=1)           # an expert with no tokens
+# case: k = 3
 _check_sorted_linear(11, 40, 24, 8, 3, seed=3)                   # k = 3
+# case: one token
 _check_sorted_linear(1, 24, 40, 4, 2, seed=4)                    # T = 1
+# case: one expert
 _check_sorted_linear(5, 24, 24, 1, 1, seed=5)                    # E = 1
+# case: every token to one expert, or an expert unused
 _check_sorted_linear(13, 24, 40, 8, 1, seed=6, only=[5])         # every token to expert 5
 _check_sorted_linear(6, 40, 40, 8, 3, seed=7, skip=0)            # expert 0 unused
+# case: float64 inputs
 _x64, _W64, _i64 = _problem(5, 24, 24, 4, 2, seed=8)
 _y64 = sorted_expert_linear(_x64.double(), _W64.double(), _i64)
 assert _y64.dtype == torch.float64, f"float64 input: expected float64 output, got {_y64.dtype}"
@@ -434,9 +478,9 @@ def _launch_group(T, N, k, E=4, BLOCK_M=16, BLOCK_N=16, with_coeff=True, seed=0)
     buf = torch.full((M + BLOCK_M, N + 7), -999.0, device=DEVICE)
     out = buf[:, :N]
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    group_kernel[grid](X, coeff if with_coeff else X, out, ssi, M, N, X.stride(0), X.stride(1),
-                       out.stride(0), out.stride(1), FAN_OUT=k, HAS_COEFF=with_coeff,
-                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    _launch(group_kernel, grid, X, coeff if with_coeff else X, out, ssi, M, N,
+            X.stride(0), X.stride(1), out.stride(0), out.stride(1), FAN_OUT=k,
+            HAS_COEFF=with_coeff, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     where = (f"group_kernel[{grid}](..., M={M}, N={N}, FAN_OUT={k}, HAS_COEFF={with_coeff}, "
              f"BLOCK_M={BLOCK_M}, BLOCK_N={BLOCK_N}), X and out with row strides "
              f"{X.stride(0)} and {out.stride(0)}")
@@ -454,12 +498,12 @@ def _check_my_group(T, N, k, E=4, with_coeff=False, seed=0, check_spy=False):
     coeff = (torch.rand(T, k, generator=g) + 0.5).to(DEVICE) if with_coeff else None
     ssi = ssi.to(DEVICE)
     want = minimoe.group(X, ssi, fan_out=k, coeff=coeff)
-    with harness.forbid(_REFERENCE, globals()), harness.spy_on(globals(), group_kernel) as spy:
+    with harness.forbid(_REFERENCE, globals()):
         got = my_group(X, ssi, fan_out=k, coeff=coeff)
     where = f"my_group(X [{T}, {N}], ssi, fan_out={k}, coeff {'[T, k]' if with_coeff else None})"
     _close(got, want, where, rtol=1e-6, atol=1e-6)
     if check_spy:
-        assert spy.grids, f"{where} did not launch group_kernel"
+        _launches(group_kernel, lambda: my_group(X, ssi, fan_out=k, coeff=coeff), where)
 
 
 _launch_group(7, 24, 2)                          # rows and columns both end mid-tile
@@ -479,17 +523,20 @@ for _what, _args in (("sorted_scattered_idxs of 11 entries for M = 12",
 print("group_kernel and my_group match minimoe.group, strides and masks included")
 
 ### BEGIN HIDDEN TESTS
+# case: the kernel launched directly, several tile sizes and routings
 _launch_group(1, 24, 1, E=1, BLOCK_M=16, BLOCK_N=32, seed=3)
 _launch_group(33, 40, 2, E=8, BLOCK_M=16, BLOCK_N=16, seed=4)
 _launch_group(11, 24, 3, E=8, BLOCK_M=32, BLOCK_N=16, seed=5)
+# case: my_group with and without coeff, and the wrapper launches the kernel
 _check_my_group(33, 24, 2, E=8, with_coeff=True, seed=6, check_spy=True)
 _check_my_group(4, 40, 1, with_coeff=False, seed=7, check_spy=True)
-# coeff given flat [M] works too
+# case: coeff given flat [M]
 _Xg = torch.randn(6, 24).to(DEVICE)
 _, _ssig, _ = flatten_sort_count(harness.expert_routing(6, 2, 4, 8), 4)
 _cg = (torch.rand(12) + 0.5).to(DEVICE)
 _close(my_group(_Xg, _ssig.to(DEVICE), 2, _cg), minimoe.group(_Xg, _ssig.to(DEVICE), 2, _cg),
        "my_group with a flat coeff [M]", rtol=1e-6, atol=1e-6)
+# case: inputs the wrapper must refuse
 for _what, _args in (("1-D X", (torch.zeros(6), _ssig, 2)),
                      ("fan_out = 0", (_Xg.cpu(), _ssig, 0)),
                      ("ssi of the wrong length", (_Xg.cpu(), _ssig[:-1], 2)),
@@ -643,8 +690,8 @@ def _launch_s2s(T, K, N, E, k, x_grouped=False, y_grouped=False, BLOCK_M=16, BLO
     buf = torch.full((M + BLOCK_M, N + 5), -999.0, device=DEVICE)
     Y = buf[:, :N]
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    scatter2scatter_kernel[grid](
-        X, W, Y, sei, ssi, M, K, N, X.stride(0), X.stride(1),
+    _launch(
+        scatter2scatter_kernel, grid, X, W, Y, sei, ssi, M, K, N, X.stride(0), X.stride(1),
         W.stride(0), W.stride(1), W.stride(2), Y.stride(0), Y.stride(1),
         FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
@@ -663,13 +710,16 @@ _launch_s2s(9, 24, 24, 4, 3, seed=2, skip=2)        # k = 3, expert 2 without to
 print("scatter2scatter_kernel matches reference.linear_loop (slot order in and out)")
 
 ### BEGIN HIDDEN TESTS
+# case: one token, one expert
 _launch_s2s(1, 24, 40, 4, 2, seed=3)                               # T = 1
 _launch_s2s(1, 40, 24, 1, 1, seed=4)                               # T = 1, E = 1
 _launch_s2s(7, 40, 40, 1, 1, seed=5)                               # E = 1
+# case: every token to one expert, unused experts, gaps inside a tile
 _launch_s2s(33, 24, 24, 8, 1, seed=6, only=[3])                    # every token to expert 3
 _launch_s2s(33, 24, 40, 8, 3, seed=7, skip=0)                      # k = 3, expert 0 unused
 _launch_s2s(33, 40, 24, 4, 2, seed=8, skip=3)                      # last expert unused
 _launch_s2s(12, 40, 24, 8, 2, seed=9, only=[0, 2, 7])              # gaps inside a tile
+# case: larger and single tiles
 _launch_s2s(33, 40, 40, 8, 2, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, seed=10)
 _launch_s2s(7, 24, 24, 4, 2, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, seed=11)   # one tile
 ### END HIDDEN TESTS
@@ -680,8 +730,11 @@ _launch_s2s(7, 40, 24, 4, 2, y_grouped=True, seed=13)      # Y wanted in sorted 
 print("scatter2scatter_kernel handles x_grouped and y_grouped")
 
 ### BEGIN HIDDEN TESTS
+# case: x_grouped and y_grouped together, an unused expert
 _launch_s2s(33, 24, 24, 8, 3, x_grouped=True, y_grouped=True, seed=14, skip=4)
+# case: x_grouped with one token
 _launch_s2s(1, 40, 40, 4, 2, x_grouped=True, seed=15)
+# case: y_grouped, every token to one expert
 _launch_s2s(13, 24, 40, 8, 1, y_grouped=True, seed=16, only=[6])
 ### END HIDDEN TESTS
 
@@ -836,10 +889,11 @@ def _expect_value_error(what, names, fn):
 
 _x, _W, _idx = _problem(6, 24, 40, 4, 2, seed=20)
 _sei, _ssi, _ = flatten_sort_count(_idx, 4)
-with harness.forbid(_REFERENCE, globals()), harness.spy_on(globals(), scatter2scatter_kernel) as _spy:
+with harness.forbid(_REFERENCE, globals()):
     _Y = my_scatter2scatter(_x, _W, _sei, _ssi, 2)
 _close(_Y, linear_loop(_x, _W, _idx), f"my_scatter2scatter, {harness.describe(_x, _W, _idx)}")
-assert _spy.grids, "my_scatter2scatter did not launch scatter2scatter_kernel"
+_launches(scatter2scatter_kernel, lambda: my_scatter2scatter(_x, _W, _sei, _ssi, 2),
+          "my_scatter2scatter")
 _expect_value_error("k = 5 > E = 4", ["k"],
                     lambda: my_scatter2scatter(_x, _W, _sei, _ssi, 5))
 _expect_value_error("an expert id 4 with E = 4", ["sorted_expert_idxs"],
@@ -860,6 +914,7 @@ with harness.forbid([scatter2scatter_kernel], globals(),
 print("my_scatter2scatter launches your kernel and names the argument it refuses")
 
 ### BEGIN HIDDEN TESTS
+# case: bad k, expert ids or slot ids
 _expect_value_error("k = 0", ["k"], lambda: my_scatter2scatter(_x, _W, _sei, _ssi, 0))
 _expect_value_error("an expert id -1", ["sorted_expert_idxs"],
                     lambda: my_scatter2scatter(_x, _W, _sei - 1, _ssi, 2))
@@ -869,6 +924,7 @@ _expect_value_error("slot id 12 with M = 12", ["sorted_scattered_idxs"],
                     lambda: my_scatter2scatter(_x, _W, _sei, _ssi + 1, 2))
 _expect_value_error("sorted_scattered_idxs shorter than M", ["sorted_scattered_idxs"],
                     lambda: my_scatter2scatter(_x, _W, _sei, _ssi[:-2], 2))
+# case: X or W of the wrong shape or dtype
 _expect_value_error("X with 5 rows for M = 12, k = 2", ["X"],
                     lambda: my_scatter2scatter(_x[:5], _W, _sei, _ssi, 2))
 _expect_value_error("X with K = 40, W with K = 24", ["X"],
@@ -882,20 +938,21 @@ if INTERPRET:
                         lambda: my_scatter2scatter(_x, _W.bfloat16(), _sei, _ssi, 2))
     _expect_value_error("float16 under the interpreter", ["X"],
                         lambda: my_scatter2scatter(_x.half(), _W.half(), _sei, _ssi, 2))
-# grouped flags go through, a transposed W works, an empty M returns without launching
+# case: grouped flags, a non-contiguous W
 _Xg = _x[_ssi // 2]
 _close(my_scatter2scatter(_Xg, _W, _sei, _ssi, 2, x_grouped=True, y_grouped=True),
        linear_loop(_x, _W, _idx)[_ssi], "my_scatter2scatter(x_grouped=True, y_grouped=True)")
 _Wt = _W.transpose(1, 2).contiguous().transpose(1, 2)               # same values, strided
 _close(my_scatter2scatter(_x, _Wt, _sei, _ssi, 2), linear_loop(_x, _W, _idx),
        "my_scatter2scatter with a non-contiguous W")
-with harness.spy_on(globals(), scatter2scatter_kernel) as _spy:
+# case: M = 0
+with harness.forbid([scatter2scatter_kernel], globals(),
+                    why="M = 0: return an empty [0, N] without launching"):
     _Y0 = my_scatter2scatter(torch.zeros(0, 24, device=DEVICE), _W,
                              torch.zeros(0, dtype=torch.int64, device=DEVICE),
                              torch.zeros(0, dtype=torch.int64, device=DEVICE), 2)
-assert tuple(_Y0.shape) == (0, 40) and not _spy.grids, \
-    f"M = 0: expected an empty [0, 40] without a launch, got {tuple(_Y0.shape)}, " \
-    f"{len(_spy.grids)} launch(es)"
+assert tuple(_Y0.shape) == (0, 40), \
+    f"M = 0: expected an empty [0, 40] without a launch, got {tuple(_Y0.shape)}"
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_moe_linear", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
@@ -906,11 +963,11 @@ def _check_moe_linear(T, K, N, E, k, seed=0, **routing):
     sei, ssi, offsets = flatten_sort_count(idx, E)
     want = minimoe.parallel_linear_from_indices(x, W, k, sei, ssi, offsets, gates=gates)
     _close(want, linear_loop(x, W, idx, gates=gates), "parallel_linear vs linear_loop (setup)")
-    with harness.forbid(_REFERENCE, globals()), harness.spy_on(globals(), scatter2scatter_kernel) as spy:
+    with harness.forbid(_REFERENCE, globals()):
         got = moe_linear(x, W, idx, gates)
     where = f"moe_linear, {harness.describe(x, W, idx)}"
     _close(got, want.detach(), where)
-    assert spy.grids, f"{where}: scatter2scatter_kernel was never launched"
+    _launches(scatter2scatter_kernel, lambda: moe_linear(x, W, idx, gates), where)
 
 
 _check_moe_linear(7, 24, 40, 4, 2)
@@ -921,10 +978,12 @@ _expect_value_error("gates [T, 1] for k = 2", ["gates"],
 print("moe_linear matches the forward of minimoe.parallel_linear with gates")
 
 ### BEGIN HIDDEN TESTS
+# case: one token, k = 3, one expert used, one expert in all
 _check_moe_linear(1, 24, 24, 4, 2, seed=2)                     # T = 1
 _check_moe_linear(11, 24, 40, 8, 3, seed=3, skip=5)            # k = 3, an unused expert
 _check_moe_linear(9, 40, 40, 4, 1, seed=4, only=[2])           # every token to one expert
 _check_moe_linear(5, 24, 24, 1, 1, seed=5)                     # E = 1
+# case: gates of the wrong shape
 _x, _W, _idx = _problem(4, 24, 24, 4, 2, seed=6)
 _expect_value_error("gates [T, k+1]", ["gates"],
                     lambda: moe_linear(_x, _W, _idx, torch.ones(4, 3, device=DEVICE)))
@@ -1053,6 +1112,7 @@ _check_work(torch.tensor([2, 0, 0, 5]), 4, {"rows_sorted": 7, "rows_block_padded
 print("dispatch_work counts what each approach computes")
 
 ### BEGIN HIDDEN TESTS
+# case: small hand-made counts
 _check_work([0, 0, 0], 16, {"rows_sorted": 0, "rows_block_padded": 0, "rows_bmm": 0,
                             "tiles_sorted": 0, "passes_sorted": 0})
 _check_work([1, 1, 1, 1, 1], 64, {"rows_sorted": 5, "rows_block_padded": 320, "rows_bmm": 5,
@@ -1064,7 +1124,7 @@ _check_work([3, 0, 0, 1], 4, {"rows_sorted": 4, "rows_block_padded": 8, "rows_bm
                               "tiles_sorted": 1, "passes_sorted": 4})
 _check_work([100], 32, {"rows_sorted": 100, "rows_block_padded": 128, "rows_bmm": 100,
                         "tiles_sorted": 4, "passes_sorted": 4})
-# against a brute-force count on a random routing
+# case: a random routing
 _cnt = torch.bincount(harness.expert_routing(50, 2, 8, 30).reshape(-1), minlength=8)
 _ids = torch.repeat_interleave(torch.arange(8), _cnt)
 _want_passes = sum(int(_ids[min(t + 16, 100) - 1] - _ids[t]) + 1 for t in range(0, 100, 16))
