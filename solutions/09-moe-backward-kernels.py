@@ -235,13 +235,30 @@ def backward_by_hand(x: torch.Tensor, W: torch.Tensor, expert_idxs: torch.Tensor
 # %% nbgrader={"grade": true, "grade_id": "test_backward_by_hand", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 # The backward this lab rebuilds, and the loops the tests compare with: each raises if your
 # code reaches it (under any name). The forward pieces (flatten_sort_count, group,
-# scatter2scatter and their kernels) stay available.
-_REFERENCE = list(harness.reference("09-moe-backward-kernels").values())
+# scatter2scatter and their kernels) stay available. Each is named by where it lives, an
+# (owner, name) pair of the course packages, and by the object itself (for `allow`).
+from course.notebook.forbid import bindings  # noqa: E402
+
+_REFERENCE = [(bindings(t)[0], t) for t in harness.reference("09-moe-backward-kernels").values()]
 
 
 def _no_reference(*allow):
     """harness.forbid(...) of the references, but for the objects in `allow`."""
-    return harness.forbid([t for t in _REFERENCE if t not in allow], globals())
+    return harness.forbid([where for where, t in _REFERENCE if t not in allow], globals())
+
+
+def _must_reach(target, call, what):
+    """`call()` must fail once `target` is switched off: your code reaches it (a launch of a
+    kernel, a call of a function), under whatever name it is bound."""
+    try:
+        with _no_reference(), harness.forbid([target], globals(), why="the test checks that "
+                                             "your code reaches it, by switching it off"):
+            call()
+    except AssertionError as err:
+        if "was called while your code ran" in str(err):
+            return
+        raise
+    raise AssertionError(what)
 
 
 def _problem(T, K, N, E, k, seed=0, **routing):
@@ -297,12 +314,18 @@ _check_by_hand(33, 40, 24, 8, 2, seed=1)
 print("backward_by_hand matches autograd of reference.linear_loop (dx, dW, dgates)")
 
 ### BEGIN HIDDEN TESTS
-_check_by_hand(9, 24, 24, 4, 3, seed=2, skip=2)        # k = 3, expert 2 without tokens
-_check_by_hand(1, 40, 24, 4, 2, seed=3)                # T = 1
-_check_by_hand(1, 24, 40, 4, 3, seed=4)                # T = 1, k = 3
-_check_by_hand(7, 24, 24, 1, 1, seed=5)                # E = 1
-_check_by_hand(13, 40, 40, 8, 1, seed=6, only=[5])     # every token to one expert
-_check_by_hand(12, 24, 40, 8, 3, seed=7, skip=0)       # k = 3, expert 0 unused
+# case: k = 3 with an expert that gets no token
+_check_by_hand(9, 24, 24, 4, 3, seed=2, skip=2)
+# case: a single token (T = 1)
+_check_by_hand(1, 40, 24, 4, 2, seed=3)
+# case: a single token with k = 3
+_check_by_hand(1, 24, 40, 4, 3, seed=4)
+# case: a single expert (E = 1, k = 1)
+_check_by_hand(7, 24, 24, 1, 1, seed=5)
+# case: every token routed to one expert (k = 1)
+_check_by_hand(13, 40, 40, 8, 1, seed=6, only=[5])
+# case: k = 3 with the first expert unused
+_check_by_hand(12, 24, 40, 8, 3, seed=7, skip=0)
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -476,7 +499,9 @@ def _launch_bwd_W(T, K, N, E, k, BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, seed=0, gua
     wbuf = torch.full((E, K + 2, N + 4), float("nan"), device=DEVICE)
     DW = wbuf[:, :K, :N]                        # starts as NaN: every element must be written
     grid = (E, triton.cdiv(K, BLOCK_K), triton.cdiv(N, BLOCK_N))
-    group_bwd_W_kernel[grid](DY, X, DW, offs, K, N, DY.stride(0), DY.stride(1),
+    # the kernel gets the whole buffer (same first element and strides as the view DW), so
+    # that a write outside dW[:, :K, :N] shows in wbuf
+    group_bwd_W_kernel[grid](DY, X, wbuf, offs, K, N, DY.stride(0), DY.stride(1),
                              X.stride(0), X.stride(1), DW.stride(0), DW.stride(1), DW.stride(2),
                              BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N)
     where = (f"group_bwd_W_kernel[{grid}], {_where_rows(Xg, DYg, E, idx)}, "
@@ -506,14 +531,23 @@ print("group_bwd_W_kernel matches a per-expert loop, writes exact zeros for empt
       "stays inside dW")
 
 ### BEGIN HIDDEN TESTS
-_launch_bwd_W(1, 24, 40, 4, 2, seed=3)                             # T = 1: two experts empty
-_launch_bwd_W(7, 40, 40, 1, 1, seed=4)                             # E = 1
-_launch_bwd_W(33, 24, 24, 8, 1, seed=5, only=[3])                  # every token to expert 3
-_launch_bwd_W(33, 24, 40, 8, 3, seed=6, skip=0)                    # first expert empty
-_launch_bwd_W(33, 40, 24, 4, 2, seed=7, skip=3)                    # last expert empty
-_launch_bwd_W(12, 40, 24, 8, 2, seed=8, only=[0, 2, 7])            # gaps between experts
+# case: a single token (T = 1), several experts without rows
+_launch_bwd_W(1, 24, 40, 4, 2, seed=3)
+# case: a single expert (E = 1)
+_launch_bwd_W(7, 40, 40, 1, 1, seed=4)
+# case: every row to one expert
+_launch_bwd_W(33, 24, 24, 8, 1, seed=5, only=[3])
+# case: the first expert without rows, k = 3
+_launch_bwd_W(33, 24, 40, 8, 3, seed=6, skip=0)
+# case: the last expert without rows
+_launch_bwd_W(33, 40, 24, 4, 2, seed=7, skip=3)
+# case: empty experts between used ones
+_launch_bwd_W(12, 40, 24, 8, 2, seed=8, only=[0, 2, 7])
+# case: blocks of 32
 _launch_bwd_W(33, 40, 40, 8, 2, BLOCK_M=32, BLOCK_K=32, BLOCK_N=32, seed=9)
-_launch_bwd_W(7, 24, 24, 4, 2, BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, seed=10)  # one tile each
+# case: blocks larger than K and N (one tile per expert)
+_launch_bwd_W(7, 24, 24, 4, 2, BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, seed=10)
+# case: unequal BLOCK_K and BLOCK_N
 _launch_bwd_W(20, 24, 40, 4, 2, BLOCK_M=16, BLOCK_K=32, BLOCK_N=16, seed=11)
 ### END HIDDEN TESTS
 
@@ -525,10 +559,11 @@ def _check_my_bwd_W(T, K, N, E, k, seed=0, **routing):
     Xg, DYg, offs, idx, want = _grouped_problem(T, K, N, E, k, seed, **routing)
     ref = _bwd_W_reference(DYg, Xg, offs, E)
     harness.assert_close(ref, want, "minimoe.group_bwd_W against the loop (the reference itself)")
-    with _no_reference(), harness.spy_on(globals(), group_bwd_W_kernel) as spy:
+    with _no_reference():
         got = my_group_bwd_W(DYg, Xg, offs, E)
     where = f"my_group_bwd_W, {_where_rows(Xg, DYg, E, idx)}"
-    assert spy.grids, f"{where}: group_bwd_W_kernel was not launched"
+    _must_reach(group_bwd_W_kernel, lambda: my_group_bwd_W(DYg, Xg, offs, E),
+                f"{where}: group_bwd_W_kernel was not launched")
     harness.assert_close(got, ref, where)
     _zero_experts(got, idx, where)
 
@@ -546,14 +581,16 @@ harness.assert_rejects("my_group_bwd_W", [
 print("my_group_bwd_W matches minimoe.group_bwd_W and launches your kernel")
 
 ### BEGIN HIDDEN TESTS
+# case: a single token and a single expert
 _check_my_bwd_W(1, 24, 24, 1, 1, seed=2)
+# case: k = 3 over three of eight experts
 _check_my_bwd_W(13, 40, 40, 8, 3, seed=3, only=[1, 6, 7])
-# a transposed (non-contiguous) X
+# case: a non-contiguous X
 _Xg, _DYg, _offs, _idx, _want = _grouped_problem(7, 24, 40, 4, 2, seed=4)
 _Xt = _Xg.T.contiguous().T
 with _no_reference():
     harness.assert_close(my_group_bwd_W(_DYg, _Xt, _offs, 4), _want, "my_group_bwd_W with a non-contiguous X")
-# bad inputs
+# case: bad inputs (shapes, offsets, dtypes)
 _bad_calls = [
     ("DY with other rows", lambda: my_group_bwd_W(_DYg[:-1], _Xg, _offs, 4)),
     ("1-D X", lambda: my_group_bwd_W(_DYg, _Xg[:, 0], _offs, 4)),
@@ -712,9 +749,13 @@ _check_grouped_dy(7, 24, 4, 2, seed=1, gated=False)
 print("grouped_dy puts gates · dout into sorted order")
 
 ### BEGIN HIDDEN TESTS
+# case: k = 3 with an expert without tokens
 _check_grouped_dy(9, 24, 4, 3, seed=2, skip=1)
+# case: a single token (T = 1)
 _check_grouped_dy(1, 40, 4, 2, seed=3)
+# case: every token to one expert (k = 1)
 _check_grouped_dy(13, 40, 8, 1, seed=4, only=[2])
+# case: no gates, k = 3
 _check_grouped_dy(9, 40, 8, 3, seed=5, gated=False)
 ### END HIDDEN TESTS
 
@@ -744,9 +785,13 @@ _check_input_grad(7, 24, 24, 4, 2, seed=2, grouped_in=True)
 print("input_grad matches the dx of autograd (scatter2scatter with Wᵀ, summed over k)")
 
 ### BEGIN HIDDEN TESTS
-_check_input_grad(1, 40, 40, 4, 2, seed=3)                         # T = 1
-_check_input_grad(7, 24, 40, 1, 1, seed=4)                         # E = 1, k = 1
-_check_input_grad(33, 40, 24, 8, 2, seed=5, only=[4, 6])           # two experts, every token
+# case: a single token (T = 1)
+_check_input_grad(1, 40, 40, 4, 2, seed=3)
+# case: a single expert (E = 1, k = 1)
+_check_input_grad(7, 24, 40, 1, 1, seed=4)
+# case: all tokens on two of eight experts
+_check_input_grad(33, 40, 24, 8, 2, seed=5, only=[4, 6])
+# case: grouped_in=True with k = 3 and the first expert unused
 _check_input_grad(12, 24, 40, 8, 3, seed=6, grouped_in=True, skip=0)
 ### END HIDDEN TESTS
 
@@ -875,10 +920,13 @@ def _ours_and_torch(x, W, idx, gates, dout, grouped_in=False, grouped_out=False)
                                                        backend="torch")
             out.backward(dout)
         else:
-            with _no_reference(), harness.spy_on(globals(), my_group_bwd_W) as spy:
+            with _no_reference():
                 out = my_parallel_linear(*args, **{**kw, "gates": gr})
+            # the backward reaches my_group_bwd_W: it fails while that is switched off
+            _must_reach(my_group_bwd_W, lambda: out.backward(dout, retain_graph=True),
+                        "the backward of MyParallelLinear did not call my_group_bwd_W")
+            with _no_reference():
                 out.backward(dout)
-            assert spy.calls, "the backward of MyParallelLinear did not call my_group_bwd_W"
         results[which] = (out.detach(), xr.grad, Wr.grad, None if gr is None else gr.grad)
     return results["yours"], results["torch"]
 
@@ -919,14 +967,21 @@ harness.assert_rejects("my_parallel_linear", [
 print("my_parallel_linear: output, dx, dW and dgates match autograd of reference.linear_loop")
 
 ### BEGIN HIDDEN TESTS
-_check_pl(1, 24, 40, 4, 2, seed=3)                                 # T = 1
-_check_pl(7, 40, 40, 1, 1, seed=4)                                 # E = 1
-_check_pl(33, 24, 24, 8, 2, seed=5, only=[1, 6])                   # two experts, every token
+# case: a single token (T = 1)
+_check_pl(1, 24, 40, 4, 2, seed=3)
+# case: a single expert (E = 1)
+_check_pl(7, 40, 40, 1, 1, seed=4)
+# case: all tokens on two of eight experts
+_check_pl(33, 24, 24, 8, 2, seed=5, only=[1, 6])
+# case: k = 3 with the first expert unused
 _check_pl(12, 40, 24, 8, 3, seed=6, skip=0)
+# case: no gates, grouped_out=True
 _check_pl(7, 24, 40, 4, 2, seed=7, gated=False, grouped_out=True)
-_check_pl(7, 40, 24, 4, 2, seed=8, grouped_in=True)                # the down projection
+# case: grouped_in=True (the down projection)
+_check_pl(7, 40, 24, 4, 2, seed=8, grouped_in=True)
+# case: no gates, grouped_in and grouped_out, k = 3
 _check_pl(9, 24, 24, 8, 3, seed=9, gated=False, grouped_in=True, grouped_out=True, skip=3)
-# gates together with grouped_out
+# case: gates together with grouped_out=True
 _xx, _WW, _ii, _gg, _ = _problem(4, 24, 24, 4, 2, seed=10)
 _ss = flatten_sort_count(_ii, 4)
 try:
@@ -937,7 +992,7 @@ except ValueError:
 else:
     raise AssertionError("my_parallel_linear accepted gates with grouped_out=True; expected "
                          "ValueError")
-# only x requires a gradient: W's gradient is not needed (and must not break the backward)
+# case: only x requires a gradient
 _xr = harness.leaf(_xx)
 with _no_reference():
     my_parallel_linear(_xr, _WW, 2, *_ss, gates=_gg).sum().backward()
@@ -985,10 +1040,14 @@ print("a SwiGLU MoE step through my_parallel_linear matches reference.moe_loop: 
       "w_gate, w_up, w_down")
 
 ### BEGIN HIDDEN TESTS
+# case: eight experts, top-2
 _moe_step(40, 24, 8, 2, 13, seed=1)
-_moe_step(24, 24, 4, 1, 7, seed=2)                   # top-1: the Switch gate, not renormalised
-_moe_step(24, 40, 8, 3, 5, seed=3)                   # k = 3, few tokens: empty experts
-_ = _moe_step(40, 40, 1, 1, 3, seed=4)               # a single expert
+# case: top-1 routing (the Switch gate)
+_moe_step(24, 24, 4, 1, 7, seed=2)
+# case: k = 3 with few tokens (empty experts)
+_moe_step(24, 40, 8, 3, 5, seed=3)
+# case: a single expert
+_ = _moe_step(40, 40, 1, 1, 3, seed=4)
 ### END HIDDEN TESTS
 
 # %% [markdown]

@@ -228,7 +228,10 @@ def split_lora_linear(x: torch.Tensor, W: torch.Tensor, k: int,
 # What this lab rebuilds, the loops the tests compare with, and the full dequantizers: each
 # raises if your code reaches it (under any name).
 _REF = harness.reference("10-moe-lora")        # minimoe's and miniquant's REFERENCE tables
-_REFERENCE = list(_REF.values())
+# each named by where it lives, an (owner, name) pair of the course packages, and by itself
+from course.notebook.forbid import bindings  # noqa: E402
+
+_REFERENCE = [(bindings(t)[0], t) for t in _REF.values()]
 # Exercise 1 may run parallel_linear (the Lab 09 Function) without LoRA.
 _BASE_PL = tuple(_REF[name] for name in ("parallel_linear", "parallel_linear_from_indices",
                                           "ParallelLinear", "torch_parallel_linear",
@@ -250,12 +253,28 @@ def _no_reference(base_linear=False):
     """While the block runs, what this lab rebuilds raises if reached; with `base_linear`,
     parallel_linear (and the scatter2scatter kernel under it) stays usable without LoRA."""
     if not base_linear:
-        with harness.forbid(_REFERENCE, globals()):
+        with harness.forbid([where for where, _ in _REFERENCE], globals()):
             yield
         return
-    with harness.forbid([t for t in _REFERENCE if t not in _BASE_PL], globals()), \
+    # (parallel_linear with LoRA reaches the forbidden LoRA references whichever path it takes;
+    # _base_only only says so more plainly where the tests run beside your code)
+    with harness.forbid([where for where, t in _REFERENCE if t not in _BASE_PL], globals()), \
             harness.swap(minimoe.parallel_linear, _base_only, globals()):
         yield
+
+
+def _must_reach(target, call, what):
+    """`call()` must fail once `target` is switched off: your code reaches it (a launch of a
+    kernel, a call of a function), under whatever name it is bound."""
+    try:
+        with _no_reference(), harness.forbid([target], globals(), why="the test checks that "
+                                             "your code reaches it, by switching it off"):
+            call()
+    except AssertionError as err:
+        if "was called while your code ran" in str(err):
+            return
+        raise
+    raise AssertionError(what)
 
 
 def _problem(T, K, N, E, k, r, seed=0, **routing):
@@ -309,9 +328,12 @@ _check_split(9, 40, 24, 4, 3, 3, seed=1, gated=False, skip=2)
 print("split_lora_linear matches reference.linear_loop with LoRA: output, dx, dW, dgates, dA, dB")
 
 ### BEGIN HIDDEN TESTS
-_check_split(1, 24, 24, 4, 2, 1, seed=2)                           # T = 1, r = 1
-_check_split(13, 24, 40, 8, 1, 4, seed=3, only=[2, 5])             # top-1, two experts used
-_check_split(12, 40, 24, 8, 3, 2, seed=4, skip=0)                  # k = 3, expert 0 unused
+# case: a single token (T = 1) with r = 1
+_check_split(1, 24, 24, 4, 2, 1, seed=2)
+# case: top-1 routing over two of eight experts
+_check_split(13, 24, 40, 8, 1, 4, seed=3, only=[2, 5])
+# case: k = 3 with the first expert unused
+_check_split(12, 40, 24, 8, 3, 2, seed=4, skip=0)
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -514,8 +536,10 @@ def _launch_s2s_lora(T, K, N, E, k, r, x_grouped=False, y_grouped=False, BLOCK_M
     ybuf = torch.full((M + 3, N + 5), float("nan"), device=DEVICE)
     Y = ybuf[:M, :N]
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+    # the kernel gets the whole buffer (same first element and strides as the view Y), so
+    # that a write outside Y shows in ybuf
     scatter2scatter_lora_kernel[grid](
-        X, W, Y, A, B, sei, ssi, M, K, N, r, SCALING,
+        X, W, ybuf, A, B, sei, ssi, M, K, N, r, SCALING,
         X.stride(0), X.stride(1), W.stride(0), W.stride(1), W.stride(2),
         Y.stride(0), Y.stride(1), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
         FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped,
@@ -539,11 +563,16 @@ _launch_s2s_lora(5, 24, 24, 4, 2, 1, seed=2, x_grouped=True, y_grouped=True)   #
 print("scatter2scatter_lora_kernel matches reference.linear_loop with LoRA")
 
 ### BEGIN HIDDEN TESTS
-_launch_s2s_lora(1, 24, 40, 4, 2, 2, seed=3)                          # T = 1
-_launch_s2s_lora(33, 40, 40, 8, 2, 4, seed=4, only=[1, 6])            # tiles span experts
+# case: a single token (T = 1)
+_launch_s2s_lora(1, 24, 40, 4, 2, 2, seed=3)
+# case: row tiles that span two experts
+_launch_s2s_lora(33, 40, 40, 8, 2, 4, seed=4, only=[1, 6])
+# case: LoRA factors with transposed strides, k = 3
 _launch_s2s_lora(12, 24, 40, 8, 3, 3, seed=5, skip=0, transposed_lora=True)
-_launch_s2s_lora(7, 40, 24, 1, 1, 2, seed=6, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32)   # E = 1
-_launch_s2s_lora(20, 24, 24, 4, 2, 17, seed=7, y_grouped=True)        # r = 17: BLOCK_R = 32
+# case: a single expert with blocks of 32
+_launch_s2s_lora(7, 40, 24, 1, 1, 2, seed=6, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32)
+# case: r = 17 (a larger BLOCK_R), y_grouped=True
+_launch_s2s_lora(20, 24, 24, 4, 2, 17, seed=7, y_grouped=True)
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_my_scatter2scatter_lora", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
@@ -554,12 +583,15 @@ def _check_s2s_lora(T, K, N, E, k, r, seed=0, x_grouped=False, y_grouped=False, 
     X = x[ssi // k] if x_grouped else x
     if y_grouped:
         want = want[ssi]
-    with _no_reference(), harness.spy_on(globals(), scatter2scatter_lora_kernel) as spy:
-        got = my_scatter2scatter_lora(X, W, A, B, SCALING, sei, ssi, k, x_grouped=x_grouped,
-                                      y_grouped=y_grouped)
+    def call():
+        return my_scatter2scatter_lora(X, W, A, B, SCALING, sei, ssi, k, x_grouped=x_grouped,
+                                       y_grouped=y_grouped)
+    with _no_reference():
+        got = call()
     where = (f"my_scatter2scatter_lora(x_grouped={x_grouped}, y_grouped={y_grouped}), "
              f"{harness.describe(x, W, idx, r)}")
-    assert spy.grids, f"{where}: scatter2scatter_lora_kernel was not launched"
+    _must_reach(scatter2scatter_lora_kernel, call,
+                f"{where}: scatter2scatter_lora_kernel was not launched")
     harness.assert_close(got, want, where)
 
 
@@ -579,10 +611,13 @@ harness.assert_rejects("my_scatter2scatter_lora", [
 print("my_scatter2scatter_lora matches linear_loop and launches your kernel")
 
 ### BEGIN HIDDEN TESTS
-_check_s2s_lora(1, 40, 24, 4, 2, 1, seed=2)                          # T = 1, r = 1
+# case: a single token (T = 1) with r = 1
+_check_s2s_lora(1, 40, 24, 4, 2, 1, seed=2)
+# case: x_grouped=True over three of eight experts
 _check_s2s_lora(13, 24, 40, 8, 2, 3, seed=3, x_grouped=True, only=[0, 3, 7])
+# case: top-1 routing, eight experts
 _check_s2s_lora(33, 40, 40, 8, 1, 2, seed=4)
-# bad inputs
+# case: bad inputs (shapes, k, dtypes)
 _x, _W, _i, _, _, _A, _B = _problem(4, 24, 40, 4, 2, 2, seed=5)
 _s = flatten_sort_count(_i, 4)[:2]
 _bad_calls = [
@@ -776,8 +811,10 @@ def _launch_bwd_lora(T, K, N, E, k, r, BLOCK_M=16, BLOCK_P=16, BLOCK_Q=16, seed=
             ("dA", Xg, DYg, B, dAt, wantA, dAbuf, (slice(None, r * E), slice(None, K)))):
         P, Q = U.shape[1], V.shape[1]
         grid = (E, triton.cdiv(P, BLOCK_P))
+        # the kernel gets the whole buffer at OUT's first element (offset 0) with OUT's
+        # strides, so that a write outside OUT shows in buf
         group_bwd_lora_kernel[grid](
-            U, V, L, OUT, offs, P, Q, r, SCALING, U.stride(0), U.stride(1),
+            U, V, L, buf, offs, P, Q, r, SCALING, U.stride(0), U.stride(1),
             V.stride(0), V.stride(1), L.stride(0), L.stride(1), OUT.stride(0), OUT.stride(1),
             BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P, BLOCK_Q=BLOCK_Q, BLOCK_R=rank_block(r))
         got = buf[inner]
@@ -801,30 +838,50 @@ print("group_bwd_lora_kernel matches a per-row outer-product loop for dA and dB,
       "empty experts")
 
 ### BEGIN HIDDEN TESTS
-_launch_bwd_lora(1, 24, 40, 4, 2, 1, seed=2)                          # T = 1, r = 1
-_launch_bwd_lora(33, 40, 24, 8, 2, 2, seed=3, only=[0, 7])            # first and last only
+# case: a single token (T = 1) with r = 1
+_launch_bwd_lora(1, 24, 40, 4, 2, 1, seed=2)
+# case: only the first and the last expert used
+_launch_bwd_lora(33, 40, 24, 8, 2, 2, seed=3, only=[0, 7])
+# case: blocks of 32, k = 3, first expert unused
 _launch_bwd_lora(12, 24, 40, 8, 3, 4, seed=4, skip=0, BLOCK_M=32, BLOCK_P=32, BLOCK_Q=32)
-_launch_bwd_lora(7, 40, 40, 1, 1, 17, seed=5)                         # E = 1, BLOCK_R = 32
+# case: a single expert with r = 17 (a larger BLOCK_R)
+_launch_bwd_lora(7, 40, 40, 1, 1, 17, seed=5)
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_my_group_bwd_lora", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-def _check_my_bwd_lora(T, K, N, E, k, r, seed=0, **routing):
+from course.notebook.bridged import in_learner  # noqa: E402
+
+
+def _launches_of_group_bwd_lora(DYg, Xg, A, B, offs, scaling):
+    """How many times my_group_bwd_lora launches group_bwd_lora_kernel (a spy on it, where
+    your code runs)."""
+    with harness.spy_on(my_group_bwd_lora.__globals__, group_bwd_lora_kernel) as spy:
+        my_group_bwd_lora(DYg, Xg, A, B, offs, scaling)
+    return len(spy.grids)
+
+
+def _check_my_bwd_lora(T, K, N, E, k, r, seed=0, count=False, **routing):
     Xg, DYg, A, B, offs, idx, wantA, wantB = _bwd_lora_problem(T, K, N, E, k, r, seed, **routing)
-    with _no_reference(), harness.spy_on(globals(), group_bwd_lora_kernel) as spy:
+    with _no_reference():
         got = my_group_bwd_lora(DYg, Xg, A, B, offs, SCALING)
     where = (f"my_group_bwd_lora, M={Xg.shape[0]}, K={K}, N={N}, E={E}, r={r}, rows per "
              f"expert {torch.bincount(idx.reshape(-1).cpu(), minlength=E).tolist()}")
     assert isinstance(got, tuple) and len(got) == 2, \
         f"{where}: expected (dA, dB), got {type(got).__name__}"
-    assert len(spy.grids) >= 2, \
-        f"{where}: expected your kernel launched twice (dB and dA), got {len(spy.grids)}"
+    _must_reach(group_bwd_lora_kernel, lambda: my_group_bwd_lora(DYg, Xg, A, B, offs, SCALING),
+                f"{where}: group_bwd_lora_kernel was not launched")
+    if count:
+        # in-process check: my_group_bwd_lora launches group_bwd_lora_kernel twice (dB, dA)
+        launches = in_learner(_launches_of_group_bwd_lora, DYg, Xg, A, B, offs, SCALING)
+        assert launches >= 2, \
+            f"{where}: expected your kernel launched twice (dB and dA), got {launches}"
     harness.assert_close(got[0], wantA, f"{where}: dA")
     harness.assert_close(got[1], wantB, f"{where}: dB")
     _zero_lora(got[0], got[1], idx, E, where)
 
 
-_check_my_bwd_lora(7, 24, 40, 4, 2, 2)
-_check_my_bwd_lora(9, 40, 24, 8, 3, 3, seed=1, skip=5)
+_check_my_bwd_lora(7, 24, 40, 4, 2, 2, count=True)
+_check_my_bwd_lora(9, 40, 24, 8, 3, 3, seed=1, count=True, skip=5)
 # inputs the kernel cannot trust: refused with a ValueError, before any launch
 _Xv, _DYv, _Av, _Bv, _offv, _, _, _ = _bwd_lora_problem(7, 24, 40, 4, 2, 2, seed=21)
 harness.assert_rejects("my_group_bwd_lora", [
@@ -837,14 +894,18 @@ harness.assert_rejects("my_group_bwd_lora", [
 print("my_group_bwd_lora matches the loop and launches your kernel")
 
 ### BEGIN HIDDEN TESTS
+# case: a single token (T = 1) with r = 1
 _check_my_bwd_lora(1, 40, 24, 4, 2, 1, seed=2)
+# case: every row to one expert
 _check_my_bwd_lora(13, 24, 24, 8, 1, 2, seed=3, only=[3])
+# case: non-contiguous X and lora_A
 _Xg, _DYg, _A, _B, _offs, _, _wA, _wB = _bwd_lora_problem(7, 24, 40, 4, 2, 2, seed=4)
 with _no_reference():
     _gA, _gB = my_group_bwd_lora(_DYg, _Xg.T.contiguous().T, _A.T.contiguous().T, _B, _offs,
                                  SCALING)
 harness.assert_close(_gA, _wA, "my_group_bwd_lora with non-contiguous X and lora_A: dA")
 harness.assert_close(_gB, _wB, "my_group_bwd_lora with non-contiguous X and lora_A: dB")
+# case: bad inputs (shapes, offsets)
 _bad_calls = [
     ("DY with other rows", lambda: my_group_bwd_lora(_DYg[:-1], _Xg, _A, _B, _offs, 1.0)),
     ("lora_A of the wrong K", lambda: my_group_bwd_lora(_DYg, _Xg, _A[:, :-1], _B, _offs, 1.0)),
@@ -997,15 +1058,22 @@ def _check_fn(T, K, N, E, k, r, seed=0, gated=True, grouped_in=False, grouped_ou
     xr, Ar, Br = harness.leaf(x), harness.leaf(A), harness.leaf(B)
     Wr = harness.leaf(W) if W_grad else W.clone()
     gr = None if gates is None else harness.leaf(gates)
-    with _no_reference(), harness.spy_on(globals(), my_scatter2scatter_lora, my_group_bwd_lora) as (s2s, bwd):
-        out = my_lora_parallel_linear(xr, Wr, k, sei, ssi, offs, Ar, Br, SCALING, gates=gr,
-                                      grouped_in=grouped_in, grouped_out=grouped_out)
-        out.backward(dout)
+    def forward():
+        return my_lora_parallel_linear(xr, Wr, k, sei, ssi, offs, Ar, Br, SCALING, gates=gr,
+                                       grouped_in=grouped_in, grouped_out=grouped_out)
     where = (f"my_lora_parallel_linear(gates={'[T, k]' if gated else None}, grouped_in="
              f"{grouped_in}, grouped_out={grouped_out}), {harness.describe(x, W, idx, r)}")
-    assert s2s.calls >= 2, f"{where}: expected my_scatter2scatter_lora in the forward and for " \
-                           f"dx in the backward (2 calls), got {s2s.calls}"
-    assert bwd.calls >= 1, f"{where}: the backward did not call my_group_bwd_lora"
+    # your pieces are reached: each fails while switched off (a failed backward leaves no grad)
+    _must_reach(my_scatter2scatter_lora, forward,
+                f"{where}: expected my_scatter2scatter_lora in the forward")
+    with _no_reference():
+        out = forward()
+    _must_reach(my_scatter2scatter_lora, lambda: out.backward(dout, retain_graph=True),
+                f"{where}: expected my_scatter2scatter_lora for dx in the backward")
+    _must_reach(my_group_bwd_lora, lambda: out.backward(dout, retain_graph=True),
+                f"{where}: the backward did not call my_group_bwd_lora")
+    with _no_reference():
+        out.backward(dout)
     harness.assert_close(out, want[0], f"{where}: output")
     for name, got, w in zip(("dx", "dW", "dgates", "dA", "dB"),
                             (xr.grad, Wr.grad if W_grad else None,
@@ -1033,12 +1101,19 @@ harness.assert_rejects("my_lora_parallel_linear", [
 print("my_lora_parallel_linear: output, dx, dW, dgates, dA and dB match reference.linear_loop")
 
 ### BEGIN HIDDEN TESTS
-_check_fn(1, 24, 40, 4, 2, 2, seed=3)                                 # T = 1
-_check_fn(13, 40, 40, 8, 2, 4, seed=4, only=[1, 6])                   # two experts
-_check_fn(7, 24, 24, 1, 1, 2, seed=5)                                 # E = 1
-_check_fn(12, 40, 24, 8, 3, 3, seed=6, skip=0, W_grad=False)          # frozen W (QLoRA)
+# case: a single token (T = 1)
+_check_fn(1, 24, 40, 4, 2, 2, seed=3)
+# case: all tokens on two of eight experts
+_check_fn(13, 40, 40, 8, 2, 4, seed=4, only=[1, 6])
+# case: a single expert (E = 1)
+_check_fn(7, 24, 24, 1, 1, 2, seed=5)
+# case: a frozen W (no gradient for W), k = 3
+_check_fn(12, 40, 24, 8, 3, 3, seed=6, skip=0, W_grad=False)
+# case: no gates, grouped_out=True
 _check_fn(7, 24, 40, 4, 2, 2, seed=7, gated=False, grouped_out=True)
-_check_fn(7, 40, 24, 4, 2, 2, seed=8, grouped_in=True)                # the down projection
+# case: grouped_in=True (the down projection)
+_check_fn(7, 40, 24, 4, 2, 2, seed=8, grouped_in=True)
+# case: gates together with grouped_out=True
 _xx, _WW, _ii, _gg, _, _AA, _BB = _problem(4, 24, 24, 4, 2, 2, seed=9)
 try:
     with _no_reference():
@@ -1169,6 +1244,9 @@ def nf4_lora_linear(x: torch.Tensor, q: NF4Weight, k: int, sorted_expert_idxs: t
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_nf4_lora", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+from course.notebook.bridged import in_learner  # noqa: E402
+
+
 def _poison(q, keep):
     """Overwrite every stored byte and block scale of the experts not in `keep`, in place:
     codes 0xFF (level +1.0 everywhere) and NaN / 0xFF scales."""
@@ -1182,7 +1260,19 @@ def _poison(q, keep):
                 per_expert[e] = float("nan") if t.is_floating_point() else 0xFF
 
 
-def _check_nf4(T, K, N, E, k, r, seed=0, gated=True, double_quant=True, **routing):
+def _dequantize_calls(x, q, k, ss, A, B, scaling, gates):
+    """The selective dequantize calls of nf4_lora_linear (a spy on both, where your code runs):
+    the expert ids each got and the bytes it returned; and the stats it filled in."""
+    stats = {}
+    with harness.spy_on(nf4_lora_linear.__globals__, selective_dequantize_nf4_torch,
+                        selective_dequantize_nf4) as (sp_t, sp_k):
+        nf4_lora_linear(x, q, k, *ss, A, B, scaling, gates=gates, stats=stats)
+    calls = [((args[1] if len(args) > 1 else kwargs.get("active")).tolist(),
+              Wc.numel() * Wc.element_size()) for args, kwargs, Wc in sp_t.results + sp_k.results]
+    return calls, stats
+
+
+def _check_nf4(T, K, N, E, k, r, seed=0, gated=True, double_quant=True, spy=False, **routing):
     x, W, idx, gates, dout, A, B = _problem(T, K, N, E, k, r, seed, **routing)
     gates = gates if gated else None
     if not gated:
@@ -1197,25 +1287,25 @@ def _check_nf4(T, K, N, E, k, r, seed=0, gated=True, double_quant=True, **routin
     want.backward(dout)
     xr, Ar, Br = harness.leaf(x), harness.leaf(A), harness.leaf(B)
     gr = None if gates is None else harness.leaf(gates)
-    stats = {}
-    with _no_reference(), harness.spy_on(globals(), selective_dequantize_nf4_torch,
-                                 selective_dequantize_nf4) as (sp_t, sp_k):
-        out = nf4_lora_linear(xr, q, k, *ss, Ar, Br, SCALING, gates=gr, stats=stats)
+    with _no_reference():
+        out = nf4_lora_linear(xr, q, k, *ss, Ar, Br, SCALING, gates=gr)
         out.backward(dout)
     where = (f"nf4_lora_linear(gates={'[T, k]' if gated else None}, double_quant="
              f"{double_quant}), {harness.describe(x, W, idx, r)}")
-    calls = sp_t.results + sp_k.results
-    assert len(calls) == 1, f"{where}: expected one selective dequantize call, got {len(calls)}"
-    args, kwargs, Wc = calls[0]
-    ids = (args[1] if len(args) > 1 else kwargs.get("active")).tolist()
-    assert ids == used, f"{where}: dequantized experts {ids}; expected exactly the active " \
-                        f"ones {used}, ascending"
-    assert stats.get("active") == used and stats.get("n_active") == len(used), \
-        f"{where}: stats active/n_active: expected {used}/{len(used)}, got " \
-        f"{stats.get('active')}/{stats.get('n_active')}"
-    assert stats.get("dequant_bytes") == len(used) * K * N * 4 == Wc.numel() * Wc.element_size(), \
-        f"{where}: dequant_bytes: expected {len(used)} · {K} · {N} · 4 = {len(used) * K * N * 4}," \
-        f" got {stats.get('dequant_bytes')}"
+    if spy:
+        # in-process check: one selective dequantize call, of exactly the active experts, and
+        # the stats (filled in where your code runs) say so
+        calls, stats = in_learner(_dequantize_calls, x, q, k, ss, A, B, SCALING, gates)
+        assert len(calls) == 1, f"{where}: expected one selective dequantize call, got {len(calls)}"
+        ids, nbytes = calls[0]
+        assert ids == used, f"{where}: dequantized experts {ids}; expected exactly the active " \
+                            f"ones {used}, ascending"
+        assert stats.get("active") == used and stats.get("n_active") == len(used), \
+            f"{where}: stats active/n_active: expected {used}/{len(used)}, got " \
+            f"{stats.get('active')}/{stats.get('n_active')}"
+        assert stats.get("dequant_bytes") == len(used) * K * N * 4 == nbytes, \
+            f"{where}: dequant_bytes: expected {len(used)} · {K} · {N} · 4 = {len(used) * K * N * 4}," \
+            f" got {stats.get('dequant_bytes')}"
     harness.assert_close(out, want.detach(), f"{where}: output")
     for name, got, w in (("dx", xr.grad, refs[0].grad), ("dA", Ar.grad, refs[1].grad),
                          ("dB", Br.grad, refs[2].grad)) + \
@@ -1236,15 +1326,18 @@ def _check_nf4(T, K, N, E, k, r, seed=0, gated=True, double_quant=True, **routin
     assert torch.isfinite(xp.grad).all(), f"{where}: dx not finite after poisoning"
 
 
-_check_nf4(7, 16, 24, 5, 2, 2, only=[0, 1, 3])               # experts 2 and 4 unused
-_check_nf4(9, 24, 40, 6, 1, 3, seed=1, gated=False, only=[1, 4])
+_check_nf4(7, 16, 24, 5, 2, 2, spy=True, only=[0, 1, 3])     # experts 2 and 4 unused
+_check_nf4(9, 24, 40, 6, 1, 3, seed=1, gated=False, spy=True, only=[1, 4])
 print("nf4_lora_linear matches parallel_linear on the dequantized weight and never reads an "
       "unused expert")
 
 ### BEGIN HIDDEN TESTS
-_check_nf4(1, 16, 24, 8, 2, 1, seed=2)                       # T = 1: two of eight experts
-_check_nf4(12, 24, 40, 4, 3, 2, seed=3, double_quant=False)  # every expert used
-_check_nf4(9, 16, 24, 6, 2, 2, seed=4, only=[5, 0])          # first and last only
+# case: a single token (T = 1), eight experts
+_check_nf4(1, 16, 24, 8, 2, 1, seed=2)
+# case: every expert used, without double quantization
+_check_nf4(12, 24, 40, 4, 3, 2, seed=3, double_quant=False)
+# case: only the first and the last expert used
+_check_nf4(9, 16, 24, 6, 2, 2, seed=4, only=[5, 0])
 ### END HIDDEN TESTS
 
 # %% [markdown]
