@@ -99,11 +99,16 @@ def hostile(lab: str) -> dict[str, object]:
                 cell.source = code
         return nb
 
-    history = with_cells(source, "get_ipython().events.register('pre_run_cell', lambda info: "
+    honest = copy.deepcopy(release)       # the release with every solution cell filled in
+    solutions = {meta(c)["grade_id"]: c for c in source.cells if meta(c).get("solution")}
+    for i, cell in enumerate(honest.cells):
+        if meta(cell).get("solution"):
+            honest.cells[i] = copy.deepcopy(solutions[meta(cell)["grade_id"]])
+    history = with_cells(honest, "get_ipython().events.register('pre_run_cell', lambda info: "
                                  "print('NEXT CELL:', info.raw_cell))", at=1)
     history.cells.append(nbformat.v4.new_code_cell("print(In)\nprint(_ih)"))
     return {
-        "honest": source,
+        "honest": honest,
         "history": history,
         "guard": with_cells(release, GUARD),
         "equal": with_cells(blanked(release, "pass"), EQUAL
