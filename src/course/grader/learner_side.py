@@ -60,7 +60,8 @@ def _fill(value, tensors: list):
         return tensors[value.index]
     if type(value) in (list, tuple):
         items = [_fill(v, tensors) for v in value]
-        return value if all(a is b for a, b in zip(items, value)) else type(value)(items)
+        same = all(a is b for a, b in zip(items, value, strict=True))
+        return value if same else type(value)(items)
     if type(value) is dict:
         items = {k: _fill(v, tensors) for k, v in value.items()}
         return value if all(items[k] is v for k, v in value.items()) else items
@@ -70,7 +71,8 @@ def _fill(value, tensors: list):
 def _call(request: dict) -> dict:
     """Call the target; the result, the tensors changed in place, the RNG state after it."""
     flags = request["requires_grad"]
-    tensors = [t.requires_grad_(True) if rg else t for t, rg in zip(request["tensors"], flags)]
+    tensors = [t.requires_grad_(True) if rg else t
+               for t, rg in zip(request["tensors"], flags, strict=True)]
     # A Triton kernel writes through pointers (no version bump), and may write outside the
     # view it was given: a tensor changed is one whose whole storage changed, sent back whole.
     before = [_storage(t).clone() for t in tensors]
@@ -79,7 +81,7 @@ def _call(request: dict) -> dict:
     torch.set_default_dtype(request["dtype"])
     with torch.set_grad_enabled(request["grad"]):
         result = _objects[request["target"]](*args, **kwargs)
-    changed = {i: _storage(t) for i, (t, b) in enumerate(zip(tensors, before))
+    changed = {i: _storage(t) for i, (t, b) in enumerate(zip(tensors, before, strict=True))
                if not torch.equal(_storage(t), b)}
     return {"value": result, "changed": changed, "rng": torch.get_rng_state()}
 
@@ -161,8 +163,9 @@ def _answer(request: dict):
 
 def _forbid(request: dict) -> None:
     """Open (or close, the innermost) a forbid block of the trusted side's, here."""
-    import __main__
     import importlib
+
+    import __main__
 
     from ..notebook.forbid import forbid
 
@@ -213,7 +216,7 @@ def _files(op: str, request: dict):
 
 def _backward(request: dict) -> list:
     leaves, outputs = _graphs[request["gid"]]
-    pairs = [(o, g) for o, g in zip(outputs, request["grads"]) if g is not None]
+    pairs = [(o, g) for o, g in zip(outputs, request["grads"], strict=False) if g is not None]
     for leaf in leaves:             # each backward returns its own input gradients; the
         leaf.grad = None            # learner's parameters accumulate, as in one process
     if pairs:
@@ -234,7 +237,8 @@ def serve(payload: str) -> None:
             gid = None
             if followed:
                 gid = len(_graphs) + 1
-                leaves = [t for t, rg in zip(request["tensors"], request["requires_grad"]) if rg]
+                leaves = [t for t, rg in zip(request["tensors"], request["requires_grad"],
+                                             strict=True) if rg]
                 _graphs[gid] = (leaves, followed)
             index = {id(t): i for i, t in enumerate(followed)}
             encoder.follow = lambda t: index.pop(id(t), None)  # the first copy only

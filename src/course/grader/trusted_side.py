@@ -239,7 +239,8 @@ class Bridge:
                 except queue.Empty:
                     if time.monotonic() > deadline:
                         self._interrupt()
-                        raise TimeoutError(f"your code did not answer in {self.timeout:g} s")
+                        raise TimeoutError(f"your code did not answer in {self.timeout:g} "
+                                           "s") from None
                     if not self.client.is_alive():
                         raise LearnerKernelLost("the kernel running your code died") from None
                     continue
@@ -248,7 +249,7 @@ class Bridge:
                 kind, content = msg["msg_type"], msg["content"]
                 if kind == "display_data" and wire.REPLY_MIME in content.get("data", {}):
                     reply = content["data"][wire.REPLY_MIME]
-                elif kind == "stream" and not self.hidden:
+                elif kind == "stream" and not self.hidden and sum(map(len, printed)) < MAX_PRINTED:
                     printed.append(str(content.get("text", ""))[:MAX_PRINTED])
                 elif kind == "status" and content.get("execution_state") == "idle":
                     break
@@ -313,7 +314,7 @@ class Bridge:
         box = {"gid": value["gid"], "outputs": outputs}
         anchor = torch.zeros((), requires_grad=True)   # so that the outputs join the graph
         joined = _RemoteCall.apply(self, box, anchor, *inputs)
-        return _swap(result, {id(o): j for o, j in zip(outputs, joined)})
+        return _swap(result, {id(o): j for o, j in zip(outputs, joined, strict=True)})
 
     def bind(self, namespace: dict, names: list[str]) -> None:
         """Each of `names` the learner's kernel defines, into `namespace` (see the module
