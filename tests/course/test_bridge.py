@@ -170,6 +170,14 @@ import minimoe
 def calls_route(*args):
     return minimoe.route(*args)
 
+def clip_(params, top):
+    for p in params:
+        p.grad.clamp_(-top, top)
+
+def scale_grads(params):
+    for p in params:
+        p.grad = p.grad * 2
+
 CONST = torch.arange(5.)
 # the learner's kernel patches torch: only its own process is fooled
 torch.testing.assert_close = lambda *a, **k: None
@@ -177,6 +185,7 @@ torch.allclose = lambda *a, **k: True
 '''
 NAMES = ["scale", "Lin", "MatMul", "triple_into", "shout", "custom", "always_equal",
          "calls_sum", "save_to", "read_from", "fill_dict", "fill_kernel", "calls_route",
+         "clip_", "scale_grads",
          "CONST", "not_defined"]
 
 
@@ -240,6 +249,29 @@ def test_a_kernels_writes_come_back_whole_storage_and_shared_objects_change(lear
     d = bridged.share({})
     ns["fill_dict"](d)
     assert d["n"] == 3
+
+
+def test_a_parameters_grad_travels_and_comes_back_changed(learner):
+    _, ns, _ = learner
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.tensor([-5.0, 0.5, 5.0])
+    ns["clip_"]([p], 1.0)                           # in place
+    assert p.grad.tolist() == [-1.0, 0.5, 1.0]
+    ns["scale_grads"]([p])                          # replaced
+    assert p.grad.tolist() == [-2.0, 1.0, 2.0]
+    layer = ns["Lin"](torch.nn.Linear(4, 2))
+    assert bridged.is_instance(layer, ns["Lin"]) and not bridged.is_instance(layer,
+                                                                             ns["MatMul"])
+
+
+def test_many_requests_do_not_stall_the_graders_own_client(learner):
+    """Each request publishes on the kernel's iopub, which the grader's client also hears:
+    unread, it would fill that socket's queue and the grader's next cell would hang."""
+    _, ns, kernel = learner
+    for _ in range(1200):
+        ns["scale"](1.0)
+    reply = kernel.run("x = 1", timeout=30)
+    assert reply.ok, reply.error
 
 
 def test_forbid_a_course_object_in_both_kernels(learner):

@@ -170,6 +170,7 @@ class Kernel:
             expressions: dict | None = None, history: bool = True) -> Reply:
         """Execute `code`; its outputs, status and `expressions` (evaluated after success).
         `history=False` keeps it out of IPython's `In`/`_ih` (hidden tests)."""
+        self._drain()
         msg_id = self.client.execute(code, silent=silent, store_history=history and not silent,
                                      user_expressions=expressions or {}, allow_stdin=False)
         reply = Reply("ok")
@@ -201,6 +202,16 @@ class Kernel:
                     continue        # a malformed message from a tampered kernel: dropped
             elif kind == "status" and msg["content"]["execution_state"] == "idle":
                 return self._finish(msg_id, reply, timed_out=interrupted is not None)
+
+    def _drain(self) -> None:
+        """Drop what the kernel published for others since our last request (the trusted
+        kernel's bridge asks it too): unread, it would fill the socket's queue, and the
+        next request's own messages would be dropped."""
+        while True:
+            try:
+                self.client.get_iopub_msg(timeout=0)
+            except queue.Empty:
+                return
 
     def _finish(self, msg_id: str, reply: Reply, timed_out: bool) -> Reply:
         deadline = time.monotonic() + 30

@@ -75,7 +75,11 @@ def _call(request: dict) -> dict:
                for t, rg in zip(request["tensors"], flags, strict=True)]
     # A Triton kernel writes through pointers (no version bump), and may write outside the
     # view it was given: a tensor changed is one whose whole storage changed, sent back whole.
+    for t, g in zip(tensors, request["grads"], strict=True):
+        if g is not None:
+            t.grad = g
     before = [_storage(t).clone() for t in tensors]
+    grads = [None if t.grad is None else (t.grad, t.grad.clone()) for t in tensors]
     args, kwargs = _fill(request["args"], tensors), _fill(request["kwargs"], tensors)
     torch.set_rng_state(request["rng"])
     torch.set_default_dtype(request["dtype"])
@@ -83,7 +87,11 @@ def _call(request: dict) -> dict:
         result = _objects[request["target"]](*args, **kwargs)
     changed = {i: _storage(t) for i, (t, b) in enumerate(zip(tensors, before, strict=True))
                if not torch.equal(_storage(t), b)}
-    return {"value": result, "changed": changed, "rng": torch.get_rng_state()}
+    new_grads = {i: t.grad for i, (t, g) in enumerate(zip(tensors, grads, strict=True))
+                 if (g is None) != (t.grad is None) or (g is not None and (
+                     t.grad is not g[0] or not torch.equal(t.grad, g[1])))}
+    return {"value": result, "changed": changed, "grads": new_grads,
+            "rng": torch.get_rng_state()}
 
 
 def _storage(t: torch.Tensor) -> torch.Tensor:
@@ -144,6 +152,8 @@ def _answer(request: dict):
         with torch.no_grad():
             getattr(obj, request["name"]).copy_(request["tensors"][0])
         return None
+    if op == "isinstance":
+        return isinstance(obj, request["cls"])
     if op == "subclass":
         return any(f"{c.__module__}.{c.__qualname__}" == request["base"] for c in obj.__mro__)
     if op == "run_check":           # a check the lab declares must run here (bridged.in_learner)
@@ -243,7 +253,7 @@ def serve(payload: str) -> None:
             index = {id(t): i for i, t in enumerate(followed)}
             encoder.follow = lambda t: index.pop(id(t), None)  # the first copy only
             tree = encoder({"value": done["value"], "changed": done["changed"],
-                            "rng": done["rng"], "gid": gid})
+                            "grads": done["grads"], "rng": done["rng"], "gid": gid})
         elif request["op"] == "backward":
             tree = encoder({"value": _backward(request)})
         else:

@@ -165,10 +165,12 @@ def _slots(value, tensors: list):
 
 
 def _ship(t: torch.Tensor) -> torch.Tensor:
-    """What of a tensor travels: its values, detached, a Parameter still a Parameter."""
+    """What of a tensor travels: its values, detached, a Parameter still a Parameter (a
+    leaf's .grad, which pickling drops, travels beside it: `Bridge.call`)."""
+    shipped = t.detach()
     if type(t) is torch.nn.Parameter:
-        return torch.nn.Parameter(t.detach(), requires_grad=t.requires_grad)
-    return t.detach()
+        shipped = torch.nn.Parameter(shipped, requires_grad=t.requires_grad)
+    return shipped
 
 
 def _swap(value, swaps: dict):
@@ -298,6 +300,8 @@ class Bridge:
                    "args": args, "kwargs": kwargs, "grad": grad,
                    "tensors": [_ship(t) for t in tensors],
                    "requires_grad": [t.requires_grad for t in tensors],
+                   "grads": [t.grad.detach() if t.is_leaf and t.grad is not None else None
+                             for t in tensors],
                    "rng": torch.get_rng_state(), "dtype": torch.get_default_dtype()}
         decoded = self._send(request)
         value = self._value(decoded)
@@ -306,6 +310,11 @@ class Bridge:
             if type(i) is int and 0 <= i < len(tensors) and new.dtype == torch.uint8 \
                     and new.numel() == tensors[i].untyped_storage().nbytes():
                 tensors[i].untyped_storage().copy_(new.untyped_storage())
+        for i, grad in value["grads"].items():          # a .grad the call set or changed
+            if type(i) is int and 0 <= i < len(tensors) and tensors[i].is_leaf:
+                t = tensors[i]
+                if grad is None or (grad.shape == t.shape and grad.dtype == t.dtype):
+                    t.grad = grad
         result = value["value"]
         if value["gid"] is None or not decoded.outputs:
             return result
@@ -365,6 +374,10 @@ class Bridge:
     def is_subclass(self, cls: Remote, base: type) -> bool:
         return self.ask("subclass", target=object.__getattribute__(cls, "_number"),
                         base=f"{base.__module__}.{base.__qualname__}")
+
+    def is_instance(self, obj: Remote, cls: Remote) -> bool:
+        return self.ask("isinstance", target=object.__getattribute__(obj, "_number"),
+                        cls=cls)
 
     def share(self, obj) -> Remote:
         return self.ask("share", value=obj)

@@ -14,6 +14,7 @@ so through these:
                         changes in place (a model it wraps, a dict it fills) is seen: apart,
                         a proxy for a copy sent there once; beside, `obj` itself
     is_subclass(c, b)   issubclass for a class of the learner's
+    is_instance(o, c)   isinstance for an object and a class of the learner's
     in_learner(f, ...)  call the test's function `f` where the learner's code runs: a check
                         that must look inside their process (a spy, a ledger of saved
                         tensors, a memory measurement). Apart, `f`'s source is sent and run
@@ -46,6 +47,12 @@ def send_dir(local) -> str:
 
 def share(obj):
     return BRIDGE.share(obj) if BRIDGE else obj
+
+
+def is_instance(obj, cls) -> bool:
+    if BRIDGE and BRIDGE.owns(obj) and BRIDGE.owns(cls):
+        return BRIDGE.is_instance(obj, cls)
+    return isinstance(cls, type) and isinstance(obj, cls)
 
 
 def is_subclass(cls, base: type) -> bool:
