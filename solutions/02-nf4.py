@@ -72,6 +72,7 @@ import bitsandbytes.functional as bnbF  # noqa: E402
 
 import minigpt  # noqa: E402
 import miniquant  # noqa: E402
+from course.notebook.bridged import in_learner  # noqa: E402
 from course.notebook.harness import forbid, randn, swap  # noqa: E402
 
 torch.set_num_threads(1)   # small tensors: one thread is faster than several on a busy CPU
@@ -199,34 +200,50 @@ if not torch.equal(got, _bnb_code):
 assert torch.equal(got, miniquant.NF4_CODE), "differs from miniquant.NF4_CODE"
 # Derived, not copied: the reference tables are poisoned, the functions that return them
 # refuse to run, and torch.special.ndtri is watched while nf4_codebook() runs.
-_real_ndtri = torch.special.ndtri
-_poison = torch.zeros(16)
-_saved_code = globals().get("CODE")
-try:
-    if _saved_code is not None:
-        globals()["CODE"] = _poison
-    with swap(miniquant.NF4_CODE, _poison, globals()), \
-            forbid([miniquant.nf4_codebook, (bnbF, "get_4bit_type"), (bnbF, "create_normal_map")],
-                   globals(), why="nf4_codebook must derive the codebook, not copy it"), \
-            mock.patch.object(torch.special, "ndtri", wraps=_real_ndtri) as _spy:
-        _fresh = nf4_codebook()
-finally:
-    if _saved_code is not None:
-        globals()["CODE"] = _saved_code
+# in-process check: nf4_codebook derives the table (calls torch.special.ndtri) with the reference tables poisoned
+def _codebook_with_tables_off():
+    import __main__
+    from unittest import mock as _mock
+
+    import bitsandbytes.functional as _bnbF
+    import miniquant as _mq
+    import torch as _torch
+    from course.notebook.harness import forbid as _forbid
+    from course.notebook.harness import swap as _swap
+
+    ns = vars(__main__)
+    poison = _torch.zeros(16)
+    saved_code = ns.get("CODE")
+    try:
+        if saved_code is not None:
+            ns["CODE"] = poison
+        with _swap(_mq.NF4_CODE, poison, ns), \
+                _forbid([(_mq.nf4, "nf4_codebook"), (_bnbF, "get_4bit_type"),
+                         (_bnbF, "create_normal_map")],
+                        ns, why="nf4_codebook must derive the codebook, not copy it"), \
+                _mock.patch.object(_torch.special, "ndtri", wraps=_torch.special.ndtri) as spy:
+            fresh = ns["nf4_codebook"]()
+    finally:
+        if saved_code is not None:
+            ns["CODE"] = saved_code
+    return fresh, spy.call_count
+
+
+_fresh, _ndtri_calls = in_learner(_codebook_with_tables_off)
 assert torch.equal(_fresh, _bnb_code), \
     f"with the reference tables switched off, nf4_codebook() returned {_fresh.tolist()}"
-assert _spy.call_count > 0, \
+assert _ndtri_calls > 0, \
     "nf4_codebook() never called torch.special.ndtri: derive the table, do not copy it"
 print("nf4_codebook() equals bitsandbytes' NF4 table bit for bit:")
 print([f"{v:+.8f}" for v in got.tolist()])
 
 ### BEGIN HIDDEN TESTS
-# the values of docs/ARCHITECTURE.md, NF4 (8 significant digits)
+# case: the values of the design document
 _design = torch.tensor([-1.0, -0.69619280, -0.52507305, -0.39491749, -0.28444138, -0.18477343,
                         -0.09105004, 0.0, 0.07958030, 0.16093020, 0.24611230, 0.33791524,
                         0.44070983, 0.56261700, 0.72295684, 1.0])
 torch.testing.assert_close(got, _design, atol=1e-7, rtol=0)
-# The "all in float64, round at the end" recipe: 10 values off, by 1 to 6 ulps. Not that one.
+# case: against the all-float64 recipe
 _p = torch.linspace(0.9677083, 0.5, 9, dtype=torch.float64)[:-1]
 _n = torch.linspace(0.9677083, 0.5, 8, dtype=torch.float64)[:-1]
 _q = torch.cat([torch.special.ndtri(_p), torch.zeros(1, dtype=torch.float64),
@@ -235,7 +252,7 @@ _all64 = (_q / _q.max()).float()
 assert (_all64 != _bnb_code).sum() == 10, "the float64 variant should differ in 10 places"
 assert (got != _all64).sum() == 10, \
     "your table is the all-float64-then-round variant: round the quantiles before dividing"
-# a fresh tensor each call, not a view of something shared
+# case: two calls, the first result modified
 _a = nf4_codebook()
 _a[3] = 123.0
 assert torch.equal(nf4_codebook(), _bnb_code), "modifying the result changed the next call's"
@@ -462,8 +479,8 @@ _check_indices(randn(5, 13, seed=3, dtype=torch.float16))
 # Off-limits: the reference and bitsandbytes are switched off while yours runs.
 _w = randn(7, 9, seed=6)
 _want = miniquant.quantize_nf4(_w, 32)
-with forbid([miniquant.quantize_nf4, miniquant.dynamic.scale_blocks,
-             miniquant.dynamic.nearest_code, miniquant.dynamic.quantize_blockwise_8bit,
+with forbid([(miniquant.nf4, "quantize_nf4"), (miniquant.dynamic, "scale_blocks"),
+             (miniquant.dynamic, "nearest_code"), (miniquant.dynamic, "quantize_blockwise_8bit"),
              (bnbF, "quantize_4bit")], globals(), why="nf4_indices must not call it"):
     _got = nf4_indices(_w, 32)
 assert torch.equal(_got[0], _want.codes()) and torch.equal(_got[1], _want.absmax), \
@@ -471,17 +488,18 @@ assert torch.equal(_got[0], _want.codes()) and torch.equal(_got[1], _want.absmax
 print("nf4_indices agrees with bitsandbytes' codes and absmax on the visible cases")
 
 ### BEGIN HIDDEN TESTS
+# case: shapes, blocksizes and dtypes (partial blocks, one block, a large block)
 for _shape, _bs, _dtype in [((1,), 64, torch.float32), ((63,), 64, torch.float32),
                             ((65,), 64, torch.bfloat16), ((4, 16, 24), 64, torch.float32),
                             ((3, 1001), 256, torch.float32), ((3, 1001), 128, torch.bfloat16),
                             ((2, 96), 64, torch.float16), ((6, 80), 32, torch.float32),
                             ((4096 + 7,), 4096, torch.float32)]:
     _check_indices(randn(*_shape, seed=_bs + len(_shape), dtype=_dtype), _bs, "hidden: ")
-# huge outliers squash the rest of their block towards code 7
+# case: huge outliers in some blocks
 _w = randn(4096 + 33, seed=4)
 _w[[5, 700, 4100]] = torch.tensor([1e4, -1e4, 1e4])
 _check_indices(_w, 64, "outliers: ")
-# a non-contiguous weight is flattened in its logical row-major order
+# case: a transposed (non-contiguous) weight
 _w = randn(40, 24, seed=5).T
 _check_indices(_w.contiguous(), 64, "transposed (contiguous copy): ")
 _ti, _ta = nf4_indices(_w, 64)
@@ -543,9 +561,9 @@ print("ties go to the lower code; zero blocks store 0 (full) and 1e-38 (partial)
       "multiply by 1/absmax, a partial block divides")
 
 ### BEGIN HIDDEN TESTS
-# Multiply by the reciprocal (full) versus divide (partial): with absmax 3, each of these six
-# values lands on one side of a midpoint when multiplied by 1/3 and on the other when divided
-# by 3, so the same seven numbers get different codes in a full and in a partial block.
+# case: multiply versus divide, another absmax
+# (with absmax 3, each of these six values lands on one side of a midpoint when multiplied
+# by 1/3 and on the other when divided by 3)
 _xs = torch.tensor([3.0, -1.83189857006073, -1.019038200378418, -0.41373518109321594,
                     0.11937045305967331, 1.1679376363754272, 1.9283608198165894])
 _w = torch.cat([_xs, torch.zeros(32 - 7), _xs])                         # 32 full + 7 partial
@@ -555,9 +573,10 @@ assert _idx[:7].tolist() == [15, 1, 3, 5, 8, 12, 14], \
 assert _idx[32:].tolist() == [15, 2, 4, 6, 7, 11, 13], \
     f"partial block: expected x / absmax codes [15, 2, 4, 6, 7, 11, 13], got {_idx[32:].tolist()}"
 _check_indices(_w, 32, "multiply vs divide: ")
-# negative midpoints, the same exactness trick (ties to the lower code there too)
+# case: values exactly on negative midpoints
 _w = torch.cat([torch.tensor([-2.0]), -_mids * 2.0])
 _check_indices(_w, 32, "negative midpoints: ")
+# case: a weight of one element
 _check_indices(torch.tensor([0.0]), 64, "a single zero: ")
 _check_indices(torch.tensor([-3.5]), 64, "a single negative value: ")
 ### END HIDDEN TESTS
@@ -652,8 +671,9 @@ assert torch.equal(unpack_nibbles(_packed, _w.numel()), _codes), \
     "unpacking bitsandbytes' bytes (shape [ceil(n/2), 1]) did not give their codes"
 # Off-limits: the reference and bitsandbytes are switched off while yours runs.
 _c = torch.randint(0, 16, (33,), generator=torch.Generator().manual_seed(10), dtype=torch.uint8)
-with forbid([miniquant.nf4.pack_nibbles, miniquant.nf4.unpack_nibbles, miniquant.NF4Weight.codes,
-             (bnbF, "quantize_4bit")], globals(), why="pack_nibbles / unpack_nibbles must not call it"):
+with forbid([(miniquant.nf4, "pack_nibbles"), (miniquant.nf4, "unpack_nibbles"),
+             (miniquant.NF4Weight, "codes"), (bnbF, "quantize_4bit")], globals(),
+            why="pack_nibbles / unpack_nibbles must not call it"):
     _pk = pack_nibbles(_c)
     _back = unpack_nibbles(_pk, 33)
 assert torch.equal(_back, _c) and _pk[-1].item() == (int(_c[32]) << 4) | 7, \
@@ -662,6 +682,7 @@ assert torch.equal(_back, _c) and _pk[-1].item() == (int(_c[32]) << 4) | 7, \
 print("pack_nibbles / unpack_nibbles agree with bitsandbytes' byte order")
 
 ### BEGIN HIDDEN TESTS
+# case: even and odd numbers of codes, against a byte-by-byte loop
 _g = torch.Generator().manual_seed(9)
 for _n in [1, 2, 3, 4, 5, 17, 64, 127, 1000, 1001]:
     _c = torch.randint(0, 16, (_n,), generator=_g, dtype=torch.uint8)
@@ -671,9 +692,10 @@ for _n in [1, 2, 3, 4, 5, 17, 64, 127, 1000, 1001]:
              for i in range(-(-_n // 2))]
     assert _pk.tolist() == _want, f"n={_n}: bytes differ from the byte-by-byte loop"
     assert torch.equal(unpack_nibbles(_pk, _n), _c), f"n={_n}: unpack(pack(idx)) != idx"
+# case: a single code
 assert pack_nibbles(torch.tensor([5], dtype=torch.uint8)).tolist() == [0x57], \
     "a single code 5 should pack to 0x57 (padded with code 7)"
-# every byte value unpacks to its two nibbles
+# case: every byte value, and unpacking fewer codes than the bytes hold
 _all = torch.arange(256, dtype=torch.int32).to(torch.uint8)
 assert unpack_nibbles(_all, 512).tolist() == [v for b in range(256) for v in (b >> 4, b & 15)]
 assert unpack_nibbles(_all, 5).tolist() == [0, 0, 0, 1, 0]
@@ -791,10 +813,13 @@ _check_dequant(randn(3, 70, seed=12))
 _check_dequant(randn(100, seed=13), blocksize=32)
 _check_dequant(randn(5, 13, seed=14, dtype=torch.bfloat16))
 # Off-limits: the reference and bitsandbytes are switched off while yours runs.
+import miniquant.triton_dequant  # noqa: E402  (loaded lazily: its entry point is switched off too)
+
 _q = miniquant.quantize_nf4(randn(3, 30, seed=11), 32)
 _want = miniquant.dequantize_nf4(_q)
-with forbid([miniquant.dequantize_nf4, miniquant.NF4Weight.dequantize,
-             miniquant.triton_dequantize_nf4, (bnbF, "dequantize_4bit")], globals(),
+with forbid([(miniquant.nf4, "dequantize_nf4"), (miniquant.NF4Weight, "dequantize"),
+             (miniquant.triton_dequant, "triton_dequantize_nf4"), (bnbF, "dequantize_4bit")],
+            globals(),
             why="nf4_dequantize must not call it"):
     _got = nf4_dequantize(_q.codes(), _q.absmax, 32, (3, 30))
 assert torch.equal(_got, _want), \
@@ -802,17 +827,19 @@ assert torch.equal(_got, _want), \
 print("nf4_dequantize equals miniquant.dequantize_nf4 bit for bit on the visible cases")
 
 ### BEGIN HIDDEN TESTS
+# case: shapes, blocksizes and dtypes
 for _shape, _bs, _dtype in [((1,), 64, torch.float32), ((2, 96), 64, torch.float16),
                             ((6, 80), 64, torch.bfloat16), ((4, 16, 24), 128, torch.float32),
                             ((3, 1001), 256, torch.float16)]:
     _check_dequant(randn(*_shape, seed=_bs + 1, dtype=_dtype), _bs, what="hidden: ")
-# the absmax of a double-quantized weight (dequantized), and a float32 weight cast to bfloat16
+# case: the absmax of a double-quantized weight
 _check_dequant(randn(64 * 300 + 5, seed=15), 64, double_quant=True, what="double quant: ")
+# case: a float32 weight, dequantized to bfloat16
 _q = miniquant.quantize_nf4(randn(9, 7, seed=16), 32)
 _got = nf4_dequantize(_q.codes(), _q.absmax, 32, (9, 7), torch.bfloat16)
 assert torch.equal(_got, miniquant.dequantize_nf4(_q, torch.bfloat16)), \
     "dtype=bfloat16: cast the float32 product at the end, not the factors before"
-# a naive element loop
+# case: against an element-by-element loop
 _w = randn(3, 30, seed=17)
 _q = miniquant.quantize_nf4(_w, 32)
 _c, _am = _q.codes(), _q.absmax
@@ -1049,8 +1076,8 @@ assert (_c == 127).all() and _s.tolist() == [0.0, torch.tensor(1e-38).item()] \
 _w = randn(64 * 300 + 5, seed=26)
 _q = miniquant.quantize_nf4(_w, double_quant=True)
 _am = miniquant.quantize_nf4(_w).absmax
-with forbid([miniquant.quantize_nf4, miniquant.dynamic.quantize_blockwise_8bit,
-             miniquant.dynamic.scale_blocks, miniquant.dynamic.nearest_code,
+with forbid([(miniquant.nf4, "quantize_nf4"), (miniquant.dynamic, "quantize_blockwise_8bit"),
+             (miniquant.dynamic, "scale_blocks"), (miniquant.dynamic, "nearest_code"),
              (bnbF, "quantize_blockwise")], globals(),
             why="double_quantize_absmax must not call it"):
     _c, _s, _o = double_quantize_absmax(_am)
@@ -1059,27 +1086,29 @@ assert torch.equal(_c, _q.absmax_codes) and torch.equal(_s, _q.absmax_scales), \
 print("double_quantize_absmax equals quantize_nf4(..., double_quant=True) on the visible cases")
 
 ### BEGIN HIDDEN TESTS
-_check_dq(randn(10, seed=20), what="hidden: ")                       # 1 block: centred is 0
-_check_dq(randn(64 * 256, seed=21), what="hidden: ")                 # exactly one nested block
-_check_dq(randn(64 * 513, seed=22), what="hidden: ")                 # 2 full + 1 of one
-_check_dq(randn(300, 1001, seed=23), blocksize=32, what="hidden: ")  # 9385 blocks
+# case: a single block
+_check_dq(randn(10, seed=20), what="hidden: ")
+# case: numbers of blocks around the nested block size
+_check_dq(randn(64 * 256, seed=21), what="hidden: ")
+_check_dq(randn(64 * 513, seed=22), what="hidden: ")
+# case: many blocks, other blocksizes, a bfloat16 weight
+_check_dq(randn(300, 1001, seed=23), blocksize=32, what="hidden: ")
 _check_dq(randn(3, 1001, seed=24, dtype=torch.bfloat16), blocksize=128, what="hidden: ")
-# a weight whose blocks all have the same absmax: centred all zero; full nested blocks store
-# scale 0, the partial one 1e-38, and every code is the map's zero (index 127)
+# case: blocks that all have the same absmax
 _w = torch.ones(64 * 300)
 _c, _s, _o = double_quantize_absmax(miniquant.quantize_nf4(_w).absmax)
 assert (_c == 127).all() and _s.tolist() == [0.0, torch.tensor(1e-38).item()] and _o == 1, \
     f"constant absmax: expected codes 127, scales [0, 1e-38], offset 1; got {_c.unique()}, " \
     f"{_s.tolist()}, {_o}"
-# another nested blocksize, against the blockwise 8-bit reference
+# case: another nested blocksize
 _am = randn(1000, seed=25).abs()
 _wc, _ws = miniquant.quantize_blockwise_8bit(_am - _am.mean(), 64)
 _c, _s, _o = double_quantize_absmax(_am, nested_block=64)
 assert torch.equal(_c, _wc) and torch.equal(_s, _ws) and torch.equal(_o.reshape(()), _am.mean()), \
     "nested_block=64 differs from miniquant.quantize_blockwise_8bit(absmax - mean, 64)"
-# Multiply (full nested block) versus divide (partial): integers that sum to exactly 0, so
-# the offset is 0 and the centred values are exact; 48936 * (1/65521) and 48936 / 65521 fall
-# on either side of a midpoint of the dynamic map.
+# case: multiply versus divide in a full and a partial nested block
+# (integers that sum to exactly 0, so the offset is 0 and the centred values are exact;
+# 48936 * (1/65521) and 48936 / 65521 fall on either side of a midpoint of the dynamic map)
 _v = torch.zeros(256)
 _v[:4] = torch.tensor([65521.0, 48936.0, -57228.0, -57229.0])
 _c, _s, _o = double_quantize_absmax(_v)
@@ -1114,11 +1143,12 @@ for _args in [((1000,), 64, False), ((1000,), 64, True), ((3, 1001), 128, True)]
 print("nf4_bits_per_param matches NF4Weight.bits_per_param on the visible cases")
 
 ### BEGIN HIDDEN TESTS
+# case: sizes, blocksizes, with and without double quantization
 for _shape in [(1,), (3,), (63,), (65,), (64 * 256 + 1,), (5, 7, 9)]:
     for _bs in (32, 64, 4096):
         for _dq in (False, True):
             _check_bits(_shape, _bs, _dq)
-# another nested blocksize (1 byte per block + 4 bytes per 128 blocks + 4)
+# case: another nested blocksize
 _got = nf4_bits_per_param(64 * 1000, 64, True, nested_block=128)
 _want = 8 * (32 * 1000 + 1000 + 4 * 8 + 4) / (64 * 1000)
 assert math.isclose(_got, _want, rel_tol=1e-12), f"nested_block=128: expected {_want}, got {_got}"
