@@ -257,15 +257,44 @@ class MyLoRALinear(nn.Module):
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_lora_init", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+from course.notebook.bridged import fetch_dir, in_learner, is_subclass, learner_dir, send_dir
+from course.notebook.forbid import bindings
+
 _WHY = "this exercise must be done without the reference (minituner) or PEFT"
-_REFERENCE = [*reference("04-lora").values(), (peft, "get_peft_model"), (peft, "LoraConfig"), (peft.PeftModel, "from_pretrained"),
-              (peft.PeftModel, "save_pretrained")]
+# each reference as an (owner, name) pair where it is bound: forbid swaps every binding of it
+_REFERENCE = [next((o, n) for o, n in bindings(obj) if not isinstance(o, dict))
+              for obj in reference("04-lora").values()] + [
+    (peft, "get_peft_model"), (peft, "LoraConfig"), (peft.PeftModel, "from_pretrained"),
+    (peft.PeftModel, "save_pretrained")]
 
 
 def _forbid_reference():
     """While the block runs, minituner's LoRA code and PEFT's entry points raise if called
     (also through names the notebook imported from them)."""
     return forbid(_REFERENCE, globals(), why=_WHY)
+
+
+def _held(obj):
+    """`obj` as your code holds it: the object your functions change in place (the tests run
+    apart from your code, where an argument travels by value; in your notebook: `obj`)."""
+    MyLoRALinear.test_box = obj        # a class attribute of yours, read back at once
+    held = MyLoRALinear.test_box
+    del MyLoRALinear.test_box
+    return held
+
+
+def _is_lora(m) -> bool:
+    """Whether module `m` (of a model your code changed) is one of your MyLoRALinear."""
+    return isinstance(m, nn.Module) and m._get_name() == "MyLoRALinear"
+
+
+def _randomize(model, seed=1, std=0.1):
+    """randomize_lora's values, loaded with load_state_dict (also into a model your code
+    holds)."""
+    g = torch.Generator().manual_seed(seed)
+    new = {n: torch.randn(p.shape, generator=g, dtype=p.dtype) * std
+           for n, p in model.named_parameters() if "lora_A" in n or "lora_B" in n}
+    model.load_state_dict(new, strict=False)
 
 
 def _check_init(n_in, n_out, r, alpha, use_rslora=False, dtype=torch.float32, bias=True, what=""):
@@ -277,7 +306,13 @@ def _check_init(n_in, n_out, r, alpha, use_rslora=False, dtype=torch.float32, bi
     with _forbid_reference():
         layer = MyLoRALinear(base, r=r, alpha=alpha, use_rslora=use_rslora)
     want_s = alpha / (math.sqrt(r) if use_rslora else r)
-    assert layer.base is base, f"{where}: self.base should be the layer you were given"
+    assert isinstance(layer.base, nn.Linear) and torch.equal(layer.base.weight, w0) and \
+        (bias is False or torch.equal(layer.base.bias, base.bias)), \
+        f"{where}: self.base should be the layer you were given"
+    with _forbid_reference():
+        again = MyLoRALinear(layer.base, r=1)
+    assert again.base is layer.base, f"{where}: self.base should be the layer you were given " \
+                                     f"(the same object, not a copy)"
     assert isinstance(layer.scaling, float) and math.isclose(layer.scaling, want_s), \
         f"{where}: expected scaling {want_s!r} (alpha / {'sqrt(r)' if use_rslora else 'r'}), " \
         f"got {layer.scaling!r}"
@@ -291,7 +326,8 @@ def _check_init(n_in, n_out, r, alpha, use_rslora=False, dtype=torch.float32, bi
     trainable = sorted(n for n, p in layer.named_parameters() if p.requires_grad)
     assert trainable == ["lora_A", "lora_B"], \
         f"{where}: only lora_A and lora_B may be trainable; trainable parameters: {trainable}"
-    assert torch.equal(base.weight, w0), f"{where}: building the layer changed the base weight"
+    assert torch.equal(layer.base.weight, w0), \
+        f"{where}: building the layer changed the base weight"
     assert layer.merged is False, f"{where}: self.merged should start False"
     return layer
 
@@ -346,15 +382,20 @@ print("MyLoRALinear: shapes, dtypes, frozen base, B = 0, A ~ U(±1/sqrt(in)), al
       "alpha/sqrt(r) all as specified")
 
 ### BEGIN HIDDEN TESTS
+# case: a base without bias
 _check_init(13, 7, r=3, alpha=5.0, bias=False, what="hidden: ")
+# case: rsLoRA with a large rank, out > in
 _check_init(17, 33, r=16, alpha=8.0, use_rslora=True, what="hidden: ")
+# case: rank 1
 _check_init(9, 5, r=1, alpha=1.0, what="hidden: ")
+# case: a float64 base, and its forward
 _l64 = _check_init(12, 10, r=2, alpha=4.0, dtype=torch.float64, what="hidden: ")
 _x64 = randn(3, 12, seed=2, dtype=torch.float64)
 assert _l64(_x64).dtype == torch.float64 and torch.equal(_l64(_x64), _l64.base(_x64)), \
     "hidden: a float64 base should give float64 factors and an unchanged float64 output"
+# case: the distribution of lora_A for a wide layer
 _check_a_distribution(1000, r=16, what="hidden: ")
-# the init is random: two layers drawn one after the other differ
+# case: two layers drawn one after the other, and the dropout module
 _l1, _l2 = MyLoRALinear(nn.Linear(20, 6), r=4), MyLoRALinear(nn.Linear(20, 6), r=4)
 assert not torch.equal(_l1.lora_A, _l2.lora_A), "hidden: two fresh layers got the same lora_A"
 assert isinstance(_l1.dropout, nn.Identity), \
@@ -362,7 +403,7 @@ assert isinstance(_l1.dropout, nn.Identity), \
 _ld = MyLoRALinear(nn.Linear(20, 6), r=4, dropout=0.25)
 assert isinstance(_ld.dropout, nn.Dropout) and _ld.dropout.p == 0.25, \
     f"hidden: dropout=0.25 should give nn.Dropout(p=0.25), got {_ld.dropout}"
-# bad ranks
+# case: more ranks that are not positive ints
 for _r in (0, -2, 2.5, "4"):
     try:
         MyLoRALinear(nn.Linear(8, 8), r=_r)
@@ -384,10 +425,8 @@ def _twin_layers(n_in, n_out, r, alpha, dropout=0.0, use_rslora=False, bias=True
     ref = minituner.LoRALinear(copy.deepcopy(base), r=r, alpha=alpha, dropout=dropout,
                                use_rslora=use_rslora)
     theirs = peft_linear(base, r, alpha, dropout, use_rslora, A, B)
-    with torch.no_grad():
-        for layer in (mine, ref):
-            layer.lora_A.copy_(A)
-            layer.lora_B.copy_(B)
+    for layer in (mine, ref):
+        layer.load_state_dict({"lora_A": A, "lora_B": B}, strict=False)
     return mine, ref, theirs
 
 
@@ -426,8 +465,7 @@ _y_theirs = _theirs(_x)
 torch.testing.assert_close(_y_mine, _y_theirs, rtol=1e-5, atol=1e-5, msg=lambda m: (
     f"dropout 0.5 in training mode, same seed: yours differs from PEFT's (apply self.dropout "
     f"to the input x of the LoRA path, once):\n{m}"))
-with torch.no_grad():
-    _mine.lora_B.zero_()
+_mine.load_state_dict({"lora_B": torch.zeros(24, 4)}, strict=False)
 torch.manual_seed(7)
 _d = (_mine(_x) - _mine.base(_x)).abs().max().item()
 assert _d == 0, f"with B = 0 and dropout in training mode, the output must equal base(x) " \
@@ -435,16 +473,19 @@ assert _d == 0, f"with B = 0 and dropout in training mode, the output must equal
 print("MyLoRALinear.forward matches minituner.LoRALinear and PEFT, dropout included")
 
 ### BEGIN HIDDEN TESTS
+# case: a base without bias, 2-D x
 _check_forward(13, 7, 3, 5.0, (4, 13), bias=False, what="hidden: ")
+# case: rsLoRA, 4-D x
 _check_forward(17, 33, 16, 8.0, (2, 3, 2, 17), use_rslora=True, what="hidden: ")
+# case: rank 1, 1-D x
 _check_forward(9, 5, 1, 1.0, (9,), what="hidden: 1-D x, ")
-# merged: the forward is the base layer alone
+# case: a layer marked merged
 _mine, _, _ = _twin_layers(12, 10, 2, 4.0)
 _mine.merged = True
 _x = randn(3, 12, seed=5)
 assert torch.equal(_mine(_x), _mine.base(_x)), "hidden: with merged = True, return base(x)"
 _mine.merged = False
-# gradients reach A and B, not the base
+# case: which parameters a backward reaches
 _mine(_x).square().sum().backward()
 assert _mine.lora_A.grad is not None and _mine.lora_B.grad is not None, \
     "hidden: lora_A and lora_B got no gradient"
@@ -665,25 +706,26 @@ def _gradcheck(T, n_in, n_out, r, s, seed=0, what=""):
     assert ok
 
 
-assert issubclass(LoRAMatmul, torch.autograd.Function), "LoRAMatmul must subclass " \
+assert is_subclass(LoRAMatmul, torch.autograd.Function), "LoRAMatmul must subclass " \
     "torch.autograd.Function"
-_y = lora_matmul(randn(3, 7).requires_grad_(), randn(2, 7), randn(5, 2), randn(5, 7), 1.0)
-assert type(_y.grad_fn).__name__ == "LoRAMatmulBackward", \
-    f"the output's grad_fn should be LoRAMatmul's backward, got {type(_y.grad_fn).__name__}"
 _gradcheck(5, 7, 6, 3, 0.7)
 _check_grads(6, 40, 24, 4, 2.0)
 print("LoRAMatmul: gradcheck passes in float64, and y, dX, dA, dB equal autograd's on the "
       "naive form")
 
 ### BEGIN HIDDEN TESTS
+# case: gradcheck at rank 1, out > in
 _gradcheck(4, 9, 11, 1, 2.5, seed=10, what="hidden: ")          # rank 1, out > in
+# case: gradcheck with r = out
 _gradcheck(8, 16, 5, 5, 0.125, seed=11, what="hidden: ")        # r = out
+# case: gradients against autograd, odd sizes
 _check_grads(33, 17, 9, 6, 1 / math.sqrt(6), seed=12, what="hidden: ")
+# case: gradients against autograd, a single token
 _check_grads(1, 64, 48, 8, 4.0, seed=13, what="hidden: ")
-# the backward is written, not delegated to autograd
+# case: torch.autograd.grad switched off
 with forbid([(torch.autograd, "grad")], globals(), why=_WHY):
     _check_grads(5, 12, 10, 2, 3.0, seed=14, what="hidden (autograd.grad switched off): ")
-# only x needs a gradient (A, B frozen): still fine
+# case: only x needs a gradient
 _x = randn(4, 6, seed=15).requires_grad_()
 lora_matmul(_x, randn(2, 6), randn(3, 2), randn(3, 6), 1.5).sum().backward()
 assert _x.grad is not None and _x.grad.shape == (4, 6), "hidden: dX missing when A, B are frozen"
@@ -696,38 +738,48 @@ def _weight_sized(fn, n_out, n_in):
             if not is_view and shape in ((n_out, n_in), (n_in, n_out))]
 
 
-def _check_no_out_by_in(T, n_in, n_out, r, s=2.0, seed=0, what=""):
-    assert len({T, n_in, n_out, r}) == 4
-    where = f"{what}T={T}, in={n_in}, out={n_out}, r={r}"
+# in-process check: the ops your forward + backward run (ShapeRecorder, where your code runs)
+# create no [out, in] tensor, and the output's grad_fn is LoRAMatmul's backward
+def _record_lora_matmul(T, n_in, n_out, r, s, seed):
     x = randn(T, n_in, seed=seed).requires_grad_()
     A = randn(r, n_in, seed=seed + 1).requires_grad_()
     B = randn(n_out, r, seed=seed + 2).requires_grad_()
     W, dy = randn(n_out, n_in, seed=seed + 3), randn(T, n_out, seed=seed + 4)
+    grad_fn = type(lora_matmul(x, A, B, W, s).grad_fn).__name__
+    records = record(lambda: lora_matmul(x, A, B, W, s).backward(dy))
+    return records, grad_fn, [t.grad is not None for t in (x, A, B)]
+
+
+def _check_no_out_by_in(T, n_in, n_out, r, s=2.0, seed=0, what=""):
+    assert len({T, n_in, n_out, r}) == 4
+    where = f"{what}T={T}, in={n_in}, out={n_out}, r={r}"
     with _forbid_reference():
-        records = record(lambda: lora_matmul(x, A, B, W, s).backward(dy))
-        bad = [(op, shape) for op, shape, _, is_view in records
-               if not is_view and shape in ((n_out, n_in), (n_in, n_out))]
+        records, grad_fn, have_grads = in_learner(_record_lora_matmul, T, n_in, n_out, r, s, seed)
+    assert grad_fn == "LoRAMatmulBackward", \
+        f"{where}: the output's grad_fn should be LoRAMatmul's backward, got {grad_fn}"
+    bad = [(op, tuple(shape)) for op, shape, _, is_view in records
+           if not is_view and tuple(shape) in ((n_out, n_in), (n_in, n_out))]
     assert not bad, f"{where}: your forward + backward created {len(bad)} weight-sized " \
                     f"tensor(s): {bad}. Keep every LoRA product at rank size (and compute no " \
                     f"gradient for the frozen W)."
-    shapes = [shape for _, shape, _, _ in records]
+    shapes = [tuple(shape) for _, shape, _, _ in records]
     assert (r, n_in) in shapes and (n_out, r) in shapes, \
         f"{where}: the recorder saw no dA [r, in] or dB [out, r]; was the backward run?"
-    assert x.grad is not None and A.grad is not None and B.grad is not None
+    assert all(have_grads), f"{where}: x, A and B should all get a gradient"
     # the check can fail: the naive form creates [out, in] tensors
-    x.grad = A.grad = B.grad = None
+    x = randn(T, n_in, seed=seed).requires_grad_()
+    A = randn(r, n_in, seed=seed + 1).requires_grad_()
+    B = randn(n_out, r, seed=seed + 2).requires_grad_()
+    W, dy = randn(n_out, n_in, seed=seed + 3), randn(T, n_out, seed=seed + 4)
     assert _weight_sized(lambda: naive_lora(x, A, B, W, s).backward(dy), n_out, n_in)
 
 
 _check_no_out_by_in(6, 40, 24, 4)
+_check_no_out_by_in(9, 17, 33, 5, s=0.5, seed=20)
+_check_no_out_by_in(3, 64, 48, 1, s=16.0, seed=21)
+_check_no_out_by_in(10, 30, 20, 16, s=1.0, seed=22)
 print("LoRAMatmul: forward + backward create no [out, in] or [in, out] tensor; the naive form "
       "creates several")
-
-### BEGIN HIDDEN TESTS
-_check_no_out_by_in(9, 17, 33, 5, s=0.5, seed=20, what="hidden: ")
-_check_no_out_by_in(3, 64, 48, 1, s=16.0, seed=21, what="hidden: ")
-_check_no_out_by_in(10, 30, 20, 16, s=1.0, seed=22, what="hidden: ")
-### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Your Function inside the layer
@@ -920,11 +972,14 @@ def unmerge(layer) -> None:
 
 # %% nbgrader={"grade": true, "grade_id": "test_merge_unmerge", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 def _check_merge(layer, x, what=""):
-    where = f"{what}{type(layer).__name__}(in={layer.lora_A.shape[1]}, " \
+    where = f"{what}{layer._get_name()}(in={layer.lora_A.shape[1]}, " \
             f"out={layer.lora_B.shape[0]}, r={layer.lora_A.shape[0]}) over {layer.base.weight.dtype}"
     tol = dict(rtol=0, atol=1e-6) if layer.base.weight.dtype != torch.float64 else \
         dict(rtol=0, atol=1e-12)
-    param, w0 = layer.base.weight, layer.base.weight.detach().clone()
+    w0 = layer.base.weight.detach().clone()
+    replaced = "the base weight is tied to another module here (`base.tied.weight`, as an " \
+               "embedding and an output head can share one): update the Parameter in place " \
+               "(add_ / sub_ under torch.no_grad()), do not replace it"
     want_delta = layer.scaling * (layer.lora_B.detach() @ layer.lora_A.detach())
     with _forbid_reference():
         got_delta = delta_weight(layer)
@@ -938,8 +993,8 @@ def _check_merge(layer, x, what=""):
     with _forbid_reference():
         merge(layer)
     assert layer.merged is True, f"{where}: merge should set layer.merged = True"
-    assert layer.base.weight is param, \
-        f"{where}: merge must change the weight in place, not replace the Parameter"
+    assert torch.equal(layer.base.tied.weight, layer.base.weight), \
+        f"{where}: merge must change the weight in place, not replace the Parameter: {replaced}"
     torch.testing.assert_close(layer.base.weight.detach(), w0 + want_delta, **tol,
                                msg=lambda m: f"{where}: merged weight != W + s·B·A:\n{m}")
     assert not layer.base.weight.requires_grad and layer.base.weight.grad_fn is None, \
@@ -955,7 +1010,8 @@ def _check_merge(layer, x, what=""):
     with _forbid_reference():
         unmerge(layer)
     assert layer.merged is False, f"{where}: unmerge should set layer.merged = False"
-    assert layer.base.weight is param, f"{where}: unmerge must work in place"
+    assert torch.equal(layer.base.tied.weight, layer.base.weight), \
+        f"{where}: unmerge must work in place: {replaced}"
     torch.testing.assert_close(layer.base.weight.detach(), w0, **tol, msg=lambda m: (
         f"{where}: merge then unmerge should give back the original weight:\n{m}"))
     with _forbid_reference():
@@ -968,18 +1024,23 @@ def _check_merge(layer, x, what=""):
 
 def _random_layer(cls, n_in, n_out, r, alpha=8.0, dtype=torch.float32, seed=0, **kw):
     torch.manual_seed(seed)
-    layer = cls(nn.Linear(n_in, n_out, dtype=dtype), r=r, alpha=alpha, **kw)
-    randomize_lora(layer, seed=seed + 1, std=0.3)
+    base = nn.Linear(n_in, n_out, dtype=dtype)
+    base.tied = nn.Module()            # a second holder of the same weight Parameter
+    base.tied.weight = base.weight
+    layer = cls(base, r=r, alpha=alpha, **kw)
+    _randomize(layer, seed=seed + 1, std=0.3)
     return layer
 
 
 _check_merge(_random_layer(MyLoRALinear, 40, 24, 4), randn(3, 40, seed=1))
-_check_merge(_random_layer(minituner.LoRALinear, 40, 24, 4, seed=2), randn(3, 40, seed=3),
-             what="(a minituner layer) ")
+_check_merge(_random_layer(MyLoRALinear, 40, 24, 4, seed=2, use_rslora=True),
+             randn(3, 40, seed=3), what="(rsLoRA) ")
 # an NF4 base refuses, and stays untouched
 torch.manual_seed(4)
-_q = minituner.LoRALinear(miniquant.QuantizedLinear.from_linear(nn.Linear(64, 32)), r=4)
-randomize_lora(_q, seed=5)
+with _forbid_reference():
+    _q = MyLoRALinear(nn.Linear(64, 32), r=4)
+_q.base = miniquant.QuantizedLinear.from_linear(nn.Linear(64, 32))
+_randomize(_q, seed=5)
 _packed = _q.base.packed.clone()
 try:
     with _forbid_reference():
@@ -998,13 +1059,16 @@ assert _q.merged is False and torch.equal(_q.base.packed, _packed), \
 print("delta_weight / merge / unmerge: exact round trip, idempotent, in place")
 
 ### BEGIN HIDDEN TESTS
+# case: 3-D x, odd sizes
 _check_merge(_random_layer(MyLoRALinear, 13, 7, 3, alpha=5.0, seed=6), randn(2, 4, 13, seed=7),
              what="hidden: ")
+# case: rsLoRA with a large rank, out > in
 _check_merge(_random_layer(MyLoRALinear, 17, 33, 16, use_rslora=True, seed=8),
              randn(5, 17, seed=9), what="hidden: ")
+# case: a float64 base
 _check_merge(_random_layer(MyLoRALinear, 12, 10, 2, dtype=torch.float64, seed=10),
              randn(3, 12, seed=11, dtype=torch.float64), what="hidden: ")
-# against PEFT: its delta and its merged weight
+# case: against PEFT's delta and merged weight
 _mine, _, _theirs = _twin_layers(20, 12, 4, 6.0, use_rslora=True, seed=12)
 with torch.no_grad():
     torch.testing.assert_close(delta_weight(_mine), _theirs.get_delta_weight("default"),
@@ -1013,7 +1077,7 @@ with torch.no_grad():
     _theirs.merge(adapter_names=["default"])
     torch.testing.assert_close(_mine.base.weight, _theirs.base_layer.weight, rtol=1e-5,
                                atol=1e-6)
-# merging with gradients enabled and trainable factors still works in place
+# case: merging with gradients enabled
 _l = _random_layer(MyLoRALinear, 8, 6, 2, seed=13)
 assert _l.lora_A.requires_grad and torch.is_grad_enabled()
 merge(_l)
@@ -1194,7 +1258,7 @@ def _peft_selection(target_modules, r=8, alpha=16.0):
 
 def _check_wrap(target_modules, r=8, alpha=16.0, want_names=None, with_peft=True, what=""):
     where = f"{what}wrap(small_gpt(), {target_modules!r}, r={r}, alpha={alpha})"
-    model = small_gpt()
+    model = _held(small_gpt())
     idx = torch.randint(0, 45, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         before = model(idx)
@@ -1213,7 +1277,7 @@ def _check_wrap(target_modules, r=8, alpha=16.0, want_names=None, with_peft=True
         peft_names, peft_counts = _peft_selection(target_modules, r, alpha)
         assert names == peft_names, f"{where}: PEFT wraps {peft_names}, you returned {names}"
         assert ref_counts == peft_counts
-    wrapped = [n for n, m in model.named_modules() if isinstance(m, MyLoRALinear)]
+    wrapped = [n for n, m in model.named_modules() if _is_lora(m)]
     assert wrapped == names, f"{where}: the model holds MyLoRALinear at {wrapped}, you " \
                              f"returned {names}"
     assert all(model.get_submodule(n).scaling == alpha / r for n in names), \
@@ -1246,20 +1310,24 @@ print("wrap selects what PEFT selects (suffix list and full-match regex), freeze
       "count_trainable agrees with PEFT")
 
 ### BEGIN HIDDEN TESTS
+# case: the output head alone
 _check_wrap(["lm_head"], r=2, alpha=2.0, want_names=["lm_head"], what="hidden: ")
-# patterns that also match norms, blocks and embeddings: PEFT refuses those, we skip them
+# case: a regex that also matches a block's norms and submodules
 _check_wrap(r"blocks\.1\..*", r=3, alpha=6.0, with_peft=False, what="hidden: ")
+# case: a regex that matches every module
 _check_wrap(r".*", r=1, alpha=1.0, with_peft=False, what="hidden: ")
+# case: a multi-part suffix in the list
 _check_wrap(["k_proj", "blocks.0.mlp.down_proj"], what="hidden: ")       # a multi-part suffix
+# case: a regex with a character class
 _check_wrap(r"blocks\.0\.attn\.[qk]_proj", what="hidden: ")
-# dropout and rsLoRA reach the layers
-_m = small_gpt()
+# case: dropout and rsLoRA passed to wrap
+_m = _held(small_gpt())
 wrap(_m, ["o_proj"], r=4, alpha=8.0, dropout=0.1, use_rslora=True)
 _l = _m.blocks[1].attn.o_proj
-assert isinstance(_l, MyLoRALinear) and _l.scaling == 4.0 and _l.dropout.p == 0.1, \
+assert _is_lora(_l) and _l.scaling == 4.0 and _l.dropout.p == 0.1, \
     "hidden: wrap(..., dropout=0.1, use_rslora=True) did not reach the layers"
-# the wrapped layer keeps the original nn.Linear (the same object) as its base
-_m = small_gpt()
+# case: the base of a wrapped layer
+_m = _held(small_gpt())
 _orig = _m.blocks[0].attn.q_proj
 wrap(_m, ["q_proj"])
 assert _m.blocks[0].attn.q_proj.base is _orig, "hidden: the base should be the original layer"
@@ -1268,7 +1336,7 @@ assert _m.blocks[0].attn.q_proj.base is _orig, "hidden: the base should be the o
 # %% nbgrader={"grade": true, "grade_id": "test_wrap_bad_inputs", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 def _expect_value_error(target_modules, r=8, what="", must_list=(), rule=""):
     where = f"{what}wrap(small_gpt(), {target_modules!r}, r={r!r})"
-    model = small_gpt()
+    model = _held(small_gpt())
     state = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         with _forbid_reference():
@@ -1280,11 +1348,11 @@ def _expect_value_error(target_modules, r=8, what="", must_list=(), rule=""):
     for name in must_list:
         assert name in msg, f"{where}: the error should list the model's linear layers " \
                             f"(e.g. {name!r}); it says: {msg}"
-    assert not any(isinstance(m, MyLoRALinear) for m in model.modules()), \
+    assert not any(_is_lora(m) for m in model.modules()), \
         f"{where}: the model was changed before the error"
     assert all(p.requires_grad for p in model.parameters()), \
         f"{where}: parameters were frozen before the error"
-    assert model.state_dict().keys() == state.keys()
+    assert list(model.state_dict()) == list(state)
     return msg
 
 
@@ -1301,13 +1369,19 @@ print("wrap refuses a bad rank and a pattern that matches nothing, and names the
 print(" ", _msg[:160], "...")
 
 ### BEGIN HIDDEN TESTS
+# case: a negative rank
 _expect_value_error(["q_proj"], r=-3, what="hidden: ")
+# case: a float rank
 _expect_value_error(["q_proj"], r=2.5, what="hidden: ")
+# case: a suffix that is part of a name component
 _expect_value_error(["proj"], what="hidden (suffixes are whole components): ",
                     must_list=("blocks.0.attn.k_proj",))
+# case: a regex that matches only the end of names
 _expect_value_error(r"mlp\.gate_proj", what="hidden (a regex must match the whole name): ",
                     must_list=("blocks.0.mlp.gate_proj",))
+# case: a regex naming a module that is no nn.Linear
 _expect_value_error(r"blocks\.0\.attn", what="hidden (an attention module is no nn.Linear): ")
+# case: an empty list
 _msg = _expect_value_error([], what="hidden: ")
 ### END HIDDEN TESTS
 
@@ -1510,61 +1584,61 @@ _IDX = torch.randint(0, 45, (2, 16), generator=torch.Generator().manual_seed(1))
 def _check_save(target_modules, r=4, alpha=8.0, dropout=0.0, use_rslora=False, what=""):
     where = f"{what}an adapter on {target_modules!r}, r={r}, alpha={alpha}, " \
             f"dropout={dropout}, rslora={use_rslora}"
-    model = small_gpt()
+    model = _held(small_gpt())
     names = wrap(model, target_modules, r=r, alpha=alpha, dropout=dropout, use_rslora=use_rslora)
-    randomize_lora(model, seed=r)
+    _randomize(model, seed=r)
     model.eval()
     with torch.no_grad():
         ours = model(_IDX)
-    with tempfile.TemporaryDirectory() as d:
-        with _forbid_reference():
-            save_peft_adapter(model, Path(d) / "adapter", target_modules)
-        d = Path(d) / "adapter"
-        files = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
-        assert files == ["adapter_config.json", "adapter_model.safetensors"], \
-            f"{where}: expected the two files adapter_config.json and " \
-            f"adapter_model.safetensors in the directory, found {files}"
-        cfg = json.loads((d / "adapter_config.json").read_text())
-        want_cfg = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "lora_dropout": dropout,
-                    "bias": "none", "use_rslora": use_rslora,
-                    "target_modules": target_modules if isinstance(target_modules, str)
-                    else list(target_modules)}
-        if isinstance(cfg.get("target_modules"), list):       # any order will do
-            cfg["target_modules"] = sorted(cfg["target_modules"])
-            want_cfg["target_modules"] = sorted(want_cfg["target_modules"])
-        for k, v in want_cfg.items():
-            assert k in cfg and cfg[k] == v, \
-                f"{where}: adapter_config.json should hold {k} = {v!r}, got {cfg.get(k, '(none)')!r}"
-        tensors = safetensors.torch.load_file(d / "adapter_model.safetensors")
-        want_keys = sorted(f"{PREFIX}{n}.lora_{ab}.weight" for n in names for ab in "AB")
-        assert sorted(tensors) == want_keys, \
-            f"{where}: the safetensors keys should be {want_keys[:2]}...; got {sorted(tensors)[:4]}"
-        for n in names:
-            for ab in "AB":
-                assert torch.equal(tensors[f"{PREFIX}{n}.lora_{ab}.weight"],
-                                   getattr(model.get_submodule(n), f"lora_{ab}")), \
-                    f"{where}: {n}.lora_{ab} was saved with other values"
-        # PEFT loads it onto a fresh copy of the base model: same logits
-        theirs = peft.PeftModel.from_pretrained(small_gpt(), str(d)).eval()
-        with torch.no_grad():
-            got = theirs(_IDX)
-        torch.testing.assert_close(got, ours, rtol=0, atol=1e-6, msg=lambda m: (
-            f"{where}: PeftModel.from_pretrained(your adapter) computes other logits than "
-            f"your model:\n{m}"))
-        assert theirs.peft_config["default"].use_rslora == use_rslora
-        # and so does the reference loader
-        ref = small_gpt()
-        minituner.load_adapter(ref, d)
-        ref.eval()                         # the layers it creates start in training mode
-        with torch.no_grad():
-            torch.testing.assert_close(ref(_IDX), ours, rtol=0, atol=1e-6)
+    folder = learner_dir()                 # a folder your code can write to
+    with _forbid_reference():
+        save_peft_adapter(model, str(Path(folder) / "adapter"), target_modules)
+    d = fetch_dir(folder) / "adapter"
+    files = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+    assert files == ["adapter_config.json", "adapter_model.safetensors"], \
+        f"{where}: expected the two files adapter_config.json and " \
+        f"adapter_model.safetensors in the directory, found {files}"
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    want_cfg = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "lora_dropout": dropout,
+                "bias": "none", "use_rslora": use_rslora,
+                "target_modules": target_modules if isinstance(target_modules, str)
+                else list(target_modules)}
+    if isinstance(cfg.get("target_modules"), list):       # any order will do
+        cfg["target_modules"] = sorted(cfg["target_modules"])
+        want_cfg["target_modules"] = sorted(want_cfg["target_modules"])
+    for k, v in want_cfg.items():
+        assert k in cfg and cfg[k] == v, \
+            f"{where}: adapter_config.json should hold {k} = {v!r}, got {cfg.get(k, '(none)')!r}"
+    tensors = safetensors.torch.load_file(d / "adapter_model.safetensors")
+    want_keys = sorted(f"{PREFIX}{n}.lora_{ab}.weight" for n in names for ab in "AB")
+    assert sorted(tensors) == want_keys, \
+        f"{where}: the safetensors keys should be {want_keys[:2]}...; got {sorted(tensors)[:4]}"
+    for n in names:
+        for ab in "AB":
+            assert torch.equal(tensors[f"{PREFIX}{n}.lora_{ab}.weight"],
+                               getattr(model.get_submodule(n), f"lora_{ab}")), \
+                f"{where}: {n}.lora_{ab} was saved with other values"
+    # PEFT loads it onto a fresh copy of the base model: same logits
+    theirs = peft.PeftModel.from_pretrained(small_gpt(), str(d)).eval()
+    with torch.no_grad():
+        got = theirs(_IDX)
+    torch.testing.assert_close(got, ours, rtol=0, atol=1e-6, msg=lambda m: (
+        f"{where}: PeftModel.from_pretrained(your adapter) computes other logits than "
+        f"your model:\n{m}"))
+    assert theirs.peft_config["default"].use_rslora == use_rslora
+    # and so does the reference loader
+    ref = small_gpt()
+    minituner.load_adapter(ref, d)
+    ref.eval()                         # the layers it creates start in training mode
+    with torch.no_grad():
+        torch.testing.assert_close(ref(_IDX), ours, rtol=0, atol=1e-6)
     assert (ours - small_gpt()(_IDX)).abs().max() > 1e-3, "the adapter should change the logits"
 
 
 _check_save(["q_proj", "v_proj", "down_proj"])
 try:
-    with tempfile.TemporaryDirectory() as _d, _forbid_reference():
-        save_peft_adapter(small_gpt(), _d, ["q_proj"])
+    with _forbid_reference():
+        save_peft_adapter(small_gpt(), learner_dir(), ["q_proj"])
 except ValueError:
     pass
 except Exception as _e:
@@ -1577,10 +1651,13 @@ else:
 print("save_peft_adapter: PeftModel.from_pretrained loads your files and computes your logits")
 
 ### BEGIN HIDDEN TESTS
+# case: a regex target, rsLoRA
 _check_save(r"blocks\.\d+\.attn\.(k|o)_proj", r=3, alpha=6.0, use_rslora=True, what="hidden: ")
+# case: the output head, with dropout
 _check_save(["up_proj", "lm_head"], r=2, alpha=16.0, dropout=0.1, what="hidden: ")
+# case: a model without LoRA layers
 try:
-    save_peft_adapter(small_gpt(), tempfile.mkdtemp(), ["q_proj"])
+    save_peft_adapter(small_gpt(), learner_dir(), ["q_proj"])
 except ValueError:
     pass
 else:
@@ -1601,9 +1678,9 @@ def _check_load(target_modules, r=4, alpha=8, use_rslora=False, what=""):
                   if isinstance(m, peft.tuners.lora.LoraLayer)]
     with tempfile.TemporaryDirectory() as d:
         theirs.save_pretrained(d)
-        mine = small_gpt()
+        mine = _held(small_gpt())
         with _forbid_reference():
-            names = load_peft_adapter(mine, d)
+            names = load_peft_adapter(mine, send_dir(d))
     assert isinstance(names, list) and names == want_names, \
         f"{where}: expected the wrapped names {want_names}, got {names}"
     mine.eval()
@@ -1615,70 +1692,76 @@ def _check_load(target_modules, r=4, alpha=8, use_rslora=False, what=""):
 
 _check_load(["k_proj", "up_proj"])
 # a file that lacks a key, and a config that is not LoRA: ValueError, before copying anything
-_m = small_gpt()
+_m = _held(small_gpt())
 wrap(_m, ["k_proj"], r=2, alpha=4.0)
-with tempfile.TemporaryDirectory() as _d:
-    save_peft_adapter(_m, _d, ["k_proj"])
-    _t = safetensors.torch.load_file(Path(_d) / "adapter_model.safetensors")
-    _key = f"{PREFIX}blocks.0.attn.k_proj.lora_A.weight"
-    del _t[_key]
-    safetensors.torch.save_file(_t, str(Path(_d) / "adapter_model.safetensors"))
-    try:
-        with _forbid_reference():
-            load_peft_adapter(small_gpt(), _d)
-    except ValueError as e:
-        assert _key in str(e), f"the error should name the missing key {_key}; it says: {e}"
-    except KeyError as e:
-        raise AssertionError(f"a file without {_key} raised KeyError({e}); rule: compare the "
-                             f"expected keys with the file's first and raise ValueError naming "
-                             f"the missing ones") from e
-    else:
-        raise AssertionError(f"a file without {_key} should raise ValueError naming it")
-    save_peft_adapter(_m, _d, ["k_proj"])            # complete again, but not a LoRA config
-    _cfg = json.loads((Path(_d) / "adapter_config.json").read_text())
-    (Path(_d) / "adapter_config.json").write_text(json.dumps({**_cfg, "peft_type": "LOHA"}))
-    try:
-        with _forbid_reference():
-            load_peft_adapter(small_gpt(), _d)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("an adapter_config.json with peft_type 'LOHA' should raise "
-                             "ValueError (rule: only peft_type 'LORA' is loaded)")
+_ld = learner_dir()
+save_peft_adapter(_m, _ld, ["k_proj"])
+_d = fetch_dir(_ld)
+_t = safetensors.torch.load_file(Path(_d) / "adapter_model.safetensors")
+_key = f"{PREFIX}blocks.0.attn.k_proj.lora_A.weight"
+del _t[_key]
+safetensors.torch.save_file(_t, str(Path(_d) / "adapter_model.safetensors"))
+try:
+    with _forbid_reference():
+        load_peft_adapter(small_gpt(), send_dir(_d))
+except ValueError as e:
+    assert _key in str(e), f"the error should name the missing key {_key}; it says: {e}"
+except KeyError as e:
+    raise AssertionError(f"a file without {_key} raised KeyError({e}); rule: compare the "
+                         f"expected keys with the file's first and raise ValueError naming "
+                         f"the missing ones") from e
+else:
+    raise AssertionError(f"a file without {_key} should raise ValueError naming it")
+save_peft_adapter(_m, _ld, ["k_proj"])           # complete again, but not a LoRA config
+_d = fetch_dir(_ld)
+_cfg = json.loads((Path(_d) / "adapter_config.json").read_text())
+(Path(_d) / "adapter_config.json").write_text(json.dumps({**_cfg, "peft_type": "LOHA"}))
+try:
+    with _forbid_reference():
+        load_peft_adapter(small_gpt(), send_dir(_d))
+except ValueError:
+    pass
+else:
+    raise AssertionError("an adapter_config.json with peft_type 'LOHA' should raise "
+                         "ValueError (rule: only peft_type 'LORA' is loaded)")
 print("load_peft_adapter: an adapter saved by PEFT gives PEFT's logits in your model")
 
 ### BEGIN HIDDEN TESTS
+# case: an rsLoRA adapter on three attention projections
 _check_load(["q_proj", "v_proj", "o_proj"], r=3, alpha=6, use_rslora=True, what="hidden: ")
+# case: a regex target
 _check_load(r".*mlp\.(gate|down)_proj", r=2, alpha=16, what="hidden: ")
-# round trip through your own save, and a file that lacks a key
-_m = small_gpt()
+# case: a round trip through your own save, then a file that lacks a key
+_m = _held(small_gpt())
 wrap(_m, ["q_proj", "v_proj"], r=4, alpha=8.0)
-randomize_lora(_m, seed=9)
-with tempfile.TemporaryDirectory() as _d:
-    save_peft_adapter(_m, _d, ["q_proj", "v_proj"])
-    _m2 = small_gpt()
-    load_peft_adapter(_m2, _d)
-    with torch.no_grad():
-        assert torch.equal(_m2.eval()(_IDX), _m.eval()(_IDX)), "hidden: save -> load round trip"
-    _t = safetensors.torch.load_file(Path(_d) / "adapter_model.safetensors")
-    _key = f"{PREFIX}blocks.1.attn.v_proj.lora_B.weight"
-    del _t[_key]
-    safetensors.torch.save_file(_t, str(Path(_d) / "adapter_model.safetensors"))
-    try:
-        load_peft_adapter(small_gpt(), _d)
-    except ValueError as e:
-        assert _key in str(e), f"hidden: the error should name the missing key {_key}: {e}"
-    else:
-        raise AssertionError("hidden: a file without one of the keys should raise ValueError")
-    _cfg = json.loads((Path(_d) / "adapter_config.json").read_text())
-    _cfg["peft_type"] = "IA3"
-    (Path(_d) / "adapter_config.json").write_text(json.dumps(_cfg))
-    try:
-        load_peft_adapter(small_gpt(), _d)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("hidden: peft_type 'IA3' should raise ValueError")
+_randomize(_m, seed=9)
+_ld = learner_dir()
+save_peft_adapter(_m, _ld, ["q_proj", "v_proj"])
+_m2 = _held(small_gpt())
+load_peft_adapter(_m2, _ld)
+with torch.no_grad():
+    assert torch.equal(_m2.eval()(_IDX), _m.eval()(_IDX)), "hidden: save -> load round trip"
+_d = fetch_dir(_ld)
+_t = safetensors.torch.load_file(Path(_d) / "adapter_model.safetensors")
+_key = f"{PREFIX}blocks.1.attn.v_proj.lora_B.weight"
+del _t[_key]
+safetensors.torch.save_file(_t, str(Path(_d) / "adapter_model.safetensors"))
+try:
+    load_peft_adapter(small_gpt(), send_dir(_d))
+except ValueError as e:
+    assert _key in str(e), f"hidden: the error should name the missing key {_key}: {e}"
+else:
+    raise AssertionError("hidden: a file without one of the keys should raise ValueError")
+# case: a config of another PEFT type
+_cfg = json.loads((Path(_d) / "adapter_config.json").read_text())
+_cfg["peft_type"] = "IA3"
+(Path(_d) / "adapter_config.json").write_text(json.dumps(_cfg))
+try:
+    load_peft_adapter(small_gpt(), send_dir(_d))
+except ValueError:
+    pass
+else:
+    raise AssertionError("hidden: peft_type 'IA3' should raise ValueError")
 ### END HIDDEN TESTS
 
 # %% [markdown]
