@@ -35,9 +35,9 @@ are copied there too.
 `--tiny` checks the pipeline on any machine (CPU: the Triton interpreter) at the smoke shapes;
 it writes `build/device-check/tiny-<device>.json` (or `--out`), never under
 `benchmarks/results/gpu/`. Without a CUDA GPU and without `--tiny` it refuses to start. The
-copied tree usually has no `.git`: the manifest's commit is then "unknown", or the `--commit`
-given (`make device-check COMMIT=...`); `code` holds the sha256 of every measured file either
-way. Exit status: 0 when every step finished and no GPU test failed, 1 otherwise (the result
+manifest records the `--commit` given (`make device-check COMMIT=...`, a clean checkout's),
+else what git says of the tree (a copied tree may hold no `.git`, or a stale one); `code`
+holds the sha256 of every measured file either way. Exit status: 0 when every step finished and no GPU test failed, 1 otherwise (the result
 is still written), 2 refused.
 """
 
@@ -124,7 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated step kinds to run: gpu_tests, bench_dequant, "
                         "bench_moe, bench_logprobs (default: all)")
     p.add_argument("--commit", default="",
-                   help="the commit this tree is, recorded when git cannot tell (no .git)")
+                   help="the (clean) commit this tree is; recorded in place of what git "
+                        "says, since a copied tree's .git may be missing or stale")
     args = p.parse_args(argv)
     kinds = [k.strip() for k in args.steps.split(",") if k.strip()] or list(LIMITS_S)
     unknown = sorted(set(kinds) - set(LIMITS_S))
@@ -386,7 +387,7 @@ def check(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     header(cuda)
     git, t0 = git_state(ROOT), time.perf_counter()          # the code, before the run writes
-    if git["commit"] == "unknown" and args.commit:
+    if args.commit:         # the copied tree's .git, if any, may be a stale one
         git = {"commit": args.commit, "dirty": False}
     steps = plan(args.steps, args.tiny, cuda)
     print(f"device-check: {len(steps)} steps within {args.budget:.0f} s, result to {path}",
