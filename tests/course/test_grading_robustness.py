@@ -189,7 +189,7 @@ def cases(lab: Lab, tmp: Path) -> dict[str, tuple[object, float, str]]:
     hostile = {name: (with_cell(blank, code), 0, "graded")
                for name, code in attacks(tmp).items()}
     for name in ("gradebook", "detached", "snoop"):     # harmless in the sandbox: full marks
-        hostile[name] = (hostile[name][0], lab.max, "graded")
+        hostile[name] = (with_cell(full, attacks(tmp)[name]), lab.max, "graded")
     return {
         "full": (full, lab.max, "graded"),
         "blank": (blank, 0, "graded"),
