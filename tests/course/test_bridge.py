@@ -249,6 +249,8 @@ def test_a_kernels_writes_come_back_whole_storage_and_shared_objects_change(lear
     d = bridged.share({})
     ns["fill_dict"](d)
     assert d["n"] == 3
+    m = bridged.share(torch.nn.Linear(2, 2))
+    assert isinstance(m, torch.nn.Linear) and m.eval() is m
 
 
 def test_a_parameters_grad_travels_and_comes_back_changed(learner):

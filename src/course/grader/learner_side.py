@@ -31,16 +31,7 @@ _forbidden: list = []               # the forbid blocks the trusted side has ope
 MAX_FILES_BYTES = 64 << 20          # what fetch_dir sends back, in all
 
 
-class _Shared:
-    """Wraps a shared object so that it comes back as a handle even if it is data."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-
 def _handle(obj) -> int:
-    if type(obj) is _Shared:
-        obj = obj.obj
     number = _numbers.get(id(obj))
     if number is None:
         number = _numbers[id(obj)] = len(_objects) + 1
@@ -143,8 +134,6 @@ def _answer(request: dict):
         return bool(obj)
     if op == "deepcopy":
         return copy.deepcopy(obj)
-    if op == "share":               # the tests' object, kept here: the reply is its handle
-        return _Shared(_fill(request["value"], request["tensors"]))
     if op == "release":
         _graphs.clear()
         return None
@@ -254,6 +243,9 @@ def serve(payload: str) -> None:
             encoder.follow = lambda t: index.pop(id(t), None)  # the first copy only
             tree = encoder({"value": done["value"], "changed": done["changed"],
                             "grads": done["grads"], "rng": done["rng"], "gid": gid})
+        elif request["op"] == "share":  # the tests' object, kept here: the reply is its handle
+            encoder.shared = _fill(request["value"], request["tensors"])
+            tree = encoder({"value": encoder.shared})
         elif request["op"] == "backward":
             tree = encoder({"value": _backward(request)})
         else:

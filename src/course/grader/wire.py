@@ -63,8 +63,9 @@ class Decoded:
 class Encoder:
     """Turns a learner-side value into (tree, tensors); `handle(obj)` numbers the rest."""
 
-    def __init__(self, handle, follow=None):
+    def __init__(self, handle, follow=None, shared=None):
         self.handle, self.follow = handle, follow      # follow: tensor -> output index | None
+        self.shared = shared          # an object sent as a handle even if it is data
         self.tensors: dict[str, torch.Tensor] = {}
 
     def tensor(self, t: torch.Tensor) -> str:
@@ -76,6 +77,8 @@ class Encoder:
         if depth > MAX_DEPTH:
             raise ValueError("the value is nested too deeply to send")
         kind, enc = type(v), (lambda x: self(x, depth + 1))
+        if v is self.shared and v is not None:
+            return self._handle(v)
         if v is None or kind in (bool, int, str):
             return v
         if kind is float:
@@ -105,8 +108,11 @@ class Encoder:
             return {"sl": [enc(v.start), enc(v.stop), enc(v.step)]}
         if v is Ellipsis:
             return {"E": 0}
+        return self._handle(v)
+
+    def _handle(self, v) -> dict:
         return {"h": self.handle(v), "k": callable(v), "c": " ".join(
-            f"{c.__module__}.{c.__qualname__}" for c in kind.__mro__)[:2000]}
+            f"{c.__module__}.{c.__qualname__}" for c in type(v).__mro__)[:2000]}
 
 
 def pack(tree, tensors: dict[str, torch.Tensor]) -> str:
