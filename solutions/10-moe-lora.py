@@ -264,10 +264,12 @@ def _no_reference(base_linear=False):
 
 
 def _must_reach(target, call, what):
-    """`call()` must fail once `target` is switched off: your code reaches it (a launch of a
-    kernel, a call of a function), under whatever name it is bound."""
+    """`call()` must fail once `target` (or each of a list of targets) is switched off: your
+    code reaches it (a launch of a kernel, a call of a function), under whatever name it is
+    bound."""
+    targets = target if isinstance(target, list) else [target]
     try:
-        with _no_reference(), harness.forbid([target], globals(), why="the test checks that "
+        with _no_reference(), harness.forbid(targets, globals(), why="the test checks that "
                                              "your code reaches it, by switching it off"):
             call()
     except AssertionError as err:
@@ -848,19 +850,8 @@ _launch_bwd_lora(12, 24, 40, 8, 3, 4, seed=4, skip=0, BLOCK_M=32, BLOCK_P=32, BL
 _launch_bwd_lora(7, 40, 40, 1, 1, 17, seed=5)
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "test_my_group_bwd_lora", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-from course.notebook.bridged import in_learner  # noqa: E402
-
-
-def _launches_of_group_bwd_lora(DYg, Xg, A, B, offs, scaling):
-    """How many times my_group_bwd_lora launches group_bwd_lora_kernel (a spy on it, where
-    your code runs)."""
-    with harness.spy_on(my_group_bwd_lora.__globals__, group_bwd_lora_kernel) as spy:
-        my_group_bwd_lora(DYg, Xg, A, B, offs, scaling)
-    return len(spy.grids)
-
-
-def _check_my_bwd_lora(T, K, N, E, k, r, seed=0, count=False, **routing):
+# %% nbgrader={"grade": true, "grade_id": "test_my_group_bwd_lora", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+def _check_my_bwd_lora(T, K, N, E, k, r, seed=0, **routing):
     Xg, DYg, A, B, offs, idx, wantA, wantB = _bwd_lora_problem(T, K, N, E, k, r, seed, **routing)
     with _no_reference():
         got = my_group_bwd_lora(DYg, Xg, A, B, offs, SCALING)
@@ -870,18 +861,13 @@ def _check_my_bwd_lora(T, K, N, E, k, r, seed=0, count=False, **routing):
         f"{where}: expected (dA, dB), got {type(got).__name__}"
     _must_reach(group_bwd_lora_kernel, lambda: my_group_bwd_lora(DYg, Xg, A, B, offs, SCALING),
                 f"{where}: group_bwd_lora_kernel was not launched")
-    if count:
-        # in-process check: my_group_bwd_lora launches group_bwd_lora_kernel twice (dB, dA)
-        launches = in_learner(_launches_of_group_bwd_lora, DYg, Xg, A, B, offs, SCALING)
-        assert launches >= 2, \
-            f"{where}: expected your kernel launched twice (dB and dA), got {launches}"
     harness.assert_close(got[0], wantA, f"{where}: dA")
     harness.assert_close(got[1], wantB, f"{where}: dB")
     _zero_lora(got[0], got[1], idx, E, where)
 
 
-_check_my_bwd_lora(7, 24, 40, 4, 2, 2, count=True)
-_check_my_bwd_lora(9, 40, 24, 8, 3, 3, seed=1, count=True, skip=5)
+_check_my_bwd_lora(7, 24, 40, 4, 2, 2)
+_check_my_bwd_lora(9, 40, 24, 8, 3, 3, seed=1, skip=5)
 # inputs the kernel cannot trust: refused with a ValueError, before any launch
 _Xv, _DYv, _Av, _Bv, _offv, _, _, _ = _bwd_lora_problem(7, 24, 40, 4, 2, 2, seed=21)
 harness.assert_rejects("my_group_bwd_lora", [
@@ -916,6 +902,27 @@ _bad_calls = [
 ]
 harness.assert_rejects("my_group_bwd_lora", _bad_calls, _no_reference)
 ### END HIDDEN TESTS
+
+# %% nbgrader={"grade": true, "grade_id": "test_my_group_bwd_lora_launches", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+from course.notebook.bridged import in_learner  # noqa: E402
+
+
+def _launches_of_group_bwd_lora(DYg, Xg, A, B, offs, scaling):
+    """How many times my_group_bwd_lora launches group_bwd_lora_kernel (a spy on it, where
+    your code runs)."""
+    with harness.spy_on(my_group_bwd_lora.__globals__, group_bwd_lora_kernel) as spy:
+        my_group_bwd_lora(DYg, Xg, A, B, offs, scaling)
+    return len(spy.grids)
+
+
+for _T, _K, _N, _E, _k, _r, _seed in ((7, 24, 40, 4, 2, 2, 0), (9, 40, 24, 8, 3, 3, 1)):
+    _Xg, _DYg, _A, _B, _offs, _, _, _ = _bwd_lora_problem(_T, _K, _N, _E, _k, _r, _seed)
+    # in-process check: my_group_bwd_lora launches group_bwd_lora_kernel twice (dB, dA)
+    _launches = in_learner(_launches_of_group_bwd_lora, _DYg, _Xg, _A, _B, _offs, SCALING)
+    assert _launches >= 2, \
+        f"my_group_bwd_lora, M={_Xg.shape[0]}, K={_K}, N={_N}, E={_E}, r={_r}: expected " \
+        f"group_bwd_lora_kernel launched twice (once for dB, once for dA), got {_launches}"
+print("my_group_bwd_lora computes both dB and dA with your kernel")
 
 # %% [markdown]
 # ## Exercise 4 — the autograd Function with fused LoRA
@@ -1243,8 +1250,10 @@ def nf4_lora_linear(x: torch.Tensor, q: NF4Weight, k: int, sorted_expert_idxs: t
     ### END SOLUTION
 
 
-# %% nbgrader={"grade": true, "grade_id": "test_nf4_lora", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
-from course.notebook.bridged import in_learner  # noqa: E402
+# %% nbgrader={"grade": true, "grade_id": "test_nf4_lora", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+from course.notebook.bridged import share  # noqa: E402
+
+_SELECTIVE = [selective_dequantize_nf4_torch, selective_dequantize_nf4]
 
 
 def _poison(q, keep):
@@ -1260,19 +1269,7 @@ def _poison(q, keep):
                 per_expert[e] = float("nan") if t.is_floating_point() else 0xFF
 
 
-def _dequantize_calls(x, q, k, ss, A, B, scaling, gates):
-    """The selective dequantize calls of nf4_lora_linear (a spy on both, where your code runs):
-    the expert ids each got and the bytes it returned; and the stats it filled in."""
-    stats = {}
-    with harness.spy_on(nf4_lora_linear.__globals__, selective_dequantize_nf4_torch,
-                        selective_dequantize_nf4) as (sp_t, sp_k):
-        nf4_lora_linear(x, q, k, *ss, A, B, scaling, gates=gates, stats=stats)
-    calls = [((args[1] if len(args) > 1 else kwargs.get("active")).tolist(),
-              Wc.numel() * Wc.element_size()) for args, kwargs, Wc in sp_t.results + sp_k.results]
-    return calls, stats
-
-
-def _check_nf4(T, K, N, E, k, r, seed=0, gated=True, double_quant=True, spy=False, **routing):
+def _check_nf4(T, K, N, E, k, r, seed=0, gated=True, double_quant=True, **routing):
     x, W, idx, gates, dout, A, B = _problem(T, K, N, E, k, r, seed, **routing)
     gates = gates if gated else None
     if not gated:
@@ -1287,25 +1284,24 @@ def _check_nf4(T, K, N, E, k, r, seed=0, gated=True, double_quant=True, spy=Fals
     want.backward(dout)
     xr, Ar, Br = harness.leaf(x), harness.leaf(A), harness.leaf(B)
     gr = None if gates is None else harness.leaf(gates)
+    stats = share({})        # filled in by your code, in place: `share` keeps it where it runs
     with _no_reference():
-        out = nf4_lora_linear(xr, q, k, *ss, Ar, Br, SCALING, gates=gr)
+        out = nf4_lora_linear(xr, q, k, *ss, Ar, Br, SCALING, gates=gr, stats=stats)
         out.backward(dout)
     where = (f"nf4_lora_linear(gates={'[T, k]' if gated else None}, double_quant="
              f"{double_quant}), {harness.describe(x, W, idx, r)}")
-    if spy:
-        # in-process check: one selective dequantize call, of exactly the active experts, and
-        # the stats (filled in where your code runs) say so
-        calls, stats = in_learner(_dequantize_calls, x, q, k, ss, A, B, SCALING, gates)
-        assert len(calls) == 1, f"{where}: expected one selective dequantize call, got {len(calls)}"
-        ids, nbytes = calls[0]
-        assert ids == used, f"{where}: dequantized experts {ids}; expected exactly the active " \
-                            f"ones {used}, ascending"
-        assert stats.get("active") == used and stats.get("n_active") == len(used), \
-            f"{where}: stats active/n_active: expected {used}/{len(used)}, got " \
-            f"{stats.get('active')}/{stats.get('n_active')}"
-        assert stats.get("dequant_bytes") == len(used) * K * N * 4 == nbytes, \
-            f"{where}: dequant_bytes: expected {len(used)} · {K} · {N} · 4 = {len(used) * K * N * 4}," \
-            f" got {stats.get('dequant_bytes')}"
+    got_stats = {key: stats[key] if key in stats else None
+                 for key in ("active", "n_active", "dequant_bytes")}
+    assert got_stats["active"] == used and got_stats["n_active"] == len(used), \
+        f"{where}: stats active/n_active: expected {used}/{len(used)} (the experts with rows, " \
+        f"ascending), got {got_stats['active']}/{got_stats['n_active']}"
+    assert got_stats["dequant_bytes"] == len(used) * K * N * 4, \
+        f"{where}: stats dequant_bytes: expected {len(used)} · {K} · {N} · 4 = " \
+        f"{len(used) * K * N * 4} (one float32 copy of the active experts), got " \
+        f"{got_stats['dequant_bytes']}"
+    _must_reach(_SELECTIVE, lambda: nf4_lora_linear(x, q, k, *ss, A, B, SCALING, gates=gates),
+                f"{where}: neither selective_dequantize_nf4_torch nor selective_dequantize_nf4 "
+                "was called: dequantize the active experts with one of them")
     harness.assert_close(out, want.detach(), f"{where}: output")
     for name, got, w in (("dx", xr.grad, refs[0].grad), ("dA", Ar.grad, refs[1].grad),
                          ("dB", Br.grad, refs[2].grad)) + \
@@ -1326,10 +1322,10 @@ def _check_nf4(T, K, N, E, k, r, seed=0, gated=True, double_quant=True, spy=Fals
     assert torch.isfinite(xp.grad).all(), f"{where}: dx not finite after poisoning"
 
 
-_check_nf4(7, 16, 24, 5, 2, 2, spy=True, only=[0, 1, 3])     # experts 2 and 4 unused
-_check_nf4(9, 24, 40, 6, 1, 3, seed=1, gated=False, spy=True, only=[1, 4])
-print("nf4_lora_linear matches parallel_linear on the dequantized weight and never reads an "
-      "unused expert")
+_check_nf4(7, 16, 24, 5, 2, 2, only=[0, 1, 3])     # experts 2 and 4 unused
+_check_nf4(9, 24, 40, 6, 1, 3, seed=1, gated=False, only=[1, 4])
+print("nf4_lora_linear matches parallel_linear on the dequantized weight, fills in the stats "
+      "and never reads an unused expert")
 
 ### BEGIN HIDDEN TESTS
 # case: a single token (T = 1), eight experts
@@ -1339,6 +1335,36 @@ _check_nf4(12, 24, 40, 4, 3, 2, seed=3, double_quant=False)
 # case: only the first and the last expert used
 _check_nf4(9, 16, 24, 6, 2, 2, seed=4, only=[5, 0])
 ### END HIDDEN TESTS
+
+# %% nbgrader={"grade": true, "grade_id": "test_nf4_lora_one_dequantize", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+from course.notebook.bridged import in_learner  # noqa: E402
+
+
+def _dequantize_calls(x, q, k, ss, A, B, scaling, gates):
+    """The selective dequantize calls of nf4_lora_linear (a spy on both, where your code runs):
+    the expert ids each got and the bytes it returned."""
+    with harness.spy_on(nf4_lora_linear.__globals__, selective_dequantize_nf4_torch,
+                        selective_dequantize_nf4) as (sp_t, sp_k):
+        nf4_lora_linear(x, q, k, *ss, A, B, scaling, gates=gates)
+    return [((args[1] if len(args) > 1 else kwargs.get("active")).tolist(),
+             Wc.numel() * Wc.element_size()) for args, kwargs, Wc in sp_t.results + sp_k.results]
+
+
+for _T, _K, _N, _E, _k, _r, _seed, _only in ((7, 16, 24, 5, 2, 2, 0, [0, 1, 3]),
+                                              (9, 24, 40, 6, 1, 3, 1, [1, 4])):
+    _x, _W, _idx, _g, _, _A, _B = _problem(_T, _K, _N, _E, _k, _r, _seed, only=_only)
+    _used = sorted(set(_idx.reshape(-1).tolist()))
+    _where = f"nf4_lora_linear, {harness.describe(_x, _W, _idx, _r)}"
+    # in-process check: one selective dequantize call, of exactly the active experts
+    _calls = in_learner(_dequantize_calls, _x, quantize_experts(_W), _k,
+                        flatten_sort_count(_idx, _E), _A, _B, SCALING, _g)
+    assert len(_calls) == 1, \
+        f"{_where}: expected one selective dequantize call (one copy of all the active " \
+        f"experts), got {len(_calls)}"
+    assert tuple(_calls[0]) == (_used, len(_used) * _K * _N * 4), \
+        f"{_where}: dequantized experts {_calls[0][0]} ({_calls[0][1]} bytes); expected exactly " \
+        f"the active ones {_used}, ascending ({len(_used) * _K * _N * 4} bytes)"
+print("nf4_lora_linear dequantizes the active experts in one call")
 
 # %% [markdown]
 # ### How big is the transient float copy?

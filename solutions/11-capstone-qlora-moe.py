@@ -83,6 +83,7 @@ import torch.nn.functional as F
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 import minigpt  # noqa: E402
 import minituner.qlora  # noqa: E402
+from course.notebook import bridged  # noqa: E402
 from course.notebook.harness import forbid, pairs_of, randomize_lora  # noqa: E402
 from course.notebook.mine import use  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks  # noqa: E402
@@ -215,11 +216,14 @@ def qlora_moe(model: nn.Module, r: int = 8, alpha: float = 16.0, blocksize: int 
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_qlora_moe", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+from course.notebook import bridged  # noqa: E402
+
 _NO_REFERENCE_WRAP = [minituner.qlora.wrap_minigpt_qlora]
 
 
 def _structure(model):
-    return [(n, type(m).__name__) for n, m in model.named_modules()]
+    """(name, class name) of every submodule, below the model itself."""
+    return [(n, m.__class__.__name__) for n, m in model.named_modules() if n]
 
 
 def _nf4_base(make, blocksize=64):
@@ -240,7 +244,9 @@ def _expected_trainable(config, r):
 
 def _check_qlora_moe(make, r=8, alpha=16.0, blocksize=64, what=""):
     where = f"{what}qlora_moe(r={r}, alpha={alpha}, blocksize={blocksize})"
-    mine, ref = make(), make()
+    # qlora_moe changes the model in place: `share` keeps yours where your code runs, so that
+    # what it changed is what the checks below read
+    mine, ref = bridged.share(make()), make()
     torch.manual_seed(5)
     with forbid(_NO_REFERENCE_WRAP, globals()):
         names = qlora_moe(mine, r=r, alpha=alpha, blocksize=blocksize)
@@ -290,8 +296,10 @@ def _check_qlora_moe(make, r=8, alpha=16.0, blocksize=64, what=""):
     assert torch.equal(got, want), \
         f"{where}: a fresh adapter (B = 0) should compute the NF4 base exactly; max " \
         f"difference {(got - want).abs().max().item():.3g}"
-    randomize_lora(mine, seed=r)
     randomize_lora(ref, seed=r)
+    # the same factors in yours, by name (the trainable sets are equal, checked above)
+    mine.load_state_dict({n: p.detach() for n, p in ref.named_parameters() if p.requires_grad},
+                         strict=False)
     with torch.no_grad():
         got, want = mine(x), ref.eval()(x)
     assert torch.equal(got, want), \
@@ -304,22 +312,32 @@ _q = _check_qlora_moe(load_moe)
 print(f"qlora_moe: same tree, NF4 buffers, trainable set ({_expected_trainable(base.config, 8):,} "
       f"LoRA elements) and logits as wrap_minigpt_qlora; a fresh adapter computes the NF4 base")
 
-### BEGIN HIDDEN TESTS
-_check_qlora_moe(small_moe, r=4, alpha=8.0, blocksize=32, what="hidden: ")
-_check_qlora_moe(lambda: small_moe(seed=3), r=2, alpha=4.0, blocksize=64, what="hidden: ")
-for _bad in (_q, small_moe()):
-    if _bad is not _q:
-        attach_expert_lora(_bad.blocks[1].mlp, r=2, nf4=False)   # experts wrapped, attn not
-    _before = _structure(_bad)
+
+
+def _check_refuses(bad):
+    before = _structure(bad)
     try:
         with forbid(_NO_REFERENCE_WRAP, globals()):
-            qlora_moe(_bad)
+            qlora_moe(bad)
     except ValueError:
         pass
     else:
         raise AssertionError("hidden: qlora_moe should raise ValueError on a model that "
                              "already holds adapters")
-    assert _structure(_bad) == _before, "hidden: after refusing, the model must be as it was"
+    assert _structure(bad) == before, "hidden: after refusing, the model must be as it was"
+
+
+### BEGIN HIDDEN TESTS
+# case: a small MoE, r = 4, alpha = 8, blocksize 32
+_check_qlora_moe(small_moe, r=4, alpha=8.0, blocksize=32, what="hidden: ")
+# case: another small MoE, r = 2, alpha = 4
+_check_qlora_moe(lambda: small_moe(seed=3), r=2, alpha=4.0, blocksize=64, what="hidden: ")
+# case: a model your qlora_moe already wrapped
+_check_refuses(_q)
+# case: a model whose experts (not its attention) already hold LoRA
+_bad = small_moe()
+attach_expert_lora(_bad.blocks[1].mlp, r=2, nf4=False)
+_check_refuses(bridged.share(_bad))
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -436,15 +454,18 @@ assert _got[1] == 0.0 and _got[5] == 0.0 and min(_got[0], _got[2]) > 0, \
 print("expert_lora_norms: matches the per-expert loop; zero B reads exactly 0.0")
 
 ### BEGIN HIDDEN TESTS
+# case: float experts, r = 4
 _f = small_moe(seed=1)
 wrap_minigpt_qlora(_f, r=4, alpha=8.0, quantize=False)     # float ExpertLinear, another rank
 randomize_lora(_f, seed=7)
 _check_norms(_f, "hidden: float experts, r=4")
+# case: experts without LoRA (r = 0)
 _f2 = small_moe(seed=2)
 for _mm in _f2.modules():
     if isinstance(_mm, MoEMLP):
         attach_expert_lora(_mm, r=0, nf4=True, blocksize=32)
 assert expert_lora_norms(_f2) == {}, "hidden: experts without LoRA (r=0) should be skipped"
+# case: one MoE layer wrapped, r = 3, alpha = 5
 _f3 = small_moe(seed=2)
 attach_expert_lora(_f3.blocks[0].mlp, r=3, alpha=5.0, nf4=True, blocksize=32)
 randomize_lora(_f3, seed=9, std=0.5)
@@ -487,11 +508,14 @@ CONFIG = TrainConfig(steps=STEPS, batch_size=BATCH, lr=LR, warmup_steps=3, log_e
 
 def qlora_run():
     """(model, per-step losses, rev exact match before, after) of one fine-tune."""
+    # `share` keeps the model, and the evaluation and training that run on it, where your
+    # code runs: where your qlora_moe changed it (graded, the tests run in a process of their
+    # own). In this notebook `bridged.share(x)` is `x` itself.
     torch.manual_seed(0)
-    model = load_moe()
+    model = bridged.share(load_moe())
     qlora_moe(model, r=8, alpha=16.0)
-    before = evaluate(model, HELD_OUT, n=EVAL_N)
-    result = train(model, TRAIN, CONFIG)
+    before = bridged.share(evaluate)(model, HELD_OUT, n=EVAL_N)
+    result = bridged.share(train)(model, TRAIN, CONFIG)
     assert result.stopped_early is None, f"the NaN guard fired: {result.stopped_early}"
     model.eval()
     return model, result.losses, before, evaluate(model, HELD_OUT, n=EVAL_N)
@@ -624,12 +648,18 @@ _rejects(lambda: compare_curves([1.0], [1.0], 0), "window = 0")
 print("compare_curves: matches the trailing-mean loop; refuses curves that cannot be compared")
 
 ### BEGIN HIDDEN TESTS
+# case: window 1
 _check_compare([5.0, 1.0, 5.0, 1.0], [1.0, 5.0, 1.0, 5.0], 1, "hidden: window 1 (no smoothing)")
+# case: a tie of gaps
 _check_compare([1.0, 2.0, 2.0, 1.0], [1.0, 1.0, 1.0, 1.0], 4, "hidden: a tie of gaps")
+# case: a tensor and a tuple as curves
 _check_compare(torch.tensor([2.0, 1.5, 1.25]), (2.5, 1.0, 1.0), 2,
                "hidden: a tensor and a tuple")
+# case: empty curves
 _rejects(lambda: compare_curves([], [], 3), "hidden: empty curves")
+# case: an infinite loss
 _rejects(lambda: compare_curves([1.0, 2.0], [1.0, float("inf")], 1), "hidden: an infinite loss")
+# case: a float window, and window=True
 _rejects(lambda: compare_curves([1.0], [1.0], 2.0), "hidden: a float window")
 _rejects(lambda: compare_curves([1.0], [1.0], True), "hidden: window=True")
 ### END HIDDEN TESTS
@@ -797,13 +827,18 @@ _rejects(lambda: experts_that_learned(_real_norms, _real_share[:2], 0.5),
 print("experts_that_learned: matches the loop over layers and experts")
 
 ### BEGIN HIDDEN TESTS
+# case: frac 0.9
 _check_learned(_real_norms, _real_share, 0.9, "hidden: frac 0.9")
+# case: frac 0
 _check_learned(_real_norms, _real_share, 0.0, "hidden: frac 0 (every expert, sorted)")
+# case: constant update sizes
 _check_learned(_norms([[[1.0, 1.0]] * 3]), torch.tensor([[0.7, 0.3]]), 0.5,
                "hidden: constant update sizes (corr 0.0)")
+# case: a constant share
 _check_learned(_norms([[[2.0, 1.0, 3.0]] * 3, [[1.0, 0.5, 0.0]] * 3]),
                torch.tensor([[1 / 3] * 3, [0.6, 0.4, 0.0]]), 0.4,
                "hidden: a constant share (corr 0.0)")
+# case: a share with too few experts
 _rejects(lambda: experts_that_learned(_real_norms, _real_share[:, :3], 0.5),
          "hidden: share with too few experts")
 ### END HIDDEN TESTS
