@@ -51,7 +51,8 @@ PIECES = (
           "minimoe.parallel_experts:parallel_linear"),
     Piece("expert LoRA fwd+bwd kernels (my_lora_parallel_linear)", "10-moe-lora",
           ("test_my_scatter2scatter_lora", "test_my_group_bwd_lora",
-           "test_lora_parallel_linear"), "minimoe.parallel_experts:parallel_linear"),
+           "test_my_group_bwd_lora_launches", "test_lora_parallel_linear"),
+          "minimoe.parallel_experts:parallel_linear"),
 )
 
 
