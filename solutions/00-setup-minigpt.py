@@ -63,7 +63,7 @@ from safetensors.torch import load_file, save_file
 
 import labkit
 import minigpt
-from course.notebook.bridged import in_learner
+from course.notebook.bridged import in_learner, share
 from course.notebook.harness import forbid
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks
 from minigpt.tokenizer import ALPHABET
@@ -541,15 +541,17 @@ got = encode(ALPHABET)
 assert got == list(range(2, VOCAB_SIZE)), \
     f"encode(ALPHABET): expected 2..{VOCAB_SIZE - 1}, got {got}"
 # case: prompts and answers of every task
-# (ten of them one by one, all thirty in one long text: each call to your function is a round
-# trip to your notebook's kernel when graded)
 for name in tasks.TASKS:
-    _texts = [text for ex in tasks.make_examples(name, 30, seed=4)
-              for text in (ex.prompt, ex.answer)]
-    for text in [*_texts[:20], "".join(_texts)]:
-        got = encode(text)
-        assert got == _ref.encode(text), \
-            f"encode({text!r}): expected {_ref.encode(text)}, got {got}"
+    for ex in tasks.make_examples(name, 30, seed=4):
+        for text in (ex.prompt, ex.answer):
+            got = encode(text)
+            assert got == _ref.encode(text), \
+                f"encode({text!r}): expected {_ref.encode(text)}, got {got}"
+# case: all of a task's prompts and answers in one long text
+for name in tasks.TASKS:
+    text = "".join(t for ex in tasks.make_examples(name, 30, seed=4) for t in (ex.prompt, ex.answer))
+    got = encode(text)
+    assert got == _ref.encode(text), f"encode of a long text ({len(text)} characters) differs"
 # case: texts with characters outside the alphabet
 for bad in ["abc!", "\n", "é", "ADD:1+1="]:
     try:
@@ -590,15 +592,17 @@ print("decode inverts encode, stops at <eos>, skips <pad>, rejects ids out of ra
 
 ### BEGIN HIDDEN TESTS
 # case: ids of every task's examples, with <eos> and <pad> inside
-# (ten one by one, all thirty in one long run of ids with <pad> between them)
 for name in tasks.TASKS:
-    _exs = tasks.make_examples(name, 30, seed=5)
-    _runs = [_ref.encode(ex.answer) + [EOS_ID, PAD_ID] + _ref.encode(ex.prompt) for ex in _exs[:10]]
-    _runs.append([i for ex in _exs for i in [PAD_ID, *_ref.encode(ex.prompt + ex.answer)]]
-                 + [EOS_ID])
-    for ids in _runs:
+    for ex in tasks.make_examples(name, 30, seed=5):
+        ids = _ref.encode(ex.answer) + [EOS_ID, PAD_ID] + _ref.encode(ex.prompt)
         got = decode(ids)
         assert got == _ref.decode(ids), f"decode({ids}): expected {_ref.decode(ids)!r}, got {got!r}"
+# case: all of a task's examples in one long run of ids, <pad> between them
+for name in tasks.TASKS:
+    ids = [i for ex in tasks.make_examples(name, 30, seed=5)
+           for i in [PAD_ID, *_ref.encode(ex.prompt + ex.answer)]] + [EOS_ID]
+    got = decode(ids)
+    assert got == _ref.decode(ids), f"decode of a long run of {len(ids)} ids differs"
 # case: a tensor of ids
 t = torch.tensor(_ref.encode("copy:abc=") + [EOS_ID, 5])
 assert decode(t) == "copy:abc=", \
@@ -675,7 +679,7 @@ def make_training_pair(prompt_ids: list[int], answer_ids: list[int], eos_id: int
     ### END SOLUTION
 
 
-# %% nbgrader={"grade": true, "grade_id": "test_make_training_pair", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_make_training_pair", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 def _check_pair(prompt, answer, eos, want_x, want_y, want_mask):
     got = make_training_pair(prompt, answer, eos)
     assert isinstance(got, tuple) and len(got) == 3, \
@@ -706,18 +710,6 @@ _got = make_training_pair(_p, _a, _tok.eos_id)
 for _name, _g, _w in zip(("x", "y", "loss_mask"), _got, _want, strict=True):
     assert _g.tolist() == _w[0].tolist(), \
         f"{_ex.prompt!r} -> {_ex.answer!r}: {_name} expected {_w[0].tolist()}, got {_g.tolist()}"
-# The caller's lists come back unchanged.
-# in-process check: make_training_pair leaves the lists it is given unchanged
-def _lists_after_call():
-    prompt, answer = [4, 6], [8]
-    make_training_pair(prompt, answer, 1)
-    return prompt, answer
-
-
-_p, _a = in_learner(_lists_after_call)
-assert _p == [4, 6] and _a == [8], \
-    f"make_training_pair([4, 6], [8], 1) changed the caller's lists: prompt is now {_p}, " \
-    f"answer {_a}; build a new sequence instead of appending to them"
 print("make_training_pair matches the hand-worked cases and SequenceData")
 
 ### BEGIN HIDDEN TESTS
@@ -734,7 +726,27 @@ for _i, (_p, _a) in enumerate(_pairs):
     _want = [t[0].tolist() for t in _data.batch(torch.tensor([_i]))]
     _got = [t.tolist() for t in make_training_pair(_p, _a, _tok.eos_id)]
     assert _got == _want, f"pair {_i} ({_tok.decode(_p)!r}): expected {_want}, got {_got}"
+# case: the caller's lists afterwards
+_p, _a = share([7, 8]), share([9])         # lists held where make_training_pair runs
+make_training_pair(_p, _a, 1)
+assert list(_p) == [7, 8] and list(_a) == [9], \
+    f"inputs were modified: prompt {list(_p)}, answer {list(_a)}"
 ### END HIDDEN TESTS
+
+# %% nbgrader={"grade": true, "grade_id": "test_make_training_pair_keeps_inputs", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# The caller's lists come back unchanged.
+# in-process check: make_training_pair leaves the lists it is given unchanged
+def _lists_after_call():
+    prompt, answer = [4, 6], [8]
+    make_training_pair(prompt, answer, 1)
+    return prompt, answer
+
+
+_p, _a = in_learner(_lists_after_call)
+assert _p == [4, 6] and _a == [8], \
+    f"make_training_pair([4, 6], [8], 1) changed the caller's lists: prompt is now {_p}, " \
+    f"answer {_a}; build a new sequence instead of appending to them"
+print("make_training_pair leaves the caller's lists unchanged")
 
 # %% [markdown]
 # With your function, the loss a fine-tuning run minimises is one line: the cross-entropy of

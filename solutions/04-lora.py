@@ -257,7 +257,15 @@ class MyLoRALinear(nn.Module):
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_lora_init", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-from course.notebook.bridged import fetch_dir, in_learner, is_subclass, learner_dir, send_dir
+from course.notebook.bridged import (
+    fetch_dir,
+    in_learner,
+    is_instance,
+    is_subclass,
+    learner_dir,
+    send_dir,
+    share,
+)
 from course.notebook.forbid import bindings
 
 _WHY = "this exercise must be done without the reference (minituner) or PEFT"
@@ -274,20 +282,6 @@ def _forbid_reference():
     return forbid(_REFERENCE, globals(), why=_WHY)
 
 
-def _held(obj):
-    """`obj` as your code holds it: the object your functions change in place (the tests run
-    apart from your code, where an argument travels by value; in your notebook: `obj`)."""
-    MyLoRALinear.test_box = obj        # a class attribute of yours, read back at once
-    held = MyLoRALinear.test_box
-    del MyLoRALinear.test_box
-    return held
-
-
-def _is_lora(m) -> bool:
-    """Whether module `m` (of a model your code changed) is one of your MyLoRALinear."""
-    return isinstance(m, nn.Module) and m._get_name() == "MyLoRALinear"
-
-
 def _randomize(model, seed=1, std=0.1):
     """randomize_lora's values, loaded with load_state_dict (also into a model your code
     holds)."""
@@ -301,18 +295,13 @@ def _check_init(n_in, n_out, r, alpha, use_rslora=False, dtype=torch.float32, bi
     where = f"{what}MyLoRALinear(nn.Linear({n_in}, {n_out}), r={r}, alpha={alpha}" \
             f"{', use_rslora=True' if use_rslora else ''}) over {dtype}"
     torch.manual_seed(r + n_in)
-    base = nn.Linear(n_in, n_out, bias=bias, dtype=dtype)
+    base = share(nn.Linear(n_in, n_out, bias=bias, dtype=dtype))   # held where your code runs
     w0 = base.weight.detach().clone()
     with _forbid_reference():
         layer = MyLoRALinear(base, r=r, alpha=alpha, use_rslora=use_rslora)
     want_s = alpha / (math.sqrt(r) if use_rslora else r)
-    assert isinstance(layer.base, nn.Linear) and torch.equal(layer.base.weight, w0) and \
-        (bias is False or torch.equal(layer.base.bias, base.bias)), \
-        f"{where}: self.base should be the layer you were given"
-    with _forbid_reference():
-        again = MyLoRALinear(layer.base, r=1)
-    assert again.base is layer.base, f"{where}: self.base should be the layer you were given " \
-                                     f"(the same object, not a copy)"
+    assert layer.base is base, f"{where}: self.base should be the layer you were given " \
+                               f"(the same object, not a copy)"
     assert isinstance(layer.scaling, float) and math.isclose(layer.scaling, want_s), \
         f"{where}: expected scaling {want_s!r} (alpha / {'sqrt(r)' if use_rslora else 'r'}), " \
         f"got {layer.scaling!r}"
@@ -326,8 +315,7 @@ def _check_init(n_in, n_out, r, alpha, use_rslora=False, dtype=torch.float32, bi
     trainable = sorted(n for n, p in layer.named_parameters() if p.requires_grad)
     assert trainable == ["lora_A", "lora_B"], \
         f"{where}: only lora_A and lora_B may be trainable; trainable parameters: {trainable}"
-    assert torch.equal(layer.base.weight, w0), \
-        f"{where}: building the layer changed the base weight"
+    assert torch.equal(base.weight, w0), f"{where}: building the layer changed the base weight"
     assert layer.merged is False, f"{where}: self.merged should start False"
     return layer
 
@@ -1258,7 +1246,7 @@ def _peft_selection(target_modules, r=8, alpha=16.0):
 
 def _check_wrap(target_modules, r=8, alpha=16.0, want_names=None, with_peft=True, what=""):
     where = f"{what}wrap(small_gpt(), {target_modules!r}, r={r}, alpha={alpha})"
-    model = _held(small_gpt())
+    model = share(small_gpt())
     idx = torch.randint(0, 45, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         before = model(idx)
@@ -1277,7 +1265,7 @@ def _check_wrap(target_modules, r=8, alpha=16.0, want_names=None, with_peft=True
         peft_names, peft_counts = _peft_selection(target_modules, r, alpha)
         assert names == peft_names, f"{where}: PEFT wraps {peft_names}, you returned {names}"
         assert ref_counts == peft_counts
-    wrapped = [n for n, m in model.named_modules() if _is_lora(m)]
+    wrapped = [n for n, m in model.named_modules() if is_instance(m, MyLoRALinear)]
     assert wrapped == names, f"{where}: the model holds MyLoRALinear at {wrapped}, you " \
                              f"returned {names}"
     assert all(model.get_submodule(n).scaling == alpha / r for n in names), \
@@ -1321,13 +1309,13 @@ _check_wrap(["k_proj", "blocks.0.mlp.down_proj"], what="hidden: ")       # a mul
 # case: a regex with a character class
 _check_wrap(r"blocks\.0\.attn\.[qk]_proj", what="hidden: ")
 # case: dropout and rsLoRA passed to wrap
-_m = _held(small_gpt())
+_m = share(small_gpt())
 wrap(_m, ["o_proj"], r=4, alpha=8.0, dropout=0.1, use_rslora=True)
 _l = _m.blocks[1].attn.o_proj
-assert _is_lora(_l) and _l.scaling == 4.0 and _l.dropout.p == 0.1, \
+assert is_instance(_l, MyLoRALinear) and _l.scaling == 4.0 and _l.dropout.p == 0.1, \
     "hidden: wrap(..., dropout=0.1, use_rslora=True) did not reach the layers"
 # case: the base of a wrapped layer
-_m = _held(small_gpt())
+_m = share(small_gpt())
 _orig = _m.blocks[0].attn.q_proj
 wrap(_m, ["q_proj"])
 assert _m.blocks[0].attn.q_proj.base is _orig, "hidden: the base should be the original layer"
@@ -1336,7 +1324,7 @@ assert _m.blocks[0].attn.q_proj.base is _orig, "hidden: the base should be the o
 # %% nbgrader={"grade": true, "grade_id": "test_wrap_bad_inputs", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 def _expect_value_error(target_modules, r=8, what="", must_list=(), rule=""):
     where = f"{what}wrap(small_gpt(), {target_modules!r}, r={r!r})"
-    model = _held(small_gpt())
+    model = share(small_gpt())
     state = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         with _forbid_reference():
@@ -1348,7 +1336,7 @@ def _expect_value_error(target_modules, r=8, what="", must_list=(), rule=""):
     for name in must_list:
         assert name in msg, f"{where}: the error should list the model's linear layers " \
                             f"(e.g. {name!r}); it says: {msg}"
-    assert not any(_is_lora(m) for m in model.modules()), \
+    assert not any(is_instance(m, MyLoRALinear) for m in model.modules()), \
         f"{where}: the model was changed before the error"
     assert all(p.requires_grad for p in model.parameters()), \
         f"{where}: parameters were frozen before the error"
@@ -1584,7 +1572,7 @@ _IDX = torch.randint(0, 45, (2, 16), generator=torch.Generator().manual_seed(1))
 def _check_save(target_modules, r=4, alpha=8.0, dropout=0.0, use_rslora=False, what=""):
     where = f"{what}an adapter on {target_modules!r}, r={r}, alpha={alpha}, " \
             f"dropout={dropout}, rslora={use_rslora}"
-    model = _held(small_gpt())
+    model = share(small_gpt())
     names = wrap(model, target_modules, r=r, alpha=alpha, dropout=dropout, use_rslora=use_rslora)
     _randomize(model, seed=r)
     model.eval()
@@ -1678,7 +1666,7 @@ def _check_load(target_modules, r=4, alpha=8, use_rslora=False, what=""):
                   if isinstance(m, peft.tuners.lora.LoraLayer)]
     with tempfile.TemporaryDirectory() as d:
         theirs.save_pretrained(d)
-        mine = _held(small_gpt())
+        mine = share(small_gpt())
         with _forbid_reference():
             names = load_peft_adapter(mine, send_dir(d))
     assert isinstance(names, list) and names == want_names, \
@@ -1692,7 +1680,7 @@ def _check_load(target_modules, r=4, alpha=8, use_rslora=False, what=""):
 
 _check_load(["k_proj", "up_proj"])
 # a file that lacks a key, and a config that is not LoRA: ValueError, before copying anything
-_m = _held(small_gpt())
+_m = share(small_gpt())
 wrap(_m, ["k_proj"], r=2, alpha=4.0)
 _ld = learner_dir()
 save_peft_adapter(_m, _ld, ["k_proj"])
@@ -1732,12 +1720,12 @@ _check_load(["q_proj", "v_proj", "o_proj"], r=3, alpha=6, use_rslora=True, what=
 # case: a regex target
 _check_load(r".*mlp\.(gate|down)_proj", r=2, alpha=16, what="hidden: ")
 # case: a round trip through your own save, then a file that lacks a key
-_m = _held(small_gpt())
+_m = share(small_gpt())
 wrap(_m, ["q_proj", "v_proj"], r=4, alpha=8.0)
 _randomize(_m, seed=9)
 _ld = learner_dir()
 save_peft_adapter(_m, _ld, ["q_proj", "v_proj"])
-_m2 = _held(small_gpt())
+_m2 = share(small_gpt())
 load_peft_adapter(_m2, _ld)
 with torch.no_grad():
     assert torch.equal(_m2.eval()(_IDX), _m.eval()(_IDX)), "hidden: save -> load round trip"
