@@ -59,7 +59,6 @@ if "google.colab" in sys.modules:
 # %%
 import logging
 import math
-from unittest import mock
 
 import matplotlib.pyplot as plt
 import torch
@@ -73,7 +72,7 @@ import bitsandbytes.functional as bnbF  # noqa: E402
 import minigpt  # noqa: E402
 import miniquant  # noqa: E402
 from course.notebook.bridged import in_learner  # noqa: E402
-from course.notebook.harness import forbid, randn, swap  # noqa: E402
+from course.notebook.harness import forbid, randn  # noqa: E402
 
 torch.set_num_threads(1)   # small tensors: one thread is faster than several on a busy CPU
 torch.manual_seed(0)
@@ -202,12 +201,13 @@ assert torch.equal(got, miniquant.NF4_CODE), "differs from miniquant.NF4_CODE"
 # refuse to run, and torch.special.ndtri is watched while nf4_codebook() runs.
 # in-process check: nf4_codebook derives the table (calls torch.special.ndtri) with the reference tables poisoned
 def _codebook_with_tables_off():
-    import __main__
     from unittest import mock as _mock
 
     import bitsandbytes.functional as _bnbF
-    import miniquant as _mq
     import torch as _torch
+
+    import __main__
+    import miniquant as _mq
     from course.notebook.harness import forbid as _forbid
     from course.notebook.harness import swap as _swap
 

@@ -28,9 +28,8 @@ from .forbid import Refuse, forbid, refuse, swap
 
 __all__ = ["Refuse", "Spy", "accept_routing", "assert_close", "assert_no_atomics",
            "assert_rejects", "describe", "expert_problem", "expert_routing", "forbid", "leaf",
-           "loop_grads", "pairs_of", "randn", "randomize_lora", "reference", "refuse",
-           "require_triton",
-           "spy_on", "swap", "triton_setup"]
+           "loop_grads", "must_reach", "pairs_of", "randn", "randomize_lora", "reference",
+           "refuse", "require_triton", "spy_on", "swap", "triton_setup"]
 
 
 # The packages whose REFERENCE tables name what the labs rebuild (lab -> public name -> path).
@@ -156,6 +155,25 @@ def assert_no_atomics(kernel, why: str) -> None:
     fn = getattr(kernel, "fn", kernel)
     names = [n for n in getattr(getattr(fn, "__code__", None), "co_names", ()) if "atomic" in n]
     assert not names, f"{getattr(fn, '__name__', kernel)} uses {names}: {why}"
+
+
+REACHED = "the test checks that your code reaches it, by switching it off"
+
+
+def must_reach(targets: list, call: Callable[[], object], what: str,
+               namespace: dict | None = None) -> None:
+    """`call()` must fail once every one of `targets` is switched off (`forbid`): the
+    learner's code reaches one of them, under whatever name (a kernel launched, a function
+    called). A check that needs no look inside the learner's process: it holds beside their
+    code and apart from it. Raises AssertionError(`what`) when the call does not reach them."""
+    try:
+        with forbid(list(targets), namespace, why=REACHED):
+            call()
+    except AssertionError as e:
+        if REACHED in str(e):
+            return
+        raise AssertionError(f"{what} (it failed before reaching it: {e})") from e
+    raise AssertionError(what)
 
 
 def assert_rejects(name: str, bad_calls, guard: Callable[[], contextlib.AbstractContextManager]
