@@ -37,8 +37,8 @@ it writes `build/device-check/tiny-<device>.json` (or `--out`), never under
 `benchmarks/results/gpu/`. Without a CUDA GPU and without `--tiny` it refuses to start. The
 manifest records the `--commit` given (`make device-check COMMIT=...`, a clean checkout's),
 else what git says of the tree (a copied tree may hold no `.git`, or a stale one); `code`
-holds the sha256 of every measured file either way. Exit status: 0 when every step finished and no GPU test failed, 1 otherwise (the result
-is still written), 2 refused.
+holds the sha256 of every measured file either way. Exit status: 0 when every step finished
+and no GPU test failed, 1 otherwise (the result is still written), 2 refused.
 """
 
 from __future__ import annotations
