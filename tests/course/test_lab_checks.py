@@ -55,8 +55,9 @@ def test_instructors_list_every_in_process_check():
     listed = set(re.findall(r"^\| (\d\d-[\w-]+) \| `(\w+)` \| (\d+) ", text, re.MULTILINE))
     declared = {(lab, gid, f"{points:g}") for lab in LABS
                 for gid, points in in_process(lab).items()}
-    assert listed == declared, (f"labs/INSTRUCTORS.md lists {sorted(listed - declared)} that "
-                                f"the sources do not declare, and misses {sorted(declared - listed)}")
+    assert listed == declared, (f"labs/INSTRUCTORS.md lists {sorted(listed - declared)}, "
+                                f"which the sources do not declare, and misses "
+                                f"{sorted(declared - listed)}")
 
 
 @pytest.mark.parametrize("lab", LABS)
