@@ -213,8 +213,6 @@ def axpy(alpha: float, x: torch.Tensor, y: torch.Tensor, block: int = 1024) -> t
 # %% nbgrader={"grade": true, "grade_id": "test_axpy", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # Helpers used by this and the later test cells. While a test runs your code inside
 # `_no_reference()`, miniquant's dequantization and unpacking raise if reached (under any name).
-from course.notebook.bridged import in_learner
-
 _REFERENCE = [(harness.resolve(_path.rpartition(".")[0]), _path.rpartition(".")[2])
               for _path in miniquant.REFERENCE["03-triton-dequant"].values()]
 _SWITCHED_OFF = "the test switched this kernel off to see that your wrapper launches it"
@@ -238,21 +236,6 @@ def _launches(kernel, call, what):
             return
         raise AssertionError(f"{what} failed without reaching its kernel: {e}") from e
     raise AssertionError(f"{what} did not launch its kernel: the work must happen in the kernel")
-
-
-def _run_kernel(kernel, grid, args, kwargs):
-    kernel[grid](*args, **kwargs)
-    return args
-
-
-def _launch(kernel, grid, *args, **kwargs):
-    """kernel[grid](*args, **kwargs) where your kernel is defined; the tensors it wrote are
-    copied back into `args` (graded apart, a kernel's stores through a pointer are not seen as
-    an in-place change, so the launch itself runs there; this checks nothing there)."""
-    after = in_learner(_run_kernel, kernel, grid, args, kwargs)
-    for before, now in zip(args, after):
-        if isinstance(before, torch.Tensor) and before is not now:
-            before.copy_(now)
 
 
 def _rejects(what, call):
@@ -290,7 +273,7 @@ def _launch_axpy(n, BLOCK, alpha=-1.5, extra_programs=0, seed=1):
     y = torch.randn(n + pad, generator=g).to(DEVICE)
     out = torch.full((n + pad,), 1234.5, device=DEVICE)
     grid = (triton.cdiv(n, BLOCK) + extra_programs,)
-    _launch(axpy_kernel, grid, x, y, out, alpha, n, BLOCK=BLOCK)
+    axpy_kernel[grid](x, y, out, alpha, n, BLOCK=BLOCK)
     where = f"axpy_kernel[{grid}](..., n={n}, BLOCK={BLOCK})"
     torch.testing.assert_close(out[:n], alpha * x[:n] + y[:n], rtol=1e-6, atol=1e-6,
                                msg=lambda m: f"{where}, elements 0..n-1:\n{m}")
@@ -461,7 +444,7 @@ def _launch_unpack(n, BLOCK, seed=1):
     codes, packed = _random_packed(n, seed)
     out = torch.full((n + BLOCK + 2,), 0xEE, dtype=torch.uint8, device=DEVICE)
     grid = (triton.cdiv(n, BLOCK),)
-    _launch(unpack_nibbles_kernel, grid, packed.to(DEVICE), out, n, BLOCK=BLOCK)
+    unpack_nibbles_kernel[grid](packed.to(DEVICE), out, n, BLOCK=BLOCK)
     out = out.cpu()
     where = f"unpack_nibbles_kernel[{grid}](..., n={n}, BLOCK={BLOCK})"
     assert torch.equal(out[:n], codes), \
@@ -631,8 +614,8 @@ def _launch_nf4(n, blocksize, BLOCK, table=None, seed=0):
                          for j in range(n)], dtype=torch.float32)   # float32 product of floats
     out = torch.full((n + BLOCK + 1,), -999.0, device=DEVICE)
     grid = (triton.cdiv(n, BLOCK),)
-    _launch(nf4_dequant_kernel, grid, packed.to(DEVICE), absmax.to(DEVICE), table.to(DEVICE),
-            out, n, BLOCKSIZE=blocksize, BLOCK=BLOCK)
+    nf4_dequant_kernel[grid](packed.to(DEVICE), absmax.to(DEVICE), table.to(DEVICE), out, n,
+                             BLOCKSIZE=blocksize, BLOCK=BLOCK)
     out = out.cpu()
     where = f"nf4_dequant_kernel[{grid}](..., n={n}, BLOCKSIZE={blocksize}, BLOCK={BLOCK})"
     bad = (out[:n] != want).nonzero().flatten()
@@ -948,8 +931,8 @@ _ids = torch.tensor([2, 0], dtype=torch.int64)
 _want = dequantize_nf4(_qd, torch.float32)[_ids.to(DEVICE)].reshape(-1)
 _pq, _ = _poisoned(_qd, _ids)
 _out = torch.full((2 * 128 + 256,), -999.0, device=DEVICE)
-_launch(selective_dequant_kernel, (1, 2), _pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE),
-        _ids.to(DEVICE), _out, 128, BLOCKSIZE=64, BLOCK=256)
+selective_dequant_kernel[(1, 2)](_pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE),
+                                 _ids.to(DEVICE), _out, 128, BLOCKSIZE=64, BLOCK=256)
 assert torch.equal(_out[:256], _want), \
     f"selective_dequant_kernel[(1, 2)] with BLOCK=256 > M=128: {(_out[:256] != _want).sum()} " \
     "of 256 values differ from the reference (row r starts at out_ptr + r*M)"
@@ -983,17 +966,20 @@ _ids = torch.tensor([2, 1], dtype=torch.int64)
 _want = dequantize_nf4(_qd, torch.float32)[_ids.to(DEVICE)]
 _pq, _ = _poisoned(_qd, _ids)
 _out = torch.full((2, 6, 32), -999.0, device=DEVICE)
-_launch(selective_dequant_kernel, (triton.cdiv(192, 64), 2),
-        _pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE), _ids.to(DEVICE), _out, 192,
-        BLOCKSIZE=64, BLOCK=64)
+selective_dequant_kernel[(triton.cdiv(192, 64), 2)](
+    _pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE), _ids.to(DEVICE), _out, 192,
+    BLOCKSIZE=64, BLOCK=64)
 assert torch.equal(_out, _want), "selective_dequant_kernel[(3, 2)] with BLOCK=64 differs from " \
     f"the reference at {(_out != _want).sum().item()} elements"
 # case: the kernel launched directly, one tile longer than an expert
-_out = torch.full((1, 6, 32), -999.0, device=DEVICE)
-_launch(selective_dequant_kernel, (1, 1),
-        _pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE), _ids[1:].to(DEVICE), _out, 192,
-        BLOCKSIZE=64, BLOCK=256)                  # one tile, masked past M = 192
+_buf = torch.full((192 + 256,), -999.0, device=DEVICE)
+_out = _buf[:192].view(1, 6, 32)                  # a view: the sentinels after it must survive
+selective_dequant_kernel[(1, 1)](
+    _pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE), _ids[1:].to(DEVICE), _out, 192,
+    BLOCKSIZE=64, BLOCK=256)                      # one tile, masked past M = 192
 assert torch.equal(_out[0], _want[1]), "selective_dequant_kernel with BLOCK=256 > M differs"
+assert (_buf[192:] == -999.0).all(), \
+    "selective_dequant_kernel with BLOCK=256 > M wrote past the expert's M elements"
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_selective_bad_inputs", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}

@@ -236,8 +236,6 @@ def sorted_expert_linear(x: torch.Tensor, W: torch.Tensor, expert_idxs: torch.Te
 # %% nbgrader={"grade": true, "grade_id": "test_sorted_expert_linear", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # What this lab rebuilds, and the loops the tests compare with: while a test runs your code
 # inside `harness.forbid(_REFERENCE, globals())`, each of them raises if reached (under any name).
-from course.notebook.bridged import in_learner
-
 _REFERENCE = [(harness.resolve(_path.rpartition(".")[0]), _path.rpartition(".")[2])
               for _path in minimoe.REFERENCE["08-moe-forward-kernel"].values()]
 _SWITCHED_OFF = "the test switched this kernel off to see that your wrapper launches it"
@@ -255,26 +253,6 @@ def _launches(kernel, call, what):
             return
         raise AssertionError(f"{what} failed without reaching its kernel: {e}") from e
     raise AssertionError(f"{what} did not launch its kernel: the work must happen in the kernel")
-
-
-def _run_kernel(kernel, grid, args, kwargs):
-    kernel[grid](*args, **kwargs)
-    return [torch.empty(0, dtype=a.dtype, device=a.device).set_(a.untyped_storage())
-            if isinstance(a, torch.Tensor) else a for a in args]
-
-
-def _launch(kernel, grid, *args, **kwargs):
-    """kernel[grid](*args, **kwargs) where your kernel is defined; whatever it wrote into the
-    tensors' storage (views: their whole buffer) is copied back here. Graded apart, a kernel's
-    stores through a pointer are not seen as an in-place change, so the launch itself runs
-    there; this checks nothing there."""
-    after = in_learner(_run_kernel, kernel, grid, args, kwargs)
-    for before, now in zip(args, after):
-        if isinstance(before, torch.Tensor):
-            whole = torch.empty(0, dtype=before.dtype, device=before.device)
-            whole.set_(before.untyped_storage())
-            if whole.data_ptr() != now.data_ptr():
-                whole.copy_(now)
 
 
 def _problem(T, K, N, E, k, seed=0, **routing):
@@ -478,9 +456,9 @@ def _launch_group(T, N, k, E=4, BLOCK_M=16, BLOCK_N=16, with_coeff=True, seed=0)
     buf = torch.full((M + BLOCK_M, N + 7), -999.0, device=DEVICE)
     out = buf[:, :N]
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    _launch(group_kernel, grid, X, coeff if with_coeff else X, out, ssi, M, N,
-            X.stride(0), X.stride(1), out.stride(0), out.stride(1), FAN_OUT=k,
-            HAS_COEFF=with_coeff, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    group_kernel[grid](X, coeff if with_coeff else X, out, ssi, M, N, X.stride(0), X.stride(1),
+                       out.stride(0), out.stride(1), FAN_OUT=k, HAS_COEFF=with_coeff,
+                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     where = (f"group_kernel[{grid}](..., M={M}, N={N}, FAN_OUT={k}, HAS_COEFF={with_coeff}, "
              f"BLOCK_M={BLOCK_M}, BLOCK_N={BLOCK_N}), X and out with row strides "
              f"{X.stride(0)} and {out.stride(0)}")
@@ -690,8 +668,8 @@ def _launch_s2s(T, K, N, E, k, x_grouped=False, y_grouped=False, BLOCK_M=16, BLO
     buf = torch.full((M + BLOCK_M, N + 5), -999.0, device=DEVICE)
     Y = buf[:, :N]
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    _launch(
-        scatter2scatter_kernel, grid, X, W, Y, sei, ssi, M, K, N, X.stride(0), X.stride(1),
+    scatter2scatter_kernel[grid](
+        X, W, Y, sei, ssi, M, K, N, X.stride(0), X.stride(1),
         W.stride(0), W.stride(1), W.stride(2), Y.stride(0), Y.stride(1),
         FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)

@@ -1034,13 +1034,13 @@ def _launch_transpose(M, N, block_m, block_n, pad_x=0, pad_out=0, seed=0):
     """Launch transpose_kernel on x [M, N] (row stride N + pad_x) into out [N, M] (row stride
     M + pad_out) inside a buffer of sentinels; return where it went wrong, if it did."""
     x = harness.randn(M, N + pad_x, seed=seed).to(DEVICE)[:, :N]
-    # out is buf[:N, :M]; the kernel gets the whole buffer (the same pointer and row
-    # stride), so that a store past out's rows or columns shows
+    # out is buf[1:N + 1, :M], a view with a row of sentinels before it and one after, so
+    # that a store before out's first row, past its last row or past its columns shows
     buf = torch.full((N + 2, M + pad_out), -7.5, device=DEVICE)
+    out = buf[1:N + 1, :M]
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    transpose_kernel[grid](x, buf, M, N, x.stride(0), buf.stride(0), BLOCK_M=block_m,
+    transpose_kernel[grid](x, out, M, N, x.stride(0), out.stride(0), BLOCK_M=block_m,
                            BLOCK_N=block_n)
-    out = buf[:N, :M]
     where = (f"transpose_kernel[{grid}], x [{M}, {N}] (row stride {x.stride(0)}), out [{N}, "
              f"{M}] (row stride {out.stride(0)}), BLOCK_M={block_m}, BLOCK_N={block_n}")
     bad = (out != x.T).nonzero()
@@ -1049,8 +1049,14 @@ def _launch_transpose(M, N, block_m, block_n, pad_x=0, pad_out=0, seed=0):
         f"{out[bad[0, 0], bad[0, 1]].item():.4g}, expected x[{bad[0, 1]}, {bad[0, 0]}] = " \
         f"{x[bad[0, 1], bad[0, 0]].item():.4g}"
     outside = buf.clone()
-    outside[:N, :M] = -7.5
-    assert (outside == -7.5).all(), f"{where}: wrote outside out (mask the store)"
+    outside[1:N + 1, :M] = -7.5
+    spill = (outside != -7.5).nonzero()
+    if len(spill):
+        r, c = spill[0].tolist()
+        place = ("in the row before out" if r == 0 else "in the row after out" if r == N + 1
+                 else f"past out's last column, in out's row {r - 1}, column {c}")
+        raise AssertionError(f"{where}: wrote {len(spill)} element(s) outside out, the first "
+                             f"{place} (mask the store)")
 
 
 _launch_transpose(37, 53, 16, 16)
