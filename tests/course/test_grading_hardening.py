@@ -165,3 +165,27 @@ def test_a_hidden_chunk_splits_at_its_case_labels():
            "# case: a tie\nassert x == 1\n"
     assert [label for label, _ in cases(code)] == ["hidden tests", "a float64 base", "a tie"]
     assert "".join(part for _, part in cases(code)) == code
+
+
+def test_a_test_that_kills_the_learners_kernel_keeps_its_helpers():
+    """The learner's code ends its kernel half way through a test cell: only that kernel
+    restarts, so the helper the cell defined before it died serves the next test."""
+    from course.grader.autograde import grade_notebook
+
+    def cell(source, **nbgrader):
+        c = nbformat.v4.new_code_cell(source)
+        if nbgrader:
+            c.metadata["nbgrader"] = {"schema_version": 3, "locked": True, "solution": False,
+                                      "task": False, **nbgrader}
+        return c
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [cell("import os"),
+                cell("def f(x):\n    return x + 1\ndef boom():\n    os._exit(1)",
+                     grade=False, grade_id="sol", solution=True, locked=False),
+                cell("def _helper(v):\n    assert f(v) == v + 1\n_helper(1)\nboom()",
+                     grade=True, grade_id="t1", points=1),
+                cell("_helper(2)", grade=True, grade_id="t2", points=1)]
+    out = grade_notebook(nb, nb, sandbox.Sandbox(ROOT, unsafe=True), timeout=30)
+    status = {c.test.grade_id: (c.status, c.earned) for c in out.cells if c.kind == "test"}
+    assert status == {"t1": ("dead", 0), "t2": ("ok", 1)}, (status, out.notes)

@@ -11,7 +11,7 @@ trusted_side.py, learner_side.py, wire.py).
         stubs.py) and the trusted kernel (the grader's own Python, connected to it)
         for each cell:
             student code -> the learner's kernel (time limit; a cell that swallows the
-                            interrupt or kills the kernel: restart both, replay, skip it)
+                            interrupt or kills the kernel: a fresh one, its cells replayed)
             test         -> the trusted kernel: the source's setup cells before it
                             (tests_setup.py), the learner's names bound, its visible chunks
                             (their output shown), then its hidden chunks case by case (the
@@ -151,20 +151,27 @@ class Run:
         """Fresh kernels: the learner's with the bridge's server and the lab's stubs, the
         trusted one with a client of it."""
         self.close()
+        self.trusted = Kernel(Sandbox(self.sandbox.course, unsafe=True), self.slot, self.budget)
+        self.start_learner()
+        self.setup_done = 0
+
+    def start_learner(self) -> None:
+        """A fresh learner's kernel, and the trusted kernel's bridge to it (what the trusted
+        kernel defined stays; proxies into the old kernel fail as a dead kernel's)."""
+        if self.learner is not None:
+            self.learner.close()
         self.learner = Kernel(self.sandbox, self.slot, self.budget, self.uid)
         start = (f"import course.grader.learner_side\nimport course.grader.stubs\n"
                  f"course.grader.stubs.install({self.lab!r})\n")
         reply = self.learner.run(start, timeout=120, silent=True)
         if not reply.ok:
             raise RuntimeError(f"the learner's kernel did not start the bridge: {reply.error}")
-        self.trusted = Kernel(Sandbox(self.sandbox.course, unsafe=True), self.slot, self.budget)
         connect = (f"from course.grader.trusted_side import Bridge\n"
                    f"__bridge__ = Bridge({self.learner.connection()!r}, timeout={self.timeout})"
                    "\ndel Bridge\n")
         reply = self.trusted.run(connect, timeout=120, silent=True)
         if not reply.ok:
             raise RuntimeError(f"the trusted kernel did not connect: {reply.error}")
-        self.setup_done = 0
 
     def alive(self) -> bool:
         return self.learner.alive() and self.trusted.alive()
@@ -214,8 +221,15 @@ def _run_test(run: Run, cell: Cell, replay: bool = False) -> None:
 
 
 def _restart(run: Run, cells: list[Cell], upto: int) -> None:
-    """Fresh kernels with every cell before `upto` that ran re-run, quietly, in order."""
-    run.start()
+    """A fresh learner's kernel with every code cell before `upto` that ran re-run, quietly,
+    in order. The trusted kernel keeps what the tests defined (a test cell that died half
+    way still defined its helpers); if it died too, it starts afresh and the tests that ran
+    are replayed as well."""
+    fresh = not run.trusted.alive()
+    if fresh:
+        run.start()
+    else:
+        run.start_learner()
     for cell in cells[:upto]:
         if cell.status not in ("ok", "error"):
             continue
@@ -223,7 +237,7 @@ def _restart(run: Run, cells: list[Cell], upto: int) -> None:
             if run.learner.run(cell.source, run.timeout, history=False).status not in (
                     "ok", "error"):
                 raise RuntimeError("a cell that ran before failed to run again after a restart")
-        elif cell.kind == "test":
+        elif cell.kind == "test" and fresh:
             _run_test(run, Cell("test", cell.source, cell.test), replay=True)
 
 
