@@ -271,6 +271,8 @@ def answer_loss(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_normalize_rewards", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+from course.notebook.bridged import share
+
 _WHY = "this exercise must be done without the reference (minituner) or its torch shortcut"
 _REFERENCE = [*reference("05-lora-finetune").values(),
               # torch's shortcuts, under the names torch gives them
@@ -334,10 +336,15 @@ else:
 print("normalize_rewards: shift by the minimum, divide by the mean; equal -> ones; NaN named")
 
 ### BEGIN HIDDEN TESTS
+# case: negative rewards given as a tensor
 _check_rewards(torch.tensor([-3.0, -1.0, 4.0, 0.5]), what="hidden: ")       # negative, tensor
+# case: a single reward
 _check_rewards([7.0], what="hidden: ")                                       # one example
+# case: equal rewards that are not integers
 _check_rewards([0.1, 0.1, 0.1, 0.1], what="hidden: ")
+# case: a float64 tensor of rewards
 _check_rewards(torch.tensor([2.0, 1.0, 3.0], dtype=torch.float64), what="hidden: ")
+# case: rewards shifted and scaled
 _r = randn(50, seed=3)
 with _forbid_reference():
     _a, _b = normalize_rewards(_r), normalize_rewards(_r * 7.5 - 12.0)
@@ -346,9 +353,12 @@ torch.testing.assert_close(_a, _b, rtol=1e-5, atol=1e-6, msg=lambda m: (
 assert abs(_a.double().mean().item() - 1.0) < 1e-5 and _a.min().item() == 0.0, \
     f"hidden: weights should have mean 1 and minimum 0, got mean {_a.mean().item()} " \
     f"min {_a.min().item()}"
+# case: an infinity first
 _check_bad_rewards([float("inf"), 1.0], 0, what="hidden: ")
+# case: a tensor with two non-finite rewards
 _check_bad_rewards(torch.tensor([1.0, 2.0, 3.0, -float("inf"), float("nan")]), 3,
                    what="hidden: ")
+# case: an empty list of rewards
 try:
     normalize_rewards([])
 except ValueError:
@@ -434,7 +444,7 @@ print("answer_loss: the token mean without weights, the weighted mean of per-exa
       "with them, as minituner.trainer.sequence_loss and a per-row loop")
 
 ### BEGIN HIDDEN TESTS
-# all-equal weights: per-example means, which is not the token mean
+# case: weights all equal to 1
 _ones = torch.ones(8)
 with torch.no_grad():
     _plain, _eq = answer_loss(_logits, _y, _mask), answer_loss(_logits, _y, _mask, _ones)
@@ -442,23 +452,25 @@ assert abs(_plain.item() - _eq.item()) > 1e-4, \
     "hidden: with weights all 1 the loss is the mean of per-example means, which differs " \
     "from the token mean over the batch"
 _check_loss(_logits, _y, _mask, _ones, what="hidden: ")
-# a row with a single answer token (<eos> only) and rows of other lengths
+# case: rows of different lengths, one with a single scored token
 _short = SequenceData.from_pairs([([5, 6, 7, 8], [1]), ([5, 6], [9, 10, 11, 1]), ([4], [12, 1])])
 _xs, _ys, _ms = _short.batch(torch.arange(3))
 _ls = randn(*_xs.shape, tok.vocab_size, seed=2)
 _check_loss(_ls, _ys, _ms, what="hidden: ")
+# case: rows of different lengths, weighted
 _check_loss(_ls, _ys, _ms, torch.tensor([3.0, 0.0, 1.0]), what="hidden: ")
-# train_on_prompt: the mask covers the prompt too
+# case: a mask that covers the prompt too (train_on_prompt)
 _xp, _yp, _mp = _data.batch(_idx, train_on_prompt=True)
 _check_loss(_logits, _yp, _mp, what="hidden (train_on_prompt): ")
 _check_loss(_logits, _yp, _mp, _w, what="hidden (train_on_prompt): ")
-# bfloat16 logits: the cross-entropy is taken in float32
+# case: bfloat16 logits
 _check_loss(_logits.bfloat16(), _y, _mask, what="hidden (bfloat16 logits): ")
 _check_loss(_logits.bfloat16(), _y, _mask, _w, what="hidden (bfloat16 logits): ")
-# a row without any scored token, and a batch without any
+# case: a row without any scored token
 _m0 = _mask.clone()
 _m0[2] = False
 _check_loss(_logits, _y, _m0, _w, what="hidden (a row with an empty mask): ")
+# case: a batch without any scored token, no weights
 with torch.no_grad():
     _z = answer_loss(_logits, _y, torch.zeros_like(_mask))
 assert _z.item() == 0.0, f"hidden: a batch without any scored token should give 0, got {_z}"
@@ -633,12 +645,19 @@ assert math.isclose(_got, lr_at(15, _past), rel_tol=1e-9), \
 print("lr_schedule: warm-up and cosine as lr_at, step by step")
 
 ### BEGIN HIDDEN TESTS
+# case: no warm-up
 _check_schedule(steps=10, warmup_steps=0, lr=1e-2, what="hidden: ")        # no warm-up
+# case: warm-up one step shorter than the run
 _check_schedule(steps=8, warmup_steps=7, lr=1e-3, what="hidden: ")         # denominator 0
+# case: a single step
 _check_schedule(steps=1, warmup_steps=0, lr=2e-3, what="hidden: ")         # a single step
+# case: warm-up as long as the run
 _check_schedule(steps=6, warmup_steps=6, lr=2e-3, what="hidden: ")         # all warm-up
+# case: min_lr_ratio 0
 _check_schedule(steps=30, warmup_steps=3, lr=1e-3, min_lr_ratio=0.0, what="hidden: ")
+# case: min_lr_ratio 1
 _check_schedule(steps=30, warmup_steps=3, lr=1e-3, min_lr_ratio=1.0, what="hidden: ")
+# case: steps past the end of the run
 _cfg = TrainConfig(steps=20, warmup_steps=4, lr=1e-3, progress=False)
 for _s in (20, 25, 100):                                                   # past the end
     assert math.isclose(lr_schedule(_s, _cfg), lr_at(_s, _cfg), rel_tol=1e-9), \
@@ -693,12 +712,17 @@ except (AttributeError, TypeError) as _e:
 print("clip_grads: clamp, then the global norm, as minituner.trainer.clip_gradients")
 
 ### BEGIN HIDDEN TESTS
+# case: four parameters of several ranks, both stages
 _check_clip([(7, 3), (2, 2, 2), (1,), (4,)], 0.3, 0.8, seed=5, what="hidden: ")
+# case: a parameter without a gradient, both stages
 _check_clip([(7, 3), (4,), (6,)], 0.2, 0.5, seed=6, none_at=(1,), what="hidden: ")
+# case: both stages off
 _check_clip([(10, 10)], 0.0, 0.0, seed=7, scale=5.0, what="hidden (both off): ")
+# case: a clamp too wide to bite
 _check_clip([(10, 10), (3,)], 1e3, 1.0, seed=8, what="hidden (clamp too wide to bite): ")
+# case: tiny gradients
 _check_clip([(64, 64)], 0.0, 1.0, seed=9, scale=1e-4, what="hidden (tiny grads): ")
-# hand-computed: [3, -4, 0.5] and [10] clamp to [2, -2, 0.5] and [2]: norm 3.5
+# case: a small hand-computed example
 _a, _b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(1, 1))
 _a.grad, _b.grad = torch.tensor([3.0, -4.0, 0.5]), torch.tensor([[10.0]])
 _n = clip_grads([_a, _b], 2.0, 1.0)
@@ -843,9 +867,10 @@ def _check_loop(make_model, data, what="", rng_seed=None, **kw):
             f"steps={cfg.steps}, batch={cfg.batch_size}, lr={cfg.lr}, " \
             f"weight_decay={cfg.weight_decay}, grad_clip={cfg.grad_clip}, " \
             f"grad_clip_value={cfg.grad_clip_value}, train_on_prompt={cfg.train_on_prompt}"
-    mine, ref = make_model(), make_model()
-    start = {n: p.detach().clone() for n, p in mine.named_parameters()}
-    trainable = {n for n, p in mine.named_parameters() if p.requires_grad}
+    local, ref = make_model(), make_model()
+    start = {n: p.detach().clone() for n, p in local.named_parameters()}
+    trainable = {n for n, p in local.named_parameters() if p.requires_grad}
+    mine = share(local)                 # your loop trains it in place: read it back after
     if rng_seed is not None:            # LoRA dropout: the same masks in both runs
         torch.manual_seed(rng_seed)
     want = minituner.train(ref, data, cfg).losses
@@ -868,7 +893,7 @@ def _check_loop(make_model, data, what="", rng_seed=None, **kw):
                                  f"minituner.train's is {w:.6f}; {hint}.\n"
                                  f"yours: {[round(v, 5) for v in got]}\n"
                                  f"ref:   {[round(v, 5) for v in want]}")
-    for (n, p), q in zip(mine.named_parameters(), ref.parameters(), strict=True):
+    for (n, p), q in zip(list(mine.named_parameters()), ref.parameters(), strict=True):
         if n not in trainable:
             assert torch.equal(p, start[n]), f"{where}: the frozen parameter {n} changed"
             continue
@@ -903,24 +928,25 @@ def _small_lora(seed=0, dropout=0.0):
     return m
 
 
-# LoRA on a frozen base: only the factors move
+# case: LoRA on a frozen base
 _check_loop(_small_lora, _loop_data, what="hidden (LoRA): ", lr=3e-2)
-# reward-weighted data, with zero weights
+# case: reward-weighted data, some weights 0
 _wd = make_data(tasks.make_mixture(["add", "kv"], 7, seed=3),
                 rewards=[float(i % 3) for i in range(14)])
 _check_loop(small_gpt, _wd, what="hidden: ", steps=7, batch_size=4)
-# both clipping stages biting, a strong decay (norm gains must not decay), other betas
+# case: both clipping stages, a strong weight decay, other betas
 _check_loop(small_gpt, _loop_data, what="hidden: ", grad_clip_value=2e-3, grad_clip=0.5,
             weight_decay=0.5, betas=(0.8, 0.9))
-# train_on_prompt, no warm-up, a batch larger than the data set
+# case: train_on_prompt, no warm-up
 _check_loop(lambda: small_gpt(1), _loop_data, what="hidden: ", train_on_prompt=True,
             warmup_steps=0, steps=5)
+# case: a batch larger than the data set
 _check_loop(small_gpt, make_data(tasks.make_examples("count", 5, seed=4)), what="hidden: ",
             batch_size=8, steps=4)
-# LoRA dropout: the same random masks when the RNG is seeded the same before each run
+# case: LoRA dropout, the RNG seeded before each run
 _check_loop(lambda: _small_lora(2, dropout=0.2), _loop_data, what="hidden (LoRA dropout): ",
             rng_seed=0, steps=4)
-# nothing to train
+# case: nothing to train
 _frozen = small_gpt().requires_grad_(False)
 try:
     train_loop(_frozen, _loop_data, TrainConfig(steps=2, progress=False))
@@ -1037,6 +1063,7 @@ def _check_answers(model, prompts, max_new_tokens=10, what=""):
             f" mode"
     mode = model.training
     want = minigpt.answers(model, prompts, tok, max_new_tokens)
+    model = share(model)                # the model your function sets the mode of
     with _forbid_reference():
         got = greedy_answers(model, prompts, max_new_tokens)
     assert isinstance(got, list) and len(got) == len(prompts), \
@@ -1072,7 +1099,7 @@ print("greedy_answers: the same answers as minigpt.answers on", len(_mix) + 14, 
       "in eval mode, the caller's mode restored, the last block_size tokens fed")
 
 ### BEGIN HIDDEN TESTS
-# a model in training mode with LoRA dropout: answers must be greedy, mode restored
+# case: a LoRA model with dropout, in training mode
 _drop = lora_base(seed=3, dropout=0.5)
 with torch.no_grad():
     for _n, _p in _drop.named_parameters():
@@ -1081,12 +1108,12 @@ with torch.no_grad():
 _drop.train()
 _check_answers(_drop, [ex.prompt for ex in _mix[:8]], what="hidden (LoRA dropout 0.5): ")
 assert _drop.training
-# answers cut by max_new_tokens (no <eos> reached)
+# case: answers cut by max_new_tokens
 _check_answers(base, [ex.prompt for ex in _mix[:12]], max_new_tokens=2, what="hidden: ")
-# prompts so long that prompt + answer exceed block_size: feed the last block_size tokens
+# case: prompt and answer longer than block_size
 _long = [f"copy:{'abcdefghijklmnopqrstuvwxy'[:n]}=" for n in (20, 24, 25)]
 _check_answers(base, _long, max_new_tokens=12, what="hidden (longer than block_size): ")
-# a single prompt
+# case: a single prompt
 _one = greedy_answers(base, ["add:12+30="])
 assert _one == minigpt.answers(base, ["add:12+30="]), f"hidden: one prompt, got {_one}"
 ### END HIDDEN TESTS
@@ -1118,8 +1145,11 @@ else:
 print("exact_match: as minigpt.evaluate")
 
 ### BEGIN HIDDEN TESTS
+# case: another task and seed
 _check_em(base, "sort", 10, seed=7, what="hidden: ")
+# case: a single example
 _check_em(base, "add", 1, seed=2, what="hidden: ")
+# case: an empty list
 try:
     exact_match(base, [])
 except ValueError:

@@ -239,17 +239,28 @@ def qlora_wrap(model: nn.Module, r: int = 8, alpha: float = 16.0, blocksize: int
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_qlora_wrap", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+from course.notebook.bridged import send_dir, share
+
 _NO_REFERENCE_WRAP = [minituner.qlora.wrap_minigpt_qlora]
 
 
 def _structure(model):
-    return [(n, type(m).__name__) for n, m in model.named_modules()]
+    return [(n, m.__class__.__name__) for n, m in model.named_modules()]
+
+
+def _randomize(model, seed=1, std=0.1):
+    """randomize_lora's values, loaded with load_state_dict (also into a model your code
+    holds)."""
+    g = torch.Generator().manual_seed(seed)
+    new = {n: torch.randn(p.shape, generator=g, dtype=p.dtype) * std
+           for n, p in model.named_parameters() if "lora_A" in n or "lora_B" in n}
+    model.load_state_dict(new, strict=False)
 
 
 def _check_qlora_wrap(make, r=8, alpha=16.0, blocksize=64, double_quant=True, what=""):
     where = f"{what}qlora_wrap(r={r}, alpha={alpha}, blocksize={blocksize}, " \
             f"double_quant={double_quant})"
-    mine, ref, plain = make(), make(), make()
+    mine, ref, plain = share(make()), make(), make()     # yours: changed in place, read back
     torch.manual_seed(5)
     with forbid(_NO_REFERENCE_WRAP, globals()):
         names = qlora_wrap(mine, r=r, alpha=alpha, blocksize=blocksize,
@@ -293,8 +304,8 @@ def _check_qlora_wrap(make, r=8, alpha=16.0, blocksize=64, double_quant=True, wh
         f"{where}: expected the buffers {sorted(ref_buffers)[:4]}..., got " \
         f"{sorted(dict(mine.named_buffers()))[:4]}..."
     # same factors -> the same logits, bit for bit
-    randomize_lora(mine, seed=r)
-    randomize_lora(ref, seed=r)
+    _randomize(mine, seed=r)
+    _randomize(ref, seed=r)
     x = torch.randint(0, mine.config.vocab_size, (3, min(12, mine.config.block_size)),
                       generator=torch.Generator().manual_seed(2))
     mine.eval()
@@ -310,7 +321,7 @@ def _check_qlora_wrap(make, r=8, alpha=16.0, blocksize=64, double_quant=True, wh
 _check_qlora_wrap(small_gpt)
 _q = _check_qlora_wrap(lambda: minigpt.load_base("dense"))
 # `target` decides which layers are quantized and wrapped
-_m = small_gpt()
+_m = share(small_gpt())
 with forbid(_NO_REFERENCE_WRAP, globals()):
     _names = qlora_wrap(_m, target=r"blocks\.0\.attn\.(q|v)_proj")
 assert _names == ["blocks.0.attn.q_proj", "blocks.0.attn.v_proj"] \
@@ -322,14 +333,17 @@ print(f"qlora_wrap: {len([m for m in _q.modules() if isinstance(m, LoRALinear)])
       f"reference's")
 
 ### BEGIN HIDDEN TESTS
+# case: rank 4, blocksize 32
 _check_qlora_wrap(lambda: small_gpt(3), r=4, alpha=8.0, blocksize=32, what="hidden: ")
+# case: blocksize 128 without double quantization
 _check_qlora_wrap(small_gpt, r=2, alpha=16.0, blocksize=128, double_quant=False,
                   what="hidden: ")
+# case: three blocks of width 48, rank 1
 _check_qlora_wrap(lambda: small_gpt(1, MiniGPTConfig(n_layer=3, n_head=2, n_embd=48, d_ff=80,
                                                      block_size=8)),
                   r=1, alpha=1.0, what="hidden (3 blocks, width 48): ")
-# only the layers of `target`
-_m = small_gpt()
+# case: a target of two MLP projections of the second block
+_m = share(small_gpt())
 with forbid(_NO_REFERENCE_WRAP, globals()):
     _names = qlora_wrap(_m, target=r"blocks\.1\.mlp\.(up|down)_proj")
 assert _names == ["blocks.1.mlp.up_proj", "blocks.1.mlp.down_proj"], \
@@ -344,6 +358,7 @@ def _check_refuses(lora_target, what=""):
     wrap_lora(model, lora_target, r=4, alpha=8.0)
     before = _structure(model)
     state = {k: v.clone() for k, v in model.state_dict().items()}
+    model = share(model)                # what your function holds, read back after it refuses
     try:
         with forbid(_NO_REFERENCE_WRAP, globals()):
             qlora_wrap(model)
@@ -356,7 +371,9 @@ def _check_refuses(lora_target, what=""):
     assert _structure(model) == before, \
         f"{what}after refusing, the model must be as it was; changed modules: " \
         f"{[a for a, b in zip(_structure(model), before, strict=False) if a != b][:3]}"
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    now = dict([*model.named_parameters(), *model.named_buffers()])
+    assert sorted(now) == sorted(state) and all(torch.equal(v, now[k]) for k, v in state.items()), \
+        f"{what}after refusing, every parameter and buffer must be as it was"
 
 
 _check_refuses(BLOCK_PROJECTIONS)
@@ -368,8 +385,9 @@ except AssertionError as _e:
 print("qlora_wrap refuses a model that was wrapped first, and leaves it untouched")
 
 ### BEGIN HIDDEN TESTS
-# LoRA on one block projection only: a quantizer run first would half-quantize the model
+# case: LoRA on one block projection only
 _check_refuses(r"blocks\.0\.attn\.q_proj", what="hidden: ")
+# case: LoRA on lm_head only
 _check_refuses(["lm_head"], what="hidden (LoRA on lm_head only): ")
 ### END HIDDEN TESTS
 
@@ -435,23 +453,24 @@ def logit_parity(model_a: nn.Module, model_b: nn.Module, tokens: torch.Tensor) -
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_logit_parity", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-class _Fixed(nn.Module):
-    """A 'model' that returns the given logits whatever the tokens (optionally with dropout)."""
+def _Fixed(logits, dropout=0.0):
+    """A 'model' whose logits for the tokens _positions(logits) are `logits` [B, T, V]: an
+    embedding holding them, one row per position, then dropout (torch modules only)."""
+    logits = torch.as_tensor(logits, dtype=torch.float32)
+    return nn.Sequential(nn.Embedding.from_pretrained(logits.flatten(0, 1)), nn.Dropout(dropout))
 
-    def __init__(self, logits, dropout=0.0):
-        super().__init__()
-        self.register_buffer("logits", torch.as_tensor(logits, dtype=torch.float32))
-        self.drop = nn.Dropout(dropout)
 
-    def forward(self, tokens):
-        return self.drop(self.logits)
+def _positions(logits):
+    """The tokens [B, T] that make _Fixed(logits) return `logits`."""
+    b, t = torch.as_tensor(logits).shape[:2]
+    return torch.arange(b * t).view(b, t)
 
 
 _KEYS = ("mean_abs_diff", "max_abs_diff", "argmax_agreement", "mean_abs_logit")
 
 
 def _check_parity(la, lb, want, what="", tokens=None):
-    tokens = torch.zeros(1, 1, dtype=torch.long) if tokens is None else tokens
+    tokens = _positions(la) if tokens is None else tokens
     got = logit_parity(_Fixed(la), _Fixed(lb), tokens)
     assert isinstance(got, dict) and sorted(got) == sorted(_KEYS), \
         f"{what}expected a dict with the keys {sorted(_KEYS)}, got " \
@@ -473,7 +492,7 @@ _check_parity(_A, _A, {"mean_abs_diff": 0.0, "max_abs_diff": 0.0, "argmax_agreem
                        "mean_abs_logit": 11 / 6}, what="a model against itself: ")
 # a model with dropout, left in training mode, against itself: eval mode makes it exact
 _drop = _Fixed(randn(2, 3, 8, seed=4), dropout=0.3).train()
-_got = logit_parity(_drop, _drop, torch.zeros(2, 3, dtype=torch.long))
+_got = logit_parity(_drop, _drop, _positions(randn(2, 3, 8, seed=4)))
 assert _got["max_abs_diff"] == 0.0, \
     f"a model with dropout 0.3 in training mode, compared with itself, differs by " \
     f"{_got['max_abs_diff']:.3g}; rule: put both models in eval() mode (dropout off) first"
@@ -481,24 +500,24 @@ print("logit_parity: the hand-computed example and a model against itself give t
       "numbers")
 
 ### BEGIN HIDDEN TESTS
-# the argmax runs over the vocabulary (last) dimension; the mean over everything
+# case: [3, 4, 7] logits
 _la, _lb = randn(3, 4, 7, seed=1), randn(3, 4, 7, seed=2)
 _lb[0] = _la[0] + 0.01                     # the first sequence: same argmax everywhere
 _check_parity(_la, _lb, {
     "mean_abs_diff": (_la - _lb).abs().mean().item(), "max_abs_diff": (_la - _lb).abs().max().item(),
     "argmax_agreement": (_la.argmax(-1) == _lb.argmax(-1)).float().mean().item(),
     "mean_abs_logit": _la.abs().mean().item()}, what="hidden [3, 4, 7] logits: ")
-# model A's scale, not B's
+# case: two models of different scales
 _check_parity([[[2.0, -2.0]]], [[[4.0, 4.0]]], {"mean_abs_diff": 4.0, "max_abs_diff": 6.0,
                                                 "argmax_agreement": 1.0, "mean_abs_logit": 2.0},
               what="hidden: ")
-# dropout must be off: a model with dropout 0.5 in training mode against itself differs by 0
+# case: a model with dropout 0.5 in training mode, against itself
 _d = _Fixed(randn(2, 5, 9, seed=3), dropout=0.5).train()
-_got = logit_parity(_d, _d, torch.zeros(2, 5, dtype=torch.long))
+_got = logit_parity(_d, _d, _positions(randn(2, 5, 9, seed=3)))
 assert _got["mean_abs_diff"] == 0.0 and _got["argmax_agreement"] == 1.0, \
     f"hidden: a model with dropout in training mode against itself should differ by 0 (put " \
     f"both models in eval mode), got {_got}"
-# no autograd graph is built
+# case: a linear layer with parameters that require gradients
 _lin = nn.Linear(4, 6)
 _x = randn(2, 3, 4, seed=4)
 _got = logit_parity(_lin, _lin, _x)
@@ -566,11 +585,12 @@ print(f"float vs NF4 base with the same adapter: mean |diff| {_got['mean_abs_dif
       f"{_got['argmax_agreement']:.1%}")
 
 ### BEGIN HIDDEN TESTS
-# the second adapter is within tolerance too, and the float model against itself is exact
+# case: the rev_only adapter, float vs NF4
 _a2, _b2 = float_lora(ADAPTERS["rev_only"]), reference_qlora(ADAPTERS["rev_only"])
 _got2 = logit_parity(_a2, _b2, PROMPTS[::3])
 assert _got2["mean_abs_diff"] <= TOLERANCE["mean_abs_diff_rel"] * _got2["mean_abs_logit"], \
     f"hidden: rev_only, float vs NF4: {_got2}"
+# case: the float model against a fresh copy of itself
 _self = logit_parity(_a, float_lora(ADAPTERS["rev_replay"]), PROMPTS[:8])
 assert _self["max_abs_diff"] == 0.0 and _self["argmax_agreement"] == 1.0, \
     f"hidden: the float model against a fresh copy of itself should be exact, got {_self}"
@@ -717,6 +737,8 @@ def held(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> di
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_held", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import operator
+
 _NO_HELD_BYTES = [memory.held_bytes]
 
 
@@ -730,22 +752,40 @@ def _held(model, opt=None):
     return got
 
 
-class _Shared(nn.Module):
+class _Over(nn.Parameter):
+    """A Parameter over the storage of the tensor `over` (also once it travels to where your
+    code runs, which copies a tensor's storage per tensor: it is rebuilt there from `over`)."""
+
+    def __new__(cls, over):
+        p = super().__new__(cls, over)
+        p.over = over
+        return p
+
+    def __reduce_ex__(self, protocol):
+        return nn.Parameter, (self.over, self.requires_grad)
+
+
+class _View(torch.Tensor):
+    """`over[0]`, a view (rebuilt as `over[0]` where it travels, see _Over)."""
+
+    def __reduce_ex__(self, protocol):
+        return operator.getitem, (self.over, 0)
+
+
+def _shared_storage():
     """An embedding [10, 8], a head whose weight is a second Parameter over the same storage,
     a buffer that is a view of the embedding's row 0, and an independent buffer [8]."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Parameter(randn(10, 8, seed=1))
-        self.head = nn.Parameter(self.emb.data)
-        self.register_buffer("row0", self.emb.data[0])
-        self.register_buffer("gain", torch.ones(8))
-
-    def forward(self, x):
-        return x @ self.head.t() * self.gain.sum()
+    base = randn(10, 8, seed=1)
+    m = nn.Module()
+    m.emb, m.head = _Over(base), _Over(base)
+    row0 = base[0].as_subclass(_View)
+    row0.over = base
+    m.register_buffer("row0", row0)
+    m.register_buffer("gain", torch.ones(8))
+    return m
 
 
-_s = _Shared()
+_s = _shared_storage()
 _got = _held(_s)
 assert _got == {"weights": 10 * 8 * 4 + 8 * 4, "grads": 0, "optimizer": 0}, \
     f"shared storage: expected weights = 320 (the [10, 8] storage, once) + 32 (gain) = 352, " \
@@ -759,57 +799,80 @@ assert _held(_sl)["weights"] == 200, \
     f"not numel() * element_size()"
 
 
-def _two_steps(model, batch=4, steps=2, opt=None):
-    opt = opt or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+def _adamw(model):
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+
+
+def _two_steps(model, opt, batch=4, steps=2):
     x = torch.randint(0, model.config.vocab_size, (batch, model.config.block_size),
                       generator=torch.Generator().manual_seed(0))
-    before = _held(model, opt)
     for _ in range(steps):
         opt.zero_grad()
         F.cross_entropy(model(x).flatten(0, 1), x.roll(-1, 1).flatten()).backward()
         opt.step()
-    return opt, before
 
 
-def _check_against_reference(model, label, opt=None):
-    opt, before = _two_steps(model, opt=opt)
+def _check_against_reference(make, label, make_opt=_adamw):
+    """Two training steps of a model from `make()` with its optimizer, held where your code
+    runs; your count against held_bytes of a twin trained the same way here."""
+    model, twin = make(), make()
+    pair = share((model, make_opt(model)))          # the model and its optimizer, together
+    model, opt = pair[0], pair[1]
+    before = _held(model, opt)
     assert before["optimizer"] == 0 and before["grads"] == 0, \
         f"{label}, before the first step: AdamW has no state yet and no grad exists; expected " \
         f"grads = optimizer = 0, got {before}"
-    got, want = _held(model, opt), memory.held_bytes(model, opt)
+    _two_steps(model, opt)
+    twin_opt = make_opt(twin)
+    _two_steps(twin, twin_opt)
+    got, want = _held(model, opt), memory.held_bytes(twin, twin_opt)
     want = {"weights": want.weights, "grads": want.grads, "optimizer": want.optimizer}
     assert got == want, f"{label}, after two steps: expected {want}, got {got}"
-    return got
+    return got, model
 
 
-_lo = small_gpt()
-wrap_lora(_lo, BLOCK_PROJECTIONS, r=4, alpha=8.0)
-_lo_held = _check_against_reference(_lo, "LoRA on a float base")
-_ql = small_gpt()
-wrap_minigpt_qlora(_ql, r=4, alpha=8.0)
-_ql_held = _check_against_reference(_ql, "QLoRA")
+def _lora_small():
+    m = small_gpt()
+    wrap_lora(m, BLOCK_PROJECTIONS, r=4, alpha=8.0)
+    return m
+
+
+def _qlora_small():
+    m = small_gpt()
+    wrap_minigpt_qlora(m, r=4, alpha=8.0)
+    return m
+
+
+_lo_held, _ = _check_against_reference(_lora_small, "LoRA on a float base")
+_ql_held, _ = _check_against_reference(_qlora_small, "QLoRA")
 assert _ql_held["grads"] == _lo_held["grads"] and _ql_held["weights"] < _lo_held["weights"]
 print(f"held: shared storage counted once; after two AdamW steps equal to "
       f"minituner.memory.held_bytes for LoRA {_lo_held} and QLoRA {_ql_held}")
 
 ### BEGIN HIDDEN TESTS
-# a Parameter that is a slice of a larger storage holds the whole storage
+# case: a Parameter over a slice of a larger storage
 _p = nn.Module()
 _p.w = nn.Parameter(torch.zeros(100)[:10])
 assert _held(_p)["weights"] == 400, \
     f"hidden: a Parameter over a slice of a 100-float storage holds 400 bytes, got {_held(_p)}"
-# full fine-tuning, SGD with momentum, and no optimizer
-_full = small_gpt(2)
-_opt = torch.optim.SGD(_full.parameters(), lr=0.1, momentum=0.9)
-_check_against_reference(_full, "hidden: full fine-tuning with SGD + momentum", opt=_opt)
+# case: full fine-tuning with SGD and momentum
+_, _full = _check_against_reference(
+    lambda: small_gpt(2), "hidden: full fine-tuning with SGD + momentum",
+    make_opt=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+# case: a trained model without an optimizer
 assert _held(_full)["optimizer"] == 0, "hidden: with no optimizer, optimizer bytes are 0"
-# the real model: QLoRA holds fewer weight bytes, the same gradient bytes
-_big = minigpt.load_base("dense")
-wrap_minigpt_qlora(_big)
-_check_against_reference(_big, "hidden: pretrained MiniGPT, QLoRA")
-# a grad reset to None is not counted
-for _q in _big.parameters():
-    _q.grad = None
+
+
+# case: the pretrained MiniGPT under QLoRA
+def _big_qlora():
+    m = minigpt.load_base("dense")
+    wrap_minigpt_qlora(m)
+    return m
+
+
+_, _big = _check_against_reference(_big_qlora, "hidden: pretrained MiniGPT, QLoRA")
+# case: gradients reset to None
+_big.zero_grad(set_to_none=True)
 assert _held(_big)["grads"] == 0, "hidden: after setting every .grad to None, grads should be 0"
 ### END HIDDEN TESTS
 
@@ -1004,10 +1067,12 @@ print(f"nf4_storage_bytes equals NF4Weight.nbytes; a 4096 x 4096 matrix costs {_
       f"per parameter")
 
 ### BEGIN HIDDEN TESTS
+# case: odd sizes, other blocksizes, with and without double quantization
 for _n, _bs, _dq in ((77, 64, False), (1000, 32, False), (384 * 128, 128, True), (1, 64, True),
                      (64 * 256, 64, True), (64 * 256 + 1, 64, True), (5000, 4096, True),
                      (33, 32, True)):
     _check_nf4_bytes(_n, _bs, _dq, what="hidden: ")
+# case: a 7B MLP matrix at blocksize 128
 with forbid(_NO_PREDICTOR, globals()):
     _got = nf4_storage_bytes(11008 * 4096, 128, False)
 assert _got == miniquant.nf4_bytes(11008 * 4096, 128, False), "hidden: 7B MLP matrix, blocksize 128"
@@ -1062,14 +1127,19 @@ print("predict_bytes equals minituner.memory.predict_training for LLaMA-7B and M
       "weights and grads that MiniGPT's models hold")
 
 ### BEGIN HIDDEN TESTS
+# case: LLaMA-7B QLoRA, rank 64, blocksize 128, no double quantization
 _check_predict(memory.LLAMA_7B, "qlora", r=64, weight_bits=16, blocksize=128,
                double_quant=False, what="hidden: ")
+# case: LLaMA-7B LoRA, rank 16, 32-bit weights
 _check_predict(memory.LLAMA_7B, "lora", r=16, weight_bits=32, what="hidden: ")
+# case: MiniGPT, full fine-tuning
 _check_predict(_shape, "full", r=8, weight_bits=32, what="hidden: ")
+# case: an odd shape in every regime
 _odd = memory.TransformerShape(n_layer=3, d_model=40, d_ff=100, n_head=4, vocab_size=51,
                                block_size=24)
 for _regime in ("full", "lora", "qlora"):
     _check_predict(_odd, _regime, r=3, weight_bits=16, blocksize=32, what="hidden: ")
+# case: another unknown regime
 try:
     predict_bytes(memory.LLAMA_7B, "dora")
 except ValueError:
@@ -1210,41 +1280,53 @@ _NO_LOADER = [minituner.load_adapter, miniquant.quantize_model, miniquant.quanti
               (QuantizedLinear, "from_linear"), minituner.qlora.wrap_minigpt_qlora]
 
 
+def _served(model):
+    """`model` held where your code runs (swap_adapter changes it in place), with an optimizer
+    over its LoRA factors, as a server that trains on holds them: (model, optimizer)."""
+    factors = [p for n, p in model.named_parameters() if "lora_" in n]
+    pair = share((model, torch.optim.SGD(factors, lr=0.0) if factors else None))
+    return pair[0], pair[1]
+
+
 def _snapshot(model):
-    """(data_ptr, clone) of every buffer and frozen parameter; identity of every factor."""
-    frozen = {n: (t.data_ptr(), t.detach().clone()) for n, t in
-              [*model.named_buffers(), *((n, p) for n, p in model.named_parameters()
-                                         if "lora_" not in n)]}
-    factors = {n: id(p) for n, p in model.named_parameters() if "lora_" in n}
-    return frozen, factors
+    """A clone of every buffer and frozen parameter."""
+    return {n: t.detach().clone() for n, t in
+            [*model.named_buffers(), *((n, p) for n, p in model.named_parameters()
+                                       if "lora_" not in n)]}
 
 
-def _check_untouched(model, snap, what):
-    frozen, factors = snap
+def _check_untouched(model, opt, snap, what):
     now = dict([*model.named_buffers(), *model.named_parameters()])
-    for n, (ptr, value) in frozen.items():
-        assert n in now and now[n].data_ptr() == ptr and torch.equal(now[n], value), \
+    for n, value in snap.items():
+        assert n in now and torch.equal(now[n], value), \
             f"{what}: {n} was replaced or changed; swapping an adapter must leave the base " \
             f"(NF4 buffers, embeddings, norms, head) exactly as it was"
-    ids = {n: id(p) for n, p in model.named_parameters() if "lora_" in n}
-    assert ids == factors, f"{what}: the LoRA factors must be copied into the existing " \
-                           f"Parameters, not replaced (an optimizer holds those)"
+    if opt is not None:
+        factors = [p for n, p in now.items() if "lora_" in n]
+        held_by_opt = opt.param_groups[0]["params"]
+        assert len(held_by_opt) == len(factors) and all(
+            torch.equal(a, b) for a, b in zip(held_by_opt, factors, strict=True)), \
+            f"{what}: the model's LoRA factors are no longer the tensors its optimizer holds: " \
+            f"copy the file's values into the existing Parameters (copy_ under " \
+            f"torch.no_grad()), do not replace them"
 
 
 def _swap(model, directory):
+    directory = send_dir(directory)        # a folder your code can read, holding its files
     with forbid(_NO_LOADER, globals()):
         return swap_adapter(model, directory)
 
 
-_server = reference_qlora()
-_snap = _snapshot(_server)
+_local = reference_qlora()
+_snap = _snapshot(_local)
+_want_names = [n for n, m in _local.named_modules() if isinstance(m, LoRALinear)]
+_server, _server_opt = _served(_local)
 _logits = {}
 for _name in ("rev_replay", "rev_only"):
     _names = _swap(_server, ADAPTERS[_name])
-    _want_names = [n for n, m in _server.named_modules() if isinstance(m, LoRALinear)]
     assert _names == _want_names, f"expected the loaded layer names {_want_names[:3]}..., " \
                                   f"got {_names}"
-    _check_untouched(_server, _snap, f"after swapping in {_name}")
+    _check_untouched(_server, _server_opt, _snap, f"after swapping in {_name}")
     with torch.no_grad():
         _logits[_name] = _server(PROMPTS)
         _fresh = reference_qlora(ADAPTERS[_name])(PROMPTS)
@@ -1258,17 +1340,18 @@ print(f"swap_adapter: rev_replay then rev_only in one NF4 model equal fresh load
       f"base untouched; mean |logit difference| between the adapters {_d:.2f}")
 
 ### BEGIN HIDDEN TESTS
-# swapping back gives the first logits again, bit for bit
+# case: swapping the first adapter back in
 _swap(_server, ADAPTERS["rev_replay"])
 with torch.no_grad():
     assert torch.equal(_server(PROMPTS), _logits["rev_replay"]), "hidden: swapping back"
-_check_untouched(_server, _snap, "hidden: after swapping back")
-# a small model over a float base, adapters written by save_adapter
+_check_untouched(_server, _server_opt, _snap, "hidden: after swapping back")
+# case: a small model over a float base, an adapter written by save_adapter
 _src = small_gpt()
 wrap_lora(_src, BLOCK_PROJECTIONS, r=4, alpha=8.0)
 randomize_lora(_src, seed=11)
 _dst = small_gpt()
 wrap_lora(_dst, BLOCK_PROJECTIONS, r=4, alpha=8.0)
+_dst, _ = _served(_dst)
 with tempfile.TemporaryDirectory() as _t:
     save_adapter(_src, _t)
     _swap(_dst, _t)
@@ -1279,7 +1362,8 @@ with torch.no_grad():
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_swap_adapter_errors", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
-def _expect_refusal(model, directory, words, what):
+def _expect_refusal(served, directory, words, what):
+    model, opt = served
     snap = _snapshot(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     try:
@@ -1289,7 +1373,7 @@ def _expect_refusal(model, directory, words, what):
             assert w in str(e), f"{what}: the error should name {w!r}; got: {e}"
     else:
         raise AssertionError(f"{what}: swap_adapter should raise ValueError")
-    _check_untouched(model, snap, what)
+    _check_untouched(model, opt, snap, what)
     for n, p in model.named_parameters():
         if "lora_" in n:
             assert torch.equal(p, before[n]), f"{what}: {n} changed although the swap was refused"
@@ -1298,11 +1382,13 @@ def _expect_refusal(model, directory, words, what):
 _m = small_gpt()
 wrap_minigpt_qlora(_m, r=4, alpha=8.0)
 randomize_lora(_m, seed=3)
+_m_served = _served(_m)
+_m = _m_served[0]
 with tempfile.TemporaryDirectory() as _t:
     _other = small_gpt()
     wrap_minigpt_qlora(_other, r=2, alpha=8.0)         # another rank
     save_adapter(_other, _t)
-    _expect_refusal(_m, _t, [], "an adapter with r=2 into layers with r=4")
+    _expect_refusal(_m_served, _t, [], "an adapter with r=2 into layers with r=4")
 with tempfile.TemporaryDirectory() as _t:
     _src = small_gpt()
     wrap_minigpt_qlora(_src, r=4, alpha=8.0)
@@ -1311,59 +1397,58 @@ with tempfile.TemporaryDirectory() as _t:
     # another lora_alpha with the same r: another scaling, refused
     _cfg = json.loads((Path(_t) / "adapter_config.json").read_text())
     (Path(_t) / "adapter_config.json").write_text(json.dumps({**_cfg, "lora_alpha": 4.0}))
-    _expect_refusal(_m, _t, [], "lora_alpha 4 into layers with scaling 8/4 (rule: compare "
-                    "the scaling, not only r)")
+    _expect_refusal(_m_served, _t, [], "lora_alpha 4 into layers with scaling 8/4 (rule: "
+                    "compare the scaling, not only r)")
     (Path(_t) / "adapter_config.json").write_text(json.dumps(_cfg))
     # a file without one key: refused, naming it, before any factor is copied
     _file = Path(_t) / "adapter_model.safetensors"
     _key = f"{PREFIX}blocks.0.attn.k_proj.lora_A.weight"
     safetensors.torch.save_file({k: v for k, v in safetensors.torch.load_file(str(_file)).items()
                                  if k != _key}, str(_file))
-    _expect_refusal(_m, _t, [_key], "a file without one key (rule: check every key and shape "
-                    "first, then copy)")
+    _expect_refusal(_m_served, _t, [_key], "a file without one key (rule: check every key "
+                    "and shape first, then copy)")
 print("swap_adapter refuses an adapter of another rank or scaling, and a file that lacks a "
       "key, and leaves the model as it was")
 
 ### BEGIN HIDDEN TESTS
-with tempfile.TemporaryDirectory() as _t:
-    _ok = small_gpt()
-    wrap_minigpt_qlora(_ok, r=4, alpha=8.0)
-    randomize_lora(_ok, seed=4)
-    save_adapter(_ok, _t)
-    _file = Path(_t) / "adapter_model.safetensors"
-    _tensors = safetensors.torch.load_file(str(_file))
-    # a missing key, named; nothing copied (not even the keys that are present)
-    _key = f"{PREFIX}blocks.1.mlp.down_proj.lora_B.weight"
-    safetensors.torch.save_file({k: v for k, v in _tensors.items() if k != _key}, str(_file))
-    _expect_refusal(_m, _t, [_key], "hidden: a file without one key")
-    # an unexpected key
-    safetensors.torch.save_file({**_tensors, f"{PREFIX}lm_head.lora_A.weight": torch.zeros(4, 32)},
-                                str(_file))
-    _expect_refusal(_m, _t, [f"{PREFIX}lm_head.lora_A.weight"], "hidden: an unexpected key")
-    # a mis-shaped factor
-    safetensors.torch.save_file({**_tensors, _key: torch.zeros(4, 32)}, str(_file))
-    _expect_refusal(_m, _t, [_key], "hidden: a mis-shaped key")
-    safetensors.torch.save_file(_tensors, str(_file))
-    # another alpha (same r): another scaling
-    _cfg = json.loads((Path(_t) / "adapter_config.json").read_text())
-    (Path(_t) / "adapter_config.json").write_text(json.dumps({**_cfg, "lora_alpha": 16.0}))
-    _expect_refusal(_m, _t, [], "hidden: lora_alpha 16 into layers with scaling 8/4")
-    # rsLoRA: alpha / sqrt(r)
-    (Path(_t) / "adapter_config.json").write_text(json.dumps({**_cfg, "use_rslora": True}))
-    _expect_refusal(_m, _t, [], "hidden: a use_rslora adapter into plain-LoRA layers")
-    # not LoRA
-    (Path(_t) / "adapter_config.json").write_text(json.dumps({**_cfg, "peft_type": "IA3"}))
-    _expect_refusal(_m, _t, [], "hidden: peft_type IA3")
-    (Path(_t) / "adapter_config.json").write_text(json.dumps(_cfg))
-    # a model without LoRA layers
-    _plain = small_gpt()
-    _expect_refusal(_plain, _t, [], "hidden: a model with no LoRA layer")
-    # and the good file loads
-    _swap(_m, _t)
-    with torch.no_grad():
-        assert torch.equal(_m(torch.zeros(1, 3, dtype=torch.long)),
-                           _ok.eval()(torch.zeros(1, 3, dtype=torch.long))), \
-            "hidden: after the refusals, the good adapter should load and equal its source"
+_t = tempfile.mkdtemp()
+_ok = small_gpt()
+wrap_minigpt_qlora(_ok, r=4, alpha=8.0)
+randomize_lora(_ok, seed=4)
+save_adapter(_ok, _t)
+_file = Path(_t) / "adapter_model.safetensors"
+_tensors = safetensors.torch.load_file(str(_file))
+_cfg = json.loads((Path(_t) / "adapter_config.json").read_text())
+_key = f"{PREFIX}blocks.1.mlp.down_proj.lora_B.weight"
+# case: a file without one key of the second block
+safetensors.torch.save_file({k: v for k, v in _tensors.items() if k != _key}, str(_file))
+_expect_refusal(_m_served, _t, [_key], "hidden: a file without one key")
+# case: a file with an unexpected key
+safetensors.torch.save_file({**_tensors, f"{PREFIX}lm_head.lora_A.weight": torch.zeros(4, 32)},
+                            str(_file))
+_expect_refusal(_m_served, _t, [f"{PREFIX}lm_head.lora_A.weight"], "hidden: an unexpected key")
+# case: a file with a factor of another shape
+safetensors.torch.save_file({**_tensors, _key: torch.zeros(4, 32)}, str(_file))
+_expect_refusal(_m_served, _t, [_key], "hidden: a mis-shaped key")
+safetensors.torch.save_file(_tensors, str(_file))
+# case: another lora_alpha, the same r
+(Path(_t) / "adapter_config.json").write_text(json.dumps({**_cfg, "lora_alpha": 16.0}))
+_expect_refusal(_m_served, _t, [], "hidden: lora_alpha 16 into layers with scaling 8/4")
+# case: a use_rslora adapter
+(Path(_t) / "adapter_config.json").write_text(json.dumps({**_cfg, "use_rslora": True}))
+_expect_refusal(_m_served, _t, [], "hidden: a use_rslora adapter into plain-LoRA layers")
+# case: another peft_type
+(Path(_t) / "adapter_config.json").write_text(json.dumps({**_cfg, "peft_type": "IA3"}))
+_expect_refusal(_m_served, _t, [], "hidden: peft_type IA3")
+(Path(_t) / "adapter_config.json").write_text(json.dumps(_cfg))
+# case: a model without LoRA layers
+_expect_refusal(_served(small_gpt()), _t, [], "hidden: a model with no LoRA layer")
+# case: the good file after the refusals
+_swap(_m, _t)
+with torch.no_grad():
+    assert torch.equal(_m(torch.zeros(1, 3, dtype=torch.long)),
+                       _ok.eval()(torch.zeros(1, 3, dtype=torch.long))), \
+        "hidden: after the refusals, the good adapter should load and equal its source"
 ### END HIDDEN TESTS
 
 # %% [markdown]
