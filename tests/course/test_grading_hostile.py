@@ -137,6 +137,7 @@ def graded(tmp_path_factory):
                            "--course", str(course), "--jobs", "2"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout[proc.stdout.find("student "):])      # the class table, for -rA
     with open(out / "grades.csv", encoding="utf-8") as f:
         rows = {(r["student"], r["lab"]): r for r in csv.DictReader(f)}
     return rows, out
