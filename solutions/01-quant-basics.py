@@ -63,7 +63,6 @@ import torch
 import minigpt
 import miniquant
 import miniquant.intquant as intquant
-from course.notebook.harness import forbid
 
 # Small tensors: one CPU thread is faster than several that wait for each other.
 torch.set_num_threads(1)
@@ -78,31 +77,6 @@ print(f"blocks.0.mlp.up_proj.weight: shape {tuple(W.shape)}, {W.numel():,d} weig
 
 
 # Helpers for the test cells below (you do not need to read them to do the exercises).
-def _reference_called(*args, **kwargs):
-    raise AssertionError("this exercise must not call the miniquant reference "
-                         "(quantize_absmax_int8, quantize_symmetric_per_group, ... from "
-                         "miniquant): write it with torch operations")
-
-
-@contextlib.contextmanager
-def reference_disabled():
-    """Used by the tests: inside this block, miniquant's integer quantizers raise if called
-    (every name bound to them is switched off where your code runs, and their code too)."""
-    names = ["quantize_absmax_int8", "dequantize_absmax_int8", "quantize_symmetric_per_group",
-             "dequantize_symmetric_per_group", "round_to_grid"]
-    saved = {name: getattr(intquant, name).__code__ for name in names}
-    with forbid([(intquant, name) for name in names], globals(),
-                why="this exercise must not call the miniquant reference: write it with torch "
-                    "operations"):
-        try:
-            for name in names:
-                getattr(intquant, name).__code__ = _reference_called.__code__
-            yield
-        finally:
-            for name, code in saved.items():
-                getattr(intquant, name).__code__ = code
-
-
 def _codes_equal(got, want, where):
     """Assert two integer code tensors are equal; say how many differ, where, and by how much."""
     assert isinstance(got, torch.Tensor), f"{where}: expected a tensor, got {type(got).__name__}"
@@ -219,6 +193,36 @@ def dequantize_absmax_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_absmax_int8", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# What the tests switch off while your code runs, here in a locked cell: the later test
+# cells use it too.
+from course.notebook.harness import forbid  # noqa: E402
+
+
+def _reference_called(*args, **kwargs):
+    raise AssertionError("this exercise must not call the miniquant reference "
+                         "(quantize_absmax_int8, quantize_symmetric_per_group, ... from "
+                         "miniquant): write it with torch operations")
+
+
+@contextlib.contextmanager
+def reference_disabled():
+    """Used by the tests: inside this block, miniquant's integer quantizers raise if called
+    (every name bound to them is switched off where your code runs, and their code too)."""
+    names = ["quantize_absmax_int8", "dequantize_absmax_int8", "quantize_symmetric_per_group",
+             "dequantize_symmetric_per_group", "round_to_grid"]
+    saved = {name: getattr(intquant, name).__code__ for name in names}
+    with forbid([(intquant, name) for name in names], globals(),
+                why="this exercise must not call the miniquant reference: write it with torch "
+                    "operations"):
+        try:
+            for name in names:
+                getattr(intquant, name).__code__ = _reference_called.__code__
+            yield
+        finally:
+            for name, code in saved.items():
+                getattr(intquant, name).__code__ = code
+
+
 def _check_absmax(w, dim=None, want_q=None, want_scale=None):
     """Compare with the reference (and with hand-worked codes/scale when given)."""
     where = f"quantize_absmax_int8(w of shape {tuple(w.shape)}, {w.dtype}, dim={dim})"

@@ -208,8 +208,7 @@ def _codebook_with_tables_off():
 
     import __main__
     import miniquant as _mq
-    from course.notebook.harness import forbid as _forbid
-    from course.notebook.harness import swap as _swap
+    from course.notebook import harness
 
     ns = vars(__main__)
     poison = _torch.zeros(16)
@@ -217,8 +216,8 @@ def _codebook_with_tables_off():
     try:
         if saved_code is not None:
             ns["CODE"] = poison
-        with _swap(_mq.NF4_CODE, poison, ns), \
-                _forbid([(_mq.nf4, "nf4_codebook"), (_bnbF, "get_4bit_type"),
+        with harness.swap(_mq.NF4_CODE, poison, ns), \
+                harness.forbid([(_mq.nf4, "nf4_codebook"), (_bnbF, "get_4bit_type"),
                          (_bnbF, "create_normal_map")],
                         ns, why="nf4_codebook must derive the codebook, not copy it"), \
                 _mock.patch.object(_torch.special, "ndtri", wraps=_torch.special.ndtri) as spy:

@@ -921,6 +921,7 @@ else:
 print("train_loop: every step's loss and every final weight as minituner.train's")
 
 ### BEGIN HIDDEN TESTS
+# case: the hidden cases' own setup
 def _small_lora(seed=0, dropout=0.0):
     m = small_gpt(seed)
     torch.manual_seed(seed + 100)

@@ -1411,6 +1411,7 @@ print("swap_adapter refuses an adapter of another rank or scaling, and a file th
       "key, and leaves the model as it was")
 
 ### BEGIN HIDDEN TESTS
+# case: the hidden cases' own setup
 _t = tempfile.mkdtemp()
 _ok = small_gpt()
 wrap_minigpt_qlora(_ok, r=4, alpha=8.0)
