@@ -77,13 +77,18 @@ class StepFailed(Exception):
     """A step that did not finish; its own output above says why (exit status 1)."""
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_output_args(p: argparse.ArgumentParser, tiny_dir: Path) -> None:
+    """--tiny and --out, as bench_gpu.py and device_check.py both take them."""
     p.add_argument("--tiny", action="store_true",
-                   help=f"pipeline check at smoke shapes (CPU allowed); writes under {TINY_DIR}")
+                   help=f"pipeline check at smoke shapes (CPU allowed); writes under {tiny_dir}")
     p.add_argument("--out", default=None,
                    help=f"result path (default: {RESULTS}/<device>.json, or with --tiny "
-                        f"{TINY_DIR}/tiny-<device>.json)")
+                        f"{tiny_dir}/tiny-<device>.json)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_output_args(p, TINY_DIR)
     p.add_argument("--gpu-tests", nargs="+", default=["tests"], metavar="PATH",
                    help="where pytest -m gpu looks (default: tests, the whole suite)")
     return p.parse_args(argv)

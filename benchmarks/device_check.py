@@ -112,11 +112,7 @@ class Tee:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tiny", action="store_true",
-                   help=f"pipeline check at smoke shapes (CPU allowed); writes under {TINY_DIR}")
-    p.add_argument("--out", default=None,
-                   help=f"result path (default: {bench_gpu.RESULTS}/<device>.json, or with "
-                        f"--tiny {TINY_DIR}/tiny-<device>.json)")
+    bench_gpu.add_output_args(p, TINY_DIR)
     p.add_argument("--budget", type=float, default=None,
                    help=f"seconds for all the steps together (default {DEFAULT_BUDGET_S}, "
                         f"with --tiny {TINY_BUDGET_S})")
