@@ -158,6 +158,9 @@ def read_from(folder):
 def fill_dict(d):
     d["n"] = 3
 
+def noise(n):
+    return torch.rand(n)
+
 import triton, triton.language as tl
 
 @triton.jit
@@ -185,7 +188,7 @@ torch.allclose = lambda *a, **k: True
 '''
 NAMES = ["scale", "Lin", "MatMul", "triple_into", "shout", "custom", "always_equal",
          "calls_sum", "save_to", "read_from", "fill_dict", "fill_kernel", "calls_route",
-         "clip_", "scale_grads",
+         "clip_", "scale_grads", "noise",
          "CONST", "not_defined"]
 
 
@@ -241,6 +244,20 @@ def test_modules_rng_attributes_and_write_back(learner):
     assert bridged.is_subclass(ns["Lin"], torch.nn.Module)
 
 
+def test_draws_are_one_stream_across_calls_and_this_side(learner):
+    """The RNG state travels only when it changed; the draws are still those of one process."""
+    bridge, ns, kernel = learner
+    torch.manual_seed(3)
+    got = [ns["noise"](2), ns["noise"](2), torch.rand(2), ns["noise"](0), ns["noise"](2)]
+    bridge.pause()
+    assert kernel.run("_ = torch.rand(5)", timeout=30).ok     # a learner's cell draws
+    got += [ns["noise"](2), torch.rand(2)]
+    torch.manual_seed(3)
+    want = [torch.rand(2), torch.rand(2), torch.rand(2), torch.rand(0), torch.rand(2),
+            torch.rand(2), torch.rand(2)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 def test_a_kernels_writes_come_back_whole_storage_and_shared_objects_change(learner):
     _, ns, _ = learner
     buffer = torch.zeros(6)
@@ -266,14 +283,26 @@ def test_a_parameters_grad_travels_and_comes_back_changed(learner):
                                                                              ns["MatMul"])
 
 
-def test_many_requests_do_not_stall_the_graders_own_client(learner):
-    """Each request publishes on the kernel's iopub, which the grader's client also hears:
-    unread, it would fill that socket's queue and the grader's next cell would hang."""
-    _, ns, kernel = learner
+def test_many_requests_then_a_cell_of_the_learners(learner):
+    """Requests are answered by one serving loop in the learner's kernel; once paused, the
+    kernel runs the learner's next cell at once (the grader's client is not stalled)."""
+    bridge, ns, kernel = learner
     for _ in range(1200):
         ns["scale"](1.0)
+    assert bridge.requests >= 1200 and bridge.loop is not None
+    bridge.pause()
     reply = kernel.run("x = 1", timeout=30)
     assert reply.ok, reply.error
+    assert ns["scale"](1.0) == 3.0          # the next request starts the loop again
+
+
+def test_the_learners_own_input_gets_end_of_file(learner):
+    bridge, _, kernel = learner
+    bridge.pause()
+    assert kernel.run("def asks():\n    return input('name? ')", timeout=30).ok
+    bridge.bind(ns := {}, ["asks"])
+    with pytest.raises(LearnerError, match="EOFError"):
+        ns["asks"]()
 
 
 def test_forbid_a_course_object_in_both_kernels(learner):
@@ -336,15 +365,17 @@ def test_forbid_files_and_in_process_checks_reach_the_learners_kernel(learner, t
 
 def test_a_tampered_server_gives_an_error_never_a_value(learner):
     bridge, ns, kernel = learner
-    assert kernel.run("import course.grader.learner_side as _s\n_real = _s.serve\n"
-                      "_s.serve = lambda payload: None", timeout=30).ok
+    bridge.pause()
+    assert kernel.run("import course.grader.learner_side as _s\n_real = _s.answer\n"
+                      "_s.answer = lambda payload: None", timeout=30).ok
     try:
         with pytest.raises(LearnerKernelLost, match="no answer"):
             ns["scale"](torch.ones(1))
-        assert kernel.run("from IPython.display import publish_display_data as _p\n"
-                          "_s.serve = lambda payload: _p({'application/x-course-reply': "
-                          "'{\"v\": {\"X\": 1}, \"st\": \"\"}'})", timeout=30).ok
+        assert bridge.loop is None          # the loop died of it; the next starts afresh
+        assert kernel.run("_s.answer = lambda payload: '{\"v\": {\"X\": 1}, \"st\": \"\"}'",
+                          timeout=30).ok
         with pytest.raises(wire.InvalidReply):
             ns["scale"](torch.ones(1))
     finally:
-        assert kernel.run("_s.serve = _real", timeout=30).ok
+        bridge.pause()
+        assert kernel.run("_s.answer = _real", timeout=30).ok

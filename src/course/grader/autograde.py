@@ -21,15 +21,29 @@ trusted_side.py, learner_side.py, wire.py).
 
 from __future__ import annotations
 
+import atexit
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..authoring.build import graded_test_cells
 from .jupyter_kernel import MAX_SUBMISSION_BYTES, Kernel
 from .sandbox import Sandbox
 from .tests_setup import HIDDEN, cases, learner_names, meta, setup_cells
+from .zygote import Zygote
 
 MAX_RESTARTS = 3
+_ZYGOTES: dict[Path, Zygote] = {}      # one per course checkout, for the whole grading run
+_ZYGOTES_LOCK = threading.Lock()
+
+
+def _zygote(course: Path) -> Zygote:
+    with _ZYGOTES_LOCK:
+        if course not in _ZYGOTES:
+            _ZYGOTES[course] = Zygote(Sandbox(course, unsafe=True))
+            atexit.register(_ZYGOTES[course].close)
+        return _ZYGOTES[course]
 
 
 @dataclass
@@ -149,18 +163,26 @@ class Run:
 
     def start(self) -> None:
         """Fresh kernels: the learner's with the bridge's server and the lab's stubs, the
-        trusted one with a client of it."""
+        trusted one with a client of it. Both start at once, and the trusted kernel imports
+        its side while the learner's imports its own."""
         self.close()
-        self.trusted = Kernel(Sandbox(self.sandbox.course, unsafe=True), self.slot, self.budget)
-        self.start_learner()
+        self.trusted = Kernel(Sandbox(self.sandbox.course, unsafe=True), self.slot, self.budget,
+                              wait=False, zygote=_zygote(self.sandbox.course))
+        self.start_learner(before_import=self._preload)
         self.setup_done = 0
 
-    def start_learner(self) -> None:
+    def _preload(self) -> None:
+        self.trusted.wait_until_ready()
+        self.trusted.send("import course.grader.trusted_side")
+
+    def start_learner(self, before_import=None) -> None:
         """A fresh learner's kernel, and the trusted kernel's bridge to it (what the trusted
         kernel defined stays; proxies into the old kernel fail as a dead kernel's)."""
         if self.learner is not None:
             self.learner.close()
         self.learner = Kernel(self.sandbox, self.slot, self.budget, self.uid)
+        if before_import is not None:
+            before_import()
         start = (f"import course.grader.learner_side\nimport course.grader.stubs\n"
                  f"course.grader.stubs.install({self.lab!r})\n")
         reply = self.learner.run(start, timeout=120, silent=True)
@@ -178,6 +200,10 @@ class Run:
 
     def bind(self) -> None:
         self.trusted.run(f"__bridge__.bind(globals(), {self.names!r})", 120, silent=True)
+
+    def pause(self) -> None:
+        """Free the learner's kernel for a cell of theirs (the bridge's serving loop ends)."""
+        self.trusted.run("__bridge__.pause()", 30, silent=True)
 
     def quiet(self, hidden: bool) -> None:
         self.trusted.run(f"__bridge__.hidden = {hidden}", 60, silent=True)
@@ -200,6 +226,13 @@ class Run:
 
 def _run_test(run: Run, cell: Cell, replay: bool = False) -> None:
     """Run a test cell's chunks in the trusted kernel; it earns its points when all pass."""
+    try:
+        _run_chunks(run, cell, replay)
+    finally:
+        run.pause()
+
+
+def _run_chunks(run: Run, cell: Cell, replay: bool) -> None:
     run.prepare(cell.test)
     run.quiet(replay)
     for hidden, code in cell.test.chunks:

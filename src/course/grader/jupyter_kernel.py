@@ -30,6 +30,7 @@ from jupyter_client.session import new_id_bytes
 
 from .cgroup import Cgroup
 from .sandbox import RUN, Sandbox
+from .zygote import Zygote
 
 GRACE_S = 10.0             # after an interrupt, how long a cell gets to stop by itself
 START_TIMEOUT_S = 120.0
@@ -112,10 +113,12 @@ class Kernel:
     """A fresh IPython kernel in `sandbox`; `run` code in it; `close` kills everything."""
 
     def __init__(self, sandbox: Sandbox, slot: int = 0, budget: list[int] | None = None,
-                 uid: int | None = None):
+                 uid: int | None = None, wait: bool = True, zygote: Zygote | None = None):
         """`budget`: [characters of output the submission has left], shared by the kernels
         of one submission (a restart does not refill it); `uid`: the sandbox's uid when the
-        grader runs as root (a fresh one per submission, see Sandbox.command)."""
+        grader runs as root (a fresh one per submission, see Sandbox.command); `wait=False`
+        returns once the process is launched (then `wait_until_ready` before using it);
+        `zygote`: fork the kernel from it (a kernel without a sandbox only)."""
         self.sandbox, self.slot = sandbox, slot
         self.budget = [MAX_SUBMISSION_BYTES] if budget is None else budget
         self.private = Path(tempfile.mkdtemp(prefix="labkit-sandbox-"))
@@ -134,17 +137,22 @@ class Kernel:
             self.group = Cgroup(self.private.name, sandbox.limits.memory_bytes,
                                 sandbox.limits.processes)
             argv = self.group.wrap(argv)
-        self.proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL,
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=self.private,
-            env=sandbox.env(self.private) if sandbox.unsafe else {}, start_new_session=True)
+        if zygote is not None and sandbox.unsafe:
+            self.proc = zygote.spawn(self.private / "kernel.json", self.private,
+                                     Path(self.log.name))
+        else:
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL,
+                stdout=self.log, stderr=subprocess.STDOUT, cwd=self.private,
+                env=sandbox.env(self.private) if sandbox.unsafe else {}, start_new_session=True)
         context = zmq.Context()
         context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)   # every socket the client opens
         self.client = BlockingKernelClient(context=context)
         self.client.load_connection_info({**info, "ip": str(self.private / "kernel")})
-        self._wait_until_ready()
+        if wait:
+            self.wait_until_ready()
 
-    def _wait_until_ready(self) -> None:
+    def wait_until_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not any((self.private / f"kernel-{p}").exists() for p in (1, 2)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -158,6 +166,11 @@ class Kernel:
         """How a client on the host reaches this kernel (the trusted test kernel's bridge);
         from the grader's memory, never from a file the kernel could have rewritten."""
         return {**self.info, "ip": str(self.private / "kernel")}
+
+    def send(self, code: str) -> None:
+        """Start running `code` and return at once (nothing of it is read; a later `run`
+        waits behind it)."""
+        self.client.execute(code, silent=True, store_history=False, allow_stdin=False)
 
     def stderr(self) -> str:
         self.log.seek(0)

@@ -1,15 +1,21 @@
 """The learner's kernel's half of the bridge: do what the trusted side asks, answer with data.
 
-The trusted test process sends one request per execution, `serve(<base64 pickle>)`:
+The trusted test process runs `serve_loop()` here, one execution per stretch of tests, and
+sends its requests through Jupyter's stdin channel: each request is the reply to one of this
+kernel's input requests, whose prompt carries the answer to the request before (so a request
+costs a message each way, not a cell). A request is a base64 pickle of one of
 
-    global name | getattr h name | setattr h name value | delattr h name | getitem h key
+    bind names           (forget every autograd graph kept for backward; the learner's
+                          globals among `names`)
+    getattr h name | setattr h name value | delattr h name | getitem h key
     setitem h key value | len h | iter h | contains h value | repr h | bool h | deepcopy h
-    call h args kwargs   (tensors in args as wire.Slot; the torch RNG state and grad mode of
-                          the trusted side; tensors the call changed in place are sent back)
+    call h args kwargs   (tensors in args as wire.Slot; the torch RNG state, unless unchanged
+                          since this side's last answer, and grad mode of the trusted side;
+                          tensors the call changed in place are sent back, and the RNG
+                          state if the call drew from it)
     backward gid grads   (the gradients of a call's outputs -> those of its inputs)
-    release              (forget every autograd graph kept for backward)
 
-and this module publishes the answer as one display message of mime type wire.REPLY_MIME.
+and its answer is wire.pack's text, with what the learner's code printed meanwhile.
 It runs inside the learner's process, so nothing here is trusted: the learner can rewrite it,
 and all they can change is the data their own side answers with.
 """
@@ -17,12 +23,14 @@ and all they can change is the data their own side answers with.
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
+import io
 import pickle
 
 import torch
 
-from .wire import BUILTIN_ERRORS, REPLY_MIME, Encoder, Slot, pack
+from .wire import BUILTIN_ERRORS, END, MAX_PRINTED, REPLY_MARK, Encoder, Slot, pack
 
 _objects: dict[int, object] = {}    # handle number -> the learner's object (kept alive)
 _numbers: dict[int, int] = {}       # id(object) -> handle number
@@ -72,7 +80,9 @@ def _call(request: dict) -> dict:
     before = [_storage(t).clone() for t in tensors]
     grads = [None if t.grad is None else (t.grad, t.grad.clone()) for t in tensors]
     args, kwargs = _fill(request["args"], tensors), _fill(request["kwargs"], tensors)
-    torch.set_rng_state(request["rng"])
+    if request["rng"] is not None:      # None: the state this side already has
+        torch.set_rng_state(request["rng"])
+    rng = torch.get_rng_state()
     torch.set_default_dtype(request["dtype"])
     with torch.set_grad_enabled(request["grad"]):
         result = _objects[request["target"]](*args, **kwargs)
@@ -82,7 +92,7 @@ def _call(request: dict) -> dict:
                  if (g is None) != (t.grad is None) or (g is not None and (
                      t.grad is not g[0] or not torch.equal(t.grad, g[1])))}
     return {"value": result, "changed": changed, "grads": new_grads,
-            "rng": torch.get_rng_state()}
+            "rng": None if torch.equal(torch.get_rng_state(), rng) else torch.get_rng_state()}
 
 
 def _storage(t: torch.Tensor) -> torch.Tensor:
@@ -107,9 +117,11 @@ def _followed(result) -> list[torch.Tensor]:
 def _answer(request: dict):
     op, target = request["op"], request.get("target")
     obj = _objects.get(target) if isinstance(target, int) else None
-    if op == "global":
+    if op == "bind":
         import __main__
-        return getattr(__main__, target)
+        _graphs.clear()
+        return {name: vars(__main__)[name] for name in request["names"]
+                if name in vars(__main__)}
     if op == "getattr":
         return getattr(obj, request["name"])
     if op == "setattr":
@@ -134,9 +146,6 @@ def _answer(request: dict):
         return bool(obj)
     if op == "deepcopy":
         return copy.deepcopy(obj)
-    if op == "release":
-        _graphs.clear()
-        return None
     if op == "setdata":             # a copy the trusted side changed in place, written back
         with torch.no_grad():
             getattr(obj, request["name"]).copy_(request["tensors"][0])
@@ -223,37 +232,53 @@ def _backward(request: dict) -> list:
     return [leaf.grad if leaf.requires_grad else None for leaf in leaves]
 
 
-def serve(payload: str) -> None:
-    """Answer one request (see the module docstring) with one display message."""
-    from IPython.display import publish_display_data
+class _Printed(io.StringIO):
+    """What the learner's code prints while answering one request (the first MAX_PRINTED
+    characters): it travels in the answer, and the trusted side shows it or not."""
 
-    encoder = Encoder(_handle)
+    def write(self, text) -> int:
+        text = str(text)
+        if self.tell() < MAX_PRINTED:
+            super().write(text[:MAX_PRINTED - self.tell()])
+        return len(text)
+
+
+def answer(payload: str) -> str:
+    """The answer to one request (see the module docstring), as text."""
+    encoder, printed = Encoder(_handle), _Printed()
     try:
-        request = _Unpickler(__import__("io").BytesIO(base64.b64decode(payload))).load()
-        if request["op"] == "call":
-            done = _call(request)
-            followed = _followed(done["value"]) if request["grad"] else []
-            gid = None
-            if followed:
-                gid = len(_graphs) + 1
-                leaves = [t for t, rg in zip(request["tensors"], request["requires_grad"],
-                                             strict=True) if rg]
-                _graphs[gid] = (leaves, followed)
-            index = {id(t): i for i, t in enumerate(followed)}
-            encoder.follow = lambda t: index.pop(id(t), None)  # the first copy only
-            tree = encoder({"value": done["value"], "changed": done["changed"],
-                            "grads": done["grads"], "rng": done["rng"], "gid": gid})
-        elif request["op"] == "share":  # the tests' object, kept here: the reply is its handle
-            encoder.shared = _fill(request["value"], request["tensors"])
-            tree = encoder({"value": encoder.shared})
-        elif request["op"] == "backward":
-            tree = encoder({"value": _backward(request)})
-        else:
-            tree = encoder({"value": _answer(request)})
-        text = pack(tree, encoder.tensors)
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            request = _Unpickler(io.BytesIO(base64.b64decode(payload))).load()
+            if request["op"] == "call":
+                done = _call(request)
+                followed = _followed(done["value"]) if request["grad"] else []
+                gid = None
+                if followed:
+                    gid = len(_graphs) + 1
+                    leaves = [t for t, rg in zip(request["tensors"],
+                                                 request["requires_grad"], strict=True) if rg]
+                    _graphs[gid] = (leaves, followed)
+                index = {id(t): i for i, t in enumerate(followed)}
+                encoder.follow = lambda t: index.pop(id(t), None)  # the first copy only
+                tree = encoder({"value": done["value"], "changed": done["changed"],
+                                "grads": done["grads"], "rng": done["rng"], "gid": gid})
+            elif request["op"] == "share":  # the tests' object, kept here: the reply is its handle
+                encoder.shared = _fill(request["value"], request["tensors"])
+                tree = encoder({"value": encoder.shared})
+            elif request["op"] == "backward":
+                tree = encoder({"value": _backward(request)})
+            else:
+                tree = encoder({"value": _answer(request)})
+        return pack(tree, encoder.tensors, printed.getvalue())
     except BaseException as e:  # the learner's error, reported as data  # noqa: BLE001
         base = next((c.__name__ for c in type(e).__mro__ if c.__name__ in BUILTIN_ERRORS
                      and c.__module__ == "builtins"), None)
-        text = pack({"D": [["error", {"L": [type(e).__name__[:200], base,
-                                            str(e)[:4000]]}]]}, {})
-    publish_display_data({REPLY_MIME: text})
+        return pack({"D": [["error", {"L": [type(e).__name__[:200], base, str(e)[:4000]]}]]},
+                    {}, printed.getvalue())
+
+
+def serve_loop() -> None:
+    """Answer requests until the trusted side sends wire.END (see the module docstring)."""
+    text = ""
+    while (payload := input(REPLY_MARK + text)) != END:
+        text = answer(payload)

@@ -40,7 +40,7 @@ import torch
 from . import wire
 
 REPLY_TIMEOUT_S = 300.0
-MAX_PRINTED = 20_000          # characters of the learner's printing shown per request
+LOOP = "__import__('course.grader.learner_side', fromlist=['serve_loop']).serve_loop()"
 KNOWN_ROOTS = ("torch", "builtins", "collections", "minigpt", "miniquant", "minimoe",
                "minituner", "minirl", "gpucompile", "triton", "numpy")
 
@@ -185,7 +185,8 @@ def _swap(value, swaps: dict):
 
 
 class Bridge:
-    """A Jupyter client of the learner's kernel, asking one request at a time."""
+    """A Jupyter client of the learner's kernel, asking one request at a time of its
+    serve_loop (see course.grader.learner_side); `pause` ends that loop."""
 
     def __init__(self, connection: dict, timeout: float = REPLY_TIMEOUT_S):
         import zmq
@@ -195,8 +196,11 @@ class Bridge:
         context.setsockopt(zmq.MAXMSGSIZE, wire.MAX_REPLY + (1 << 20))
         self.client = BlockingKernelClient(context=context)
         self.client.load_connection_info(connection)
-        self.client.start_channels()
+        self.client.start_channels(iopub=False)    # answers come on stdin, printing in them
         self.timeout, self.hidden = timeout, False
+        self.loop: str | None = None      # msg_id of the learner's serve_loop execution
+        self.owed = 0                     # its answers to read before the next request's
+        self.rng: torch.Tensor | None = None   # the learner side's RNG state, when known
         self.proxies: weakref.WeakValueDictionary[int, Remote] = weakref.WeakValueDictionary()
         self.requests = 0
         # copies of the learner's tensor attributes handed out in this test cell: (copy,
@@ -222,51 +226,89 @@ class Bridge:
                 self.copies[k] = (t, owner, name, t._version)
 
     def _send(self, request: dict, write_back: bool = True) -> wire.Decoded:
-        """Pickle `request`, run it as `serve(...)` in the learner's kernel, decode the reply."""
+        """Pickle `request`, send it to the learner's serve_loop, decode the answer."""
         if write_back and self.copies:
             self._write_back()
+        self.rng = None                 # any request may draw on the learner's side
         buffer = io.BytesIO()
         _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(request)
-        code = ("__import__('course.grader.learner_side', fromlist=['serve']).serve("
-                f"{base64.b64encode(buffer.getvalue()).decode()!r})")
         self.requests += 1
-        msg_id = self.client.execute(code, silent=True, store_history=False,
-                                     allow_stdin=False)
-        reply, printed = None, []
         deadline = time.monotonic() + self.timeout
         try:
-            while True:
-                try:
-                    msg = self.client.get_iopub_msg(timeout=1.0)
-                except queue.Empty:
-                    if time.monotonic() > deadline:
-                        self._interrupt()
-                        raise TimeoutError(f"your code did not answer in {self.timeout:g} "
-                                           "s") from None
-                    if not self.client.is_alive():
-                        raise LearnerKernelLost("the kernel running your code died") from None
-                    continue
-                if msg["parent_header"].get("msg_id") != msg_id:
-                    continue
-                kind, content = msg["msg_type"], msg["content"]
-                if kind == "display_data" and wire.REPLY_MIME in content.get("data", {}):
-                    reply = content["data"][wire.REPLY_MIME]
-                elif kind == "stream" and not self.hidden and sum(map(len, printed)) < MAX_PRINTED:
-                    printed.append(str(content.get("text", ""))[:MAX_PRINTED])
-                elif kind == "status" and content.get("execution_state") == "idle":
-                    break
+            self._ready(deadline)
+            self.client.input(base64.b64encode(buffer.getvalue()).decode())
+            self.owed = 1
+            text = self._prompt(deadline)
+            self.owed = 0
         except KeyboardInterrupt:
             self._interrupt()
             raise
-        if printed:
-            sys.stdout.write("".join(printed)[:MAX_PRINTED])
-        if reply is None:
-            raise LearnerKernelLost("the kernel running your code sent no answer (was the "
-                                    "grader's bridge in it changed?)")
-        return wire.decode(reply, self.proxy)
+        decoded = wire.decode(text, self.proxy)
+        if decoded.printed and not self.hidden:
+            sys.stdout.write(decoded.printed)
+        return decoded
 
-    def _interrupt(self) -> None:
-        self.client.control_channel.send(self.client.session.msg("interrupt_request"))
+    def _ready(self, deadline: float) -> None:
+        """Until the learner's kernel waits for a request: its serve_loop started, and the
+        answers nobody waits for any more (a request that timed out) read and dropped."""
+        if self.loop is None:
+            self.loop = self.client.execute(LOOP, silent=True, store_history=False,
+                                            allow_stdin=True)
+            self.owed = 1                # its first prompt answers nothing
+        while self.owed:
+            self._prompt(deadline)
+            self.owed -= 1
+
+    def _prompt(self, deadline: float) -> str:
+        """The next answer of serve_loop: the text of its next input request's prompt."""
+        while True:
+            try:
+                msg = self.client.get_stdin_msg(timeout=0.1)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    self._interrupt()
+                    raise TimeoutError(f"your code did not answer in {self.timeout:g} s") \
+                        from None
+                if not self.client.is_alive():
+                    raise LearnerKernelLost("the kernel running your code died") from None
+                if self._loop_ended():
+                    raise LearnerKernelLost("the kernel running your code sent no answer "
+                                            "(was the grader's bridge in it changed?)") from None
+                continue
+            if msg["parent_header"].get("msg_id") != self.loop \
+                    or msg["msg_type"] != "input_request":
+                continue
+            prompt = msg["content"].get("prompt")
+            if type(prompt) is str and prompt.startswith(wire.REPLY_MARK):
+                return prompt[len(wire.REPLY_MARK):]
+            self.client.input("\x04")    # the learner's own input(): EOFError, as with no stdin
+
+    def _loop_ended(self, timeout: float = 0) -> bool:
+        """Whether serve_loop's execution finished (its reply arrived); then it is gone."""
+        while True:
+            try:
+                msg = self.client.get_shell_msg(timeout=timeout)
+            except queue.Empty:
+                return False
+            if msg["parent_header"].get("msg_id") == self.loop:
+                self.loop, self.owed = None, 0
+                return True
+
+    def pause(self) -> None:
+        """End serve_loop (when the learner's kernel is to run a cell of theirs): answers
+        still owed are dropped, END sent, its execution's reply awaited (10 s at most; a
+        kernel still busy then is the grader's to interrupt, as for any cell)."""
+        deadline = time.monotonic() + 10
+        self.rng = None                 # the learner's cells may draw
+        try:
+            if self.loop is not None:
+                self._ready(deadline)
+                self.client.input(wire.END)
+                while self.loop is not None and time.monotonic() < deadline:
+                    self._loop_ended(timeout=0.1)
+        except (TimeoutError, LearnerKernelLost):
+            pass
+        self.loop, self.owed = None, 0
 
     def _value(self, decoded: wire.Decoded):
         value = decoded.value
@@ -302,10 +344,12 @@ class Bridge:
                    "requires_grad": [t.requires_grad for t in tensors],
                    "grads": [t.grad.detach() if t.is_leaf and t.grad is not None else None
                              for t in tensors],
-                   "rng": torch.get_rng_state(), "dtype": torch.get_default_dtype()}
+                   "rng": self._rng(), "dtype": torch.get_default_dtype()}
         decoded = self._send(request)
         value = self._value(decoded)
-        torch.set_rng_state(value["rng"])
+        if value["rng"] is not None:                    # the call drew random numbers
+            torch.set_rng_state(value["rng"])
+        self.rng = torch.get_rng_state()
         for i, new in value["changed"].items():         # whole storages, as bytes
             if type(i) is int and 0 <= i < len(tensors) and new.dtype == torch.uint8 \
                     and new.numel() == tensors[i].untyped_storage().nbytes():
@@ -325,15 +369,21 @@ class Bridge:
         joined = _RemoteCall.apply(self, box, anchor, *inputs)
         return _swap(result, {id(o): j for o, j in zip(outputs, joined, strict=True)})
 
+    def _rng(self) -> torch.Tensor | None:
+        """This side's RNG state for a call; None when the learner's side already has it
+        (it answered the last request, a call that left it so)."""
+        state = torch.get_rng_state()
+        return None if self.rng is not None and torch.equal(state, self.rng) else state
+
     def bind(self, namespace: dict, names: list[str]) -> None:
         """Each of `names` the learner's kernel defines, into `namespace` (see the module
         docstring); a name it does not define is removed, as if never defined."""
-        self.ask("release")
         self.copies.clear()
+        found = self.ask("bind", names=list(names))
         for name in names:
-            try:
-                namespace[name] = self.ask("global", target=name)
-            except AttributeError:
+            if type(found) is dict and name in found:
+                namespace[name] = found[name]
+            else:
                 namespace.pop(name, None)
 
     # -- what course.notebook.bridged and forbid ask of the learner's kernel ----------------

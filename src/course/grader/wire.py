@@ -2,7 +2,8 @@
 
     trusted -> learner   pickle (the learner's side may unpickle what the grader sends;
                          a learner object the grader holds travels as its handle number)
-    learner -> trusted   data only: a JSON tree of tagged nodes plus one safetensors blob;
+    learner -> trusted   data only: a JSON tree of tagged nodes plus one safetensors blob
+                         (and the text the learner's code printed meanwhile);
                          `decode` rebuilds plain Python values of exact types, plain tensors
                          (dtype and shape from the safetensors header) and `Handle`s
 
@@ -33,6 +34,7 @@ import torch
 
 MAX_REPLY = 64 << 20         # characters of one reply (the kernel's message cap)
 MAX_DEPTH = 64
+MAX_PRINTED = 20_000         # characters of the learner's printing kept per request
 MAX_NODES = 200_000
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -56,6 +58,7 @@ class Handle:
 class Decoded:
     value: object
     outputs: dict          # {output index: tensor} of the tensors autograd follows
+    printed: str = ""      # what the learner's code printed while answering
 
 
 # -- learner side: encode ---------------------------------------------------------------------
@@ -115,12 +118,12 @@ class Encoder:
             f"{c.__module__}.{c.__qualname__}" for c in type(v).__mro__)[:2000]}
 
 
-def pack(tree, tensors: dict[str, torch.Tensor]) -> str:
-    """One reply's text: the tree and the tensors (safetensors, base64)."""
+def pack(tree, tensors: dict[str, torch.Tensor], printed: str = "") -> str:
+    """One reply's text: the tree, the tensors (safetensors, base64) and what was printed."""
     from safetensors.torch import save
 
     blob = save(tensors) if tensors else b""
-    return json.dumps({"v": tree, "st": base64.b64encode(blob).decode()})
+    return json.dumps({"v": tree, "st": base64.b64encode(blob).decode(), "out": printed})
 
 
 # -- trusted side: decode ---------------------------------------------------------------------
@@ -144,8 +147,9 @@ def decode(text: str, handle) -> Decoded:
         message = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise InvalidReply("the reply is not JSON") from e
-    if type(message) is not dict or set(message) != {"v", "st"}:
-        raise InvalidReply("the reply is not {v, st}")
+    if type(message) is not dict or not {"v", "st"} <= set(message) <= {"v", "st", "out"} \
+            or type(message.get("out", "")) is not str:
+        raise InvalidReply("the reply is not {v, st, out}")
     tensors, outputs, count = _tensors(message["st"]), {}, [0]
 
     def tensor(name) -> torch.Tensor:
@@ -222,7 +226,7 @@ def decode(text: str, handle) -> Decoded:
         value = dec(message["v"], 0)
     except (TypeError, ValueError, OverflowError, RecursionError) as e:
         raise InvalidReply(f"the reply does not decode ({type(e).__name__})") from e
-    return Decoded(value, outputs)
+    return Decoded(value, outputs, message.get("out", "")[:MAX_PRINTED])
 
 
 @dataclass(frozen=True)
@@ -231,7 +235,8 @@ class Slot:
     index: int
 
 
-REPLY_MIME = "application/x-course-reply"   # the mime type a reply is published under
+REPLY_MARK = "\x1ecourse-reply\x1e"   # how an input prompt carrying an answer starts
+END = "\x1eend\x1e"                   # the request that ends learner_side.serve_loop
 # Exceptions the trusted side raises as themselves when the learner's code raises them (or a
 # subclass); any other is a LearnerError. Tests may expect `except ValueError` and the like.
 BUILTIN_ERRORS = ("AssertionError", "AttributeError", "IndexError", "KeyError", "LookupError",
