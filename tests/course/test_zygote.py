@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from course.grader import autograde
 from course.grader.jupyter_kernel import Kernel
 from course.grader.sandbox import Sandbox
 from course.grader.zygote import Zygote
@@ -58,3 +59,11 @@ def test_a_kernel_that_exits_is_seen_dead_and_the_next_still_starts(zygote):
     finally:
         again.close()
 
+
+
+def test_no_zygote_where_forking_torch_is_unsafe(monkeypatch):
+    """A learner's `make check` on macOS or Windows starts its trusted kernel as a process."""
+    monkeypatch.setattr(autograde.sys, "platform", "darwin")
+    assert autograde._zygote(ROOT) is None
+    monkeypatch.setattr(autograde.sys, "platform", "linux")
+    assert isinstance(autograde._zygote(ROOT), Zygote)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -104,6 +103,8 @@ def _limits(sandbox: Sandbox) -> dict[str, int]:
 
 def _child(request: dict) -> None:
     """In the forked child: become the kernel the request asks for (never returns)."""
+    import resource  # Unix only, as is this module's use (autograde._zygote)
+
     os.setsid()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     out = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
