@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .sandbox import Sandbox
 
-# What the labs' setup cells and tests import (a module missing here, triton on a Mac, is
+# What the labs' setup cells and tests import (one that does not load here, triton on a Mac, is
 # skipped; matplotlib shares the zygote's config folder, so its font cache is built once).
 WARM = ("torch", "numpy", "ipykernel.kernelapp", "course.grader.trusted_side",
         "course.notebook.harness", "matplotlib.pyplot", "safetensors.torch", "triton",
@@ -128,7 +128,7 @@ def main() -> None:
     import importlib
 
     for name in WARM:
-        with contextlib.suppress(ImportError):
+        with contextlib.suppress(Exception):     # a module that cannot load is loaded later
             importlib.import_module(name)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)     # a kernel that exits is reaped at once
     for line in sys.stdin:
