@@ -28,8 +28,8 @@ from pathlib import Path
 
 from .sandbox import Sandbox
 
-# What the labs' setup cells and tests import (one that does not load here, triton on a Mac, is
-# skipped; matplotlib shares the zygote's config folder, so its font cache is built once).
+# What the labs' setup cells and tests import (one that does not load here is skipped);
+# matplotlib shares the zygote's config folder, so its font cache is built once.
 WARM = ("torch", "numpy", "ipykernel.kernelapp", "course.grader.trusted_side",
         "course.notebook.harness", "matplotlib.pyplot", "safetensors.torch", "triton",
         "triton.language", "labkit", "minigpt", "miniquant", "minimoe", "minimoe.kernels",
