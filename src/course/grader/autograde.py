@@ -22,11 +22,11 @@ trusted_side.py, learner_side.py, wire.py).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..authoring.build import graded_test_cells
 from .jupyter_kernel import MAX_SUBMISSION_BYTES, Kernel
@@ -35,20 +35,20 @@ from .tests_setup import HIDDEN, cases, learner_names, meta, setup_cells
 from .zygote import Zygote
 
 MAX_RESTARTS = 3
-_ZYGOTES: dict[Path, Zygote] = {}      # one per course checkout, for the whole grading run
+_ZYGOTES: dict[Sandbox, Zygote] = {}   # one per kind of trusted kernel, for the whole run
 _ZYGOTES_LOCK = threading.Lock()
 
 
-def _zygote(course: Path) -> Zygote | None:
+def _zygote(trusted: Sandbox) -> Zygote | None:
     """The grading run's zygote for trusted kernels; None where forking a process that has
     imported torch is unsafe or impossible (macOS, Windows: a learner's `make check`)."""
     if sys.platform != "linux":
         return None
     with _ZYGOTES_LOCK:
-        if course not in _ZYGOTES:
-            _ZYGOTES[course] = Zygote(Sandbox(course, unsafe=True))
-            atexit.register(_ZYGOTES[course].close)
-        return _ZYGOTES[course]
+        if trusted not in _ZYGOTES:
+            _ZYGOTES[trusted] = Zygote(trusted)
+            atexit.register(_ZYGOTES[trusted].close)
+        return _ZYGOTES[trusted]
 
 
 @dataclass
@@ -171,8 +171,9 @@ class Run:
         trusted one with a client of it. Both start at once, and the trusted kernel imports
         its side while the learner's imports its own."""
         self.close()
-        self.trusted = Kernel(Sandbox(self.sandbox.course, unsafe=True), self.slot, self.budget,
-                              wait=False, zygote=_zygote(self.sandbox.course))
+        trusted = dataclasses.replace(self.sandbox, unsafe=True, cgroups=False)
+        self.trusted = Kernel(trusted, self.slot, self.budget, wait=False,
+                              zygote=_zygote(trusted))
         self.start_learner(before_import=self._preload)
         self.setup_done = 0
 

@@ -4,8 +4,9 @@ only.
 The learner's cells run in a kernel of their own and the lab's visible tests (from the
 release notebook, so an edited test cell is put back) in a trusted kernel, through the same
 bridge as grading (autograde.py), so the verdict is the one the grader will give; there is
-no sandbox (it is the learner's own machine). The hidden tests exist only in solutions/ and
-run when the notebook is graded. The file is read, never written.
+no sandbox (it is the learner's own machine, and both kernels have their environment). The
+hidden tests exist only in solutions/ and run when the notebook is graded. The file is read,
+never written.
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ from .autograde import grade_notebook
 from .sandbox import Sandbox
 
 
-def _first_line_of_setup_failure(cells) -> str:
-    """The first learner cell above every test that failed (an import error, say), or ""."""
-    for i, cell in enumerate(cells, start=1):
+def _setup_failure(cells) -> tuple[int, str] | None:
+    """(code cell number from 1, error) of the first learner cell that failed above every
+    test (an import error, triton missing): the tests below it cannot run. None otherwise."""
+    number = 0
+    for cell in cells:
         if cell.kind == "test":
-            return ""
+            return None
+        number += cell.kind == "code"
         if cell.kind == "code" and cell.status not in ("ok", "not run"):
-            return f"cell {i} failed ({' '.join(cell.error.split())[:300]}); the tests need it"
-    return ""
+            return number, " ".join(cell.error.split())
+    return None
 
 
 def self_check(root: Path, lab: str, notebook: Path | None = None,
@@ -39,11 +43,12 @@ def self_check(root: Path, lab: str, notebook: Path | None = None,
     root = root.resolve()
     path, nb = notebook_for_check(root, lab, notebook)
     release = nbformat.read(release_notebook_path(root, lab), as_version=4)
-    outcome = grade_notebook(nb, release, Sandbox(root, unsafe=True), timeout=timeout,
-                             total_timeout=timeout * 20 + 600, hidden=False, lab=lab)
+    outcome = grade_notebook(nb, release, Sandbox(root, unsafe=True, own_env=True),
+                             timeout=timeout, total_timeout=timeout * 20 + 600, hidden=False,
+                             lab=lab)
     print(f"{lab}: visible tests of {path}")
-    if setup := _first_line_of_setup_failure(outcome.cells):
-        print(f"  {setup}")
+    if setup := _setup_failure(outcome.cells):
+        print(f"  setup cell {setup[0]} failed: {setup[1]}; the tests below it cannot run")
     for note in outcome.notes:
         print(f"  note: {note}")
     passed: dict[str, bool] = {}
@@ -56,6 +61,8 @@ def self_check(root: Path, lab: str, notebook: Path | None = None,
               f"{cell.earned:g} / {points:g}")
         if not passed[grade_id]:
             message = cell.error if cell.status != "not run" else "not run"
+            if setup:
+                message = f"cannot run: setup cell {setup[0]} failed"
             print("".join(f"        {line}\n" for line in message.splitlines()[:12]), end="")
     print(f"{earned:g} / {total:g} points from the visible tests "
           "(the grader also runs hidden tests)")

@@ -86,9 +86,15 @@ class Sandbox:
     unsafe: bool = False     # no bubblewrap: limits only
     limits: Limits = Limits()
     cgroups: bool = False    # a cgroup v2 per kernel (grading.grade turns it on where it works)
+    own_env: bool = False    # unsafe only: the user's own environment (`make check` on their
+                             # machine, where the kernel is to see what their Jupyter sees)
 
     def env(self, home: Path = INSIDE) -> dict[str, str]:
-        """The kernel's whole environment: nothing of the grader's leaks in."""
+        """The kernel's whole environment: nothing of the grader's leaks in (with `own_env`,
+        the user's, plus the inline plots and quiet progress bars of a notebook)."""
+        if self.own_env and self.unsafe:
+            return {**os.environ, "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+                    "PYTHONDONTWRITEBYTECODE": "1", "TQDM_MININTERVAL": "5"}
         return {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": home,
                 "LANG": "C.UTF-8", "MPLBACKEND": "module://matplotlib_inline.backend_inline",
                 "MPLCONFIGDIR": f"{home}/.config/matplotlib", "NBGRADER_EXECUTION": "autograde",
