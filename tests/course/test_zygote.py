@@ -61,10 +61,12 @@ def test_a_kernel_that_exits_is_seen_dead_and_the_next_still_starts(zygote):
 
 
 
-def test_no_zygote_where_forking_torch_is_unsafe(monkeypatch):
-    """A learner's `make check` on macOS or Windows starts its trusted kernel as a process."""
+def test_no_zygote_for_make_check_or_off_linux(monkeypatch):
+    """Grading forks its trusted kernels; a learner's `make check`, and anything on macOS or
+    Windows, starts its trusted kernel as a process."""
     trusted = Sandbox(ROOT, unsafe=True)
     monkeypatch.setattr(autograde.sys, "platform", "darwin")
     assert autograde._zygote(trusted) is None
     monkeypatch.setattr(autograde.sys, "platform", "linux")
     assert isinstance(autograde._zygote(trusted), Zygote)
+    assert autograde._zygote(Sandbox(ROOT, unsafe=True, own_env=True)) is None

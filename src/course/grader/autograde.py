@@ -40,9 +40,10 @@ _ZYGOTES_LOCK = threading.Lock()
 
 
 def _zygote(trusted: Sandbox) -> Zygote | None:
-    """The grading run's zygote for trusted kernels; None where forking a process that has
-    imported torch is unsafe or impossible (macOS, Windows: a learner's `make check`)."""
-    if sys.platform != "linux":
+    """The grading run's zygote for trusted kernels; None for a learner's `make check` (one
+    submission, on a machine whose GPU a fork after torch's import could cost) and where
+    forking a process that imported torch is unsafe or impossible (macOS, Windows)."""
+    if sys.platform != "linux" or trusted.own_env:
         return None
     with _ZYGOTES_LOCK:
         if trusted not in _ZYGOTES:
