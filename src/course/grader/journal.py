@@ -20,8 +20,9 @@ from pathlib import Path
 from labkit.atomic import atomic_write_text
 from labkit.hashing import sha256_file
 
-GRADER_FILES = ("autograde.py", "jupyter_kernel.py", "learner_side.py", "sandbox.py",
-                "stubs.py", "tests_setup.py", "trusted_side.py", "wire.py", "zygote.py")
+GRADER_FILES = ("autograde.py", "jupyter_kernel.py", "learner_side.py", "remote.py",
+                "sandbox.py", "stubs.py", "tests_setup.py", "trusted_side.py", "wire.py",
+                "zygote.py")
 
 
 def student_key(student: str) -> str:
