@@ -75,3 +75,30 @@ def test_the_check_kernel_starts_quietly(tmp_path, capfd):
     assert "without encryption" not in shown, "start the kernel with CurveZMQ keys"
     assert "gemm_4bit_forward" not in shown, "filter bitsandbytes' warning at its logger"
     assert "other warnings still show" in shown, "filter that one warning, not the logger"
+
+
+def test_a_crash_and_a_failing_cell_are_named_and_cost_only_themselves(tmp_path, checkout):
+    """A segfault while a test calls the learner's code names the test and says what a
+    segfault usually is; the tests after it still run; an assertion failing in an ordinary
+    cell (the capstone checks its run that way) fails the check with its whole message."""
+    nb = source_notebook(ROOT / "solutions" / f"{LAB}.py")
+    for cell in nb.cells:
+        if cell.metadata.get("nbgrader", {}).get("grade_id") == "tokenizer":
+            cell.source = cell.source.replace("    ids = []\n",
+                                              "    import ctypes; ctypes.string_at(0)\n", 1)
+    nb.cells.append(nbformat.v4.new_code_cell(
+        "assert 1 == 2, 'your run left the reference by 14.3 %; expected 0, got 0.143'"))
+    nb.cells += [nbformat.v4.new_code_cell(f"import os\nos._exit({k})") for k in (3, 4, 5, 6)]
+    notebook = tmp_path / "mine.ipynb"
+    nbformat.write(nb, notebook)
+    proc = check(LAB, "--notebook", str(notebook), "--root", str(checkout))
+    out = proc.stdout
+    assert proc.returncode == 1, out[-3000:] + proc.stderr[-2000:]
+    assert "(test test_encode) ended the kernel: your code crashed while this test ran it: the " \
+           "Python process crashed (a segfault is usually an out-of-range load or store in a " \
+           "Triton kernel)" in out, out
+    assert "FAIL  test_encode " in out and "PASS  test_make_training_pair " in out, out
+    assert "PASS  test_state_dict_sha256 " in out, out      # after the crash and the cap
+    assert "3 restarts used up" in out, out
+    assert "your own cell failed\n        AssertionError: your run left the reference " \
+           "by 14.3 %; expected 0, got 0.143" in out, out

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from ..authoring.build import graded_test_cells
 from .jupyter_kernel import MAX_SUBMISSION_BYTES, Kernel
 from .sandbox import Sandbox
-from .tests_setup import HIDDEN, cases, learner_names, meta, setup_cells
+from .tests_setup import HIDDEN, cases, definitions, learner_names, meta, setup_cells
 from .zygote import Zygote
 
 MAX_RESTARTS = 3
@@ -82,6 +82,7 @@ class Cell:
     hidden_failed: bool = False
     hidden_case: str = ""          # the label of the hidden case that failed
     earned: float = 0.0
+    exercise: str = ""             # a code cell that is one of the lab's exercises: its id
 
 
 def _anchor(source_nb, test_id: str, student_cells: list) -> int:
@@ -125,7 +126,7 @@ def plan(student_nb, source_nb) -> tuple[list[Cell], list[str]]:
         elif g in tests and last[g] == i:
             planned.append(Cell("test", tests[g].visible, tests[g]))
         else:
-            planned.append(Cell("code", c.source))
+            planned.append(Cell("code", c.source, exercise=g if g in known else ""))
         planned += [Cell("test", t.visible, t) for t in inserts.get(i, [])]
     notes = []
     if edited or missing:
@@ -255,6 +256,9 @@ def _run_chunks(run: Run, cell: Cell, replay: bool) -> None:
             if not reply.ok:
                 cell.hidden_failed, cell.hidden_case = hidden, label if hidden else ""
                 run.quiet(False)
+                if run.trusted.alive():     # the helpers below the failure, for later tests
+                    code = definitions("\n".join(c for _, c in cell.test.chunks))
+                    run.trusted.run(code, run.timeout, silent=True, history=False)
                 return
     run.quiet(False)
     cell.earned = cell.test.points
@@ -281,13 +285,20 @@ def _restart(run: Run, cells: list[Cell], upto: int) -> None:
             _run_test(run, Cell("test", cell.source, cell.test), replay=True)
 
 
+def cell_name(i: int, cell: Cell) -> str:
+    """How a note names a cell: its number, and the exercise or test it is."""
+    what = (f" (test {cell.test.grade_id})" if cell.kind == "test"
+            else f" (exercise {cell.exercise})" if cell.exercise else "")
+    return f"cell {i + 1}{what}"
+
+
 def run_plan(cells: list[Cell], notes: list[str], sandbox: Sandbox, source_nb, slot: int = 0,
              timeout: float = 300, total_timeout: float = 3600, hidden: bool = True,
              lab: str = "") -> Outcome:
     """Execute the planned cells (see the module docstring); never raises for bad code."""
     outcome = Outcome(cells, list(notes))
     run = Run(sandbox, source_nb, slot, timeout, hidden, lab)
-    deadline, restarts = time.monotonic() + total_timeout, 0
+    deadline, restarts, crashed = time.monotonic() + total_timeout, 0, set()
     try:
         run.start()
         for i, cell in enumerate(cells):
@@ -297,27 +308,41 @@ def run_plan(cells: list[Cell], notes: list[str], sandbox: Sandbox, source_nb, s
                 outcome.timed_out = (f"the submission ran longer than {total_timeout:g} s in "
                                      "all; the tests after that point did not run")
                 break
+            if cell.kind == "code" and restarts > MAX_RESTARTS and (
+                    not cell.exercise or cell.exercise in crashed):
+                continue            # after the cap: the tests and exercises that never crashed
             if cell.kind == "test":
                 _run_test(run, cell)
-                if not run.alive():
+                if not run.learner.alive():
                     cell.status = "dead"
+                    cell.error = (f"your code crashed while this test ran it: "
+                                  f"{run.learner.cause_of_death()}")
             else:
                 reply = run.learner.run(cell.source, timeout)
                 cell.outputs, cell.status, cell.error = reply.outputs, reply.status, reply.error
-            if cell.status in ("killed", "dead"):
-                restarts += 1
-                what = ("swallowed the time-limit interrupt (or sent more output than the "
-                        "grader takes in one message)" if cell.status == "killed"
-                        else "ended the kernel (os._exit, crash, out of memory)")
+                if cell.status == "dead":
+                    cell.error = run.learner.cause_of_death()
+            if cell.status in ("killed", "dead") or not run.alive():
+                # A crash costs only that cell: a test's or an exercise's first crash is
+                # free (the source has few), other cells of the learner get MAX_RESTARTS.
+                if cell.kind == "code" and cell.exercise and cell.exercise not in crashed:
+                    crashed.add(cell.exercise)
+                else:
+                    restarts += cell.kind == "code"
+                what = (f"{cell_name(i, cell)} "
+                        + ("swallowed the time-limit interrupt (or sent more output than the "
+                           "grader takes in one message)" if cell.status == "killed"
+                           else f"ended the kernel: {cell.error or 'the kernel died'}"))
                 if restarts > MAX_RESTARTS:
-                    outcome.notes.append(f"cell {i + 1} {what}; {MAX_RESTARTS} restarts "
-                                         "used up, the tests after it did not run")
-                    break
-                outcome.notes.append(f"cell {i + 1} {what}: the kernel was restarted and "
-                                     "grading went on without it")
+                    outcome.notes.append(f"{what}; {MAX_RESTARTS} restarts used up: your "
+                                         "other cells after it did not run; the exercises "
+                                         "and tests did")
+                else:
+                    outcome.notes.append(f"{what}; the kernel was restarted and grading went "
+                                         "on without it")
                 _restart(run, cells, i)
             elif cell.status == "timeout":
-                outcome.notes.append(f"cell {i + 1} hit the {timeout:g} s time limit "
+                outcome.notes.append(f"{cell_name(i, cell)} hit the {timeout:g} s time limit "
                                      "and was interrupted")
     finally:
         run.close()

@@ -19,7 +19,7 @@ from ..authoring.build import CELL_TIMEOUT_S
 from ..authoring.exercises import notebook_for_check
 from ..learner import release_notebook_path
 from ..notebook.mine import save
-from .autograde import grade_notebook
+from .autograde import cell_name, grade_notebook
 from .sandbox import Sandbox
 
 
@@ -38,8 +38,9 @@ def _setup_failure(cells) -> tuple[int, str] | None:
 
 def self_check(root: Path, lab: str, notebook: Path | None = None,
                timeout: int = CELL_TIMEOUT_S) -> bool:
-    """Print each visible test with its points and, for a failure, its whole message; True
-    when every test passes."""
+    """Print each visible test with its points and, for a failure, its whole message, then
+    each of the learner's cells that failed (a failing assertion in an ordinary cell fails
+    the check too: the capstone checks its run that way); True when nothing failed."""
     root = root.resolve()
     path, nb = notebook_for_check(root, lab, notebook)
     release = nbformat.read(release_notebook_path(root, lab), as_version=4)
@@ -63,11 +64,23 @@ def self_check(root: Path, lab: str, notebook: Path | None = None,
             message = cell.error if cell.status != "not run" else "not run"
             if setup:
                 message = f"cannot run: setup cell {setup[0]} failed"
-            print("".join(f"        {line}\n" for line in message.splitlines()[:12]), end="")
+            print(_indented(message), end="")
+    broken = [(i, c) for i, c in enumerate(outcome.cells) if c.kind == "code"
+              and c.status not in ("ok", "not run")]
+    for i, cell in broken[1:] if setup else broken:      # a failed setup cell is named above
+        print(f"  FAIL  {cell_name(i, cell)}: your own cell failed\n"
+              f"{_indented(cell.error or cell.status)}", end="")
     print(f"{earned:g} / {total:g} points from the visible tests "
           "(the grader also runs hidden tests)")
     if path != release_notebook_path(root, lab).resolve() and any(passed.values()):
         saved = save(root, lab, nbformat.read(path, as_version=4), passed, path)
         print(f"your definitions are saved to {saved.relative_to(root)}: `use(\"mine\")` runs "
               f"the pieces whose tests passed (`python -m course mine` lists them)")
-    return all(passed.values())
+    return all(passed.values()) and not broken
+
+
+def _indented(message: str, most: int = 60) -> str:
+    """The whole message (expected, got and the rule), indented; at most `most` lines."""
+    lines = message.splitlines() or [""]
+    more = f"        ... ({len(lines) - most} more lines)\n" if len(lines) > most else ""
+    return "".join(f"        {line}\n" for line in lines[:most]) + more

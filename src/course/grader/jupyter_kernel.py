@@ -179,6 +179,24 @@ class Kernel:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def cause_of_death(self) -> str:
+        """Why the kernel's process ended, in a learner's words (from its exit status: a
+        signal's number, or 128 + it through bubblewrap)."""
+        code = self.proc.poll()
+        if code is None:
+            return "the kernel stopped answering"
+        number = -code if code < 0 else code - 128 if code > 128 else 0
+        if number in (signal.SIGSEGV, getattr(signal, "SIGBUS", None)):
+            return ("the Python process crashed (a segfault is usually an out-of-range load "
+                    "or store in a Triton kernel)")
+        if number == getattr(signal, "SIGKILL", None):
+            return "the Python process was killed (out of memory, or another hard limit)"
+        if number == signal.SIGABRT:
+            return "the Python process aborted (a C library or the interpreter gave up)"
+        if number in set(signal.Signals):
+            return f"the Python process ended on signal {signal.Signals(number).name}"
+        return f"the Python process exited with status {code} (os._exit, or exit in a thread)"
+
     def run(self, code: str, timeout: float, silent: bool = False,
             expressions: dict | None = None, history: bool = True) -> Reply:
         """Execute `code`; its outputs, status and `expressions` (evaluated after success).

@@ -8,6 +8,8 @@
                            calls the learner's code) only when a test reads a name it defines
     cases(code)            a hidden chunk split at its `# case: <label>` lines, for feedback
                            that names the case that failed and nothing else of it
+    definitions(code)      what a test cell binds without running anything: re-run after
+                           the cell failed half way, so later tests still find its helpers
 """
 
 from __future__ import annotations
@@ -98,3 +100,26 @@ def cases(code: str) -> list[tuple[str, str]]:
         end = marks[k + 1].start() if k + 1 < len(marks) else len(code)
         parts.append((m.group(1), code[m.start():end]))
     return [(label, body) for label, body in parts if body.strip()]
+
+
+def definitions(code: str) -> str:
+    """The top-level imports, functions, classes and names bound to literals of a test
+    cell (hidden chunks included): binding them runs no learner code, so they are re-run
+    after the cell failed half way (a crash in the learner's kernel, a failed assertion)
+    and the tests below that use the cell's helpers still run."""
+    try:
+        tree = ast.parse(HIDDEN.sub(lambda m: m.group(1), code))
+    except SyntaxError:
+        return ""
+    keep = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef,
+                             ast.AsyncFunctionDef, ast.ClassDef)):
+            keep.append(node)
+        elif isinstance(node, ast.Assign):
+            try:
+                ast.literal_eval(node.value)
+            except ValueError:
+                continue
+            keep.append(node)
+    return "\n".join(ast.unparse(node) for node in keep)
