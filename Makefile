@@ -26,7 +26,7 @@ LAB_ARGS ?=
 # learners do not see them.
 MODE ?= learner
 
-.PHONY: venv lab test test-fast course grade reproduce run readme times bench-gpu device-check compile-report check-exercises check mine lint lock clean
+.PHONY: venv lab test test-fast course grade reproduce run readme times bench-gpu device-check compile-report check-exercises check-mistakes check mine lint lock clean
 
 venv: $(STAMP)
 
@@ -74,6 +74,9 @@ device-check:  ## (lent GPU machine) GPU tests + dequant, MoE, log-prob benchmar
 
 check-exercises: $(STAMP)  ## blank each solution region alone; some test must fail (slow)
 	$(PY) -m course check-exercises $(LAB)
+
+check-mistakes: $(STAMP)  ## each catalogued learner mistake (solutions/mistakes/) must fail a visible test naming its rule [LAB=NN-name JOBS=2 WRITE=1]
+	$(PY) -m course check-mistakes --jobs $(or $(JOBS),1) $(if $(WRITE),--write) $(LAB)
 
 check: $(STAMP)  ## visible tests of your work/NN-name.ipynb (then saves your definitions to work/mine/): make check LAB=NN-name [NOTEBOOK=path]
 	$(PY) -m course check $(LAB) $(if $(NOTEBOOK),--notebook $(NOTEBOOK))

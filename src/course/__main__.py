@@ -2,7 +2,7 @@
 
 learners      work, lab, check, mine
 instructors   grade (and lab --mode instructor)
-developers    build, check-exercises, times
+developers    build, check-exercises, check-mistakes, times
 
 Exit codes: 0 success; 1 failing checks or stale runtimes; 2 bad input (unknown lab, missing
 folder, malformed file).
@@ -53,6 +53,17 @@ def _check_exercises(args) -> int:
     from .authoring.exercises import check_exercises
 
     return 0 if check_exercises(Path(args.root), labs=args.labs) else 1
+
+
+def _check_mistakes(args) -> int:
+    from .authoring.mistakes import check_mistakes, refill
+
+    if args.fill:
+        for path in refill(Path(args.root)):
+            print(f"refilled {path}")
+        return 0
+    return 0 if check_mistakes(Path(args.root), labs=args.labs, jobs=args.jobs,
+                               write=args.write) else 1
 
 
 def _which_lab(root: Path) -> InputError:
@@ -176,6 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", default=".")
     p.add_argument("labs", nargs="*", help="lab names (default: all)")
     p.set_defaults(func=_check_exercises)
+    p = sub.add_parser("check-mistakes", help="make each catalogued mistake in the solution; "
+                       "a visible test must fail naming its rule")
+    p.add_argument("--root", default=".")
+    p.add_argument("--jobs", type=_positive_int, default=1, help="mistakes run at once")
+    p.add_argument("--write", action="store_true", help="record the verdicts in "
+                   "labs/NN-name/mistakes.json and refill the guides' blocks")
+    p.add_argument("--fill", action="store_true", help="refill the guides' blocks from the "
+                   "recorded verdicts; run nothing")
+    p.add_argument("labs", nargs="*", help="lab names (default: all)")
+    p.set_defaults(func=_check_mistakes)
     p = sub.add_parser("times", help="run every solution notebook; write labs/runtimes.json "
                        "and the runtime markers of the guides, notebooks and README")
     p.add_argument("--root", default=".")

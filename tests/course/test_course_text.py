@@ -13,6 +13,7 @@ import jupytext
 import pytest
 
 from course.__main__ import main
+from course.authoring import reflection
 from course.authoring.build import INSTRUCTOR_TAG, lab_names
 from course.authoring.runtimes import (
     fill,
@@ -187,6 +188,27 @@ def test_reflection_has_sample_answers_for_instructors_only(lab):
     release = (ROOT / "labs" / lab / f"{lab}.ipynb").read_text()
     first = answers[0].source.splitlines()[-1].strip()[:60]
     assert first not in release, f"labs/{lab}: the release holds the sample answers"
+
+
+def test_guides_and_notebooks_share_one_reflection_list():
+    assert not reflection.stale(ROOT, LABS), \
+        f"`make course` copies each notebook's questions into {reflection.stale(ROOT, LABS)}"
+
+
+def test_a_guide_that_differs_from_its_notebook_is_caught(tmp_path):
+    (tmp_path / "solutions").mkdir()
+    (tmp_path / "labs" / "99-toy").mkdir(parents=True)
+    (tmp_path / "solutions" / "99-toy.py").write_text(
+        "# %% [markdown]\n# ### Reflection\n#\n# 1. Why?\n# 2. How?\n")
+    guide = tmp_path / "labs" / "99-toy" / "README.md"
+    guide.write_text("## Reflection questions\n\n<!-- reflection:99-toy -->\n1. Why?\n"
+                     "<!-- /reflection -->\n")
+    assert reflection.stale(tmp_path, ["99-toy"]) == ["labs/99-toy/README.md"]
+    assert reflection.write(tmp_path, ["99-toy"]) == ["labs/99-toy/README.md"]
+    assert "1. Why?\n2. How?\n<!-- /reflection -->" in guide.read_text()
+    assert reflection.stale(tmp_path, ["99-toy"]) == []
+    guide.write_text("## Reflection questions\n\n1. Why?\n")       # no block at all
+    assert reflection.stale(tmp_path, ["99-toy"]) == ["labs/99-toy/README.md"]
 
 
 @pytest.mark.parametrize("lab", LABS)

@@ -26,6 +26,7 @@ from labkit.atomic import atomic_write_text
 from labkit.errors import InputError
 
 from ..learner import WORK, release_notebook_path, work_copy
+from . import reflection
 
 COURSE_ID = "miniqlora-moe-labs"
 # In labs/: the sha256 of each release notebook as the course build last wrote it.
@@ -214,12 +215,17 @@ def build_course(root: Path, check: bool = False) -> list[str]:
     edits = [n for n in stale if edited(root, n, fresh[n], generated)]
     if check and (stale or generated != digests):
         raise InputError(stale_message(root, stale, edits))
+    if check and (guides := reflection.stale(root, names)):
+        raise InputError(f"reflection questions differ from the notebooks' in {guides}: "
+                         "`make course` copies them")
     if edits:
         raise InputError(edited_message(root, edits))
     for name in stale:                  # none left under `check`
         atomic_write_text(release_notebook_path(root, name), fresh[name])
     if generated != digests:
         write_generated(root, digests)
+    if not check:
+        reflection.write(root, names)
     print(f"course built in {course} for {len(names)} lab(s)"
           + (f"; refreshed labs/ for {stale}" if stale and not check else ""))
     return stale
