@@ -107,6 +107,61 @@ def test_from_indices_checks_k_and_experts(k, E, match):
         Routing.from_indices(sei, ssi, torch.tensor([2, 3, 6, 6])[:max(E, 1)], k, E)
 
 
+def _naive_sort(experts, E):
+    """(ids, slots, ends) by a loop over experts: each expert's slots in increasing order."""
+    flat = experts.reshape(-1).tolist()
+    ids, slots, ends = [], [], []
+    for e in range(E):
+        for s, x in enumerate(flat):
+            if x == e:
+                ids.append(e)
+                slots.append(s)
+        ends.append(len(ids))
+    return ids, slots, ends
+
+
+@pytest.mark.parametrize("T, E, k", [(61, 3, 2), (250, 7, 3), (1000, 4, 1)])
+def test_flatten_sort_count_keeps_slot_order_within_an_expert(T, E, k):
+    """A stable sort: with 100 and more rows of few experts (where torch's default CPU sort
+    reorders equal ids; scripts/mutate.py: `stable=False` went unnoticed), each expert's rows
+    keep increasing slot order, as the loop gives."""
+    gen = torch.Generator().manual_seed(T)
+    experts = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    routing = flatten_sort_count(experts, E)
+    ids, slots, ends = _naive_sort(experts, E)
+    assert routing.sorted_expert_idxs.tolist() == ids
+    assert routing.sorted_scattered_idxs.tolist() == slots
+    assert routing.expert_offsets.tolist() == ends and list(routing.ends) == ends
+
+
+def test_from_indices_refuses_a_drop_after_the_first_row_and_names_it():
+    """Rows 2 and 3 swapped: every id is still >= the first one, but row 3 (1) follows 2."""
+    sei, ssi, offs = _indices()
+    swap = [0, 1, 3, 2, 4, 5]
+    with pytest.raises(ValueError, match=r"non-decreasing \(sorted by expert\), but row 3 "
+                                         r"\(1\) follows 2$"):
+        Routing.from_indices(sei[swap], ssi[swap], offs, 2, 4)
+
+
+def test_from_indices_one_row_with_an_out_of_range_slot():
+    """M = 1: slot 1 (or -1) is no permutation of 0..0, a ValueError (not an indexing error)."""
+    for slot in (1, -1):
+        with pytest.raises(ValueError, match=r"permutation of 0..0"):
+            Routing.from_indices(torch.tensor([0]), torch.tensor([slot]), torch.tensor([1]), 1, 1)
+
+
+def test_with_k_rereads_the_same_rows_and_checks_k():
+    routing = flatten_sort_count(torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]]), 4)   # 8 rows
+    for k in (1, 2, 4):                        # 1 and E included
+        again = routing.with_k(k)
+        assert (again.k, again.n_tokens, again.n_experts) == (k, 8 // k, 4)
+        assert again.ends == routing.ends
+        assert all(a is b for a, b in zip(again, routing, strict=True))
+    for k in (0, 3, 5, 8, True, 2.0):          # 3 divides no 8 rows; 5 and 8 exceed E
+        with pytest.raises(ValueError, match="k must be in 1..4 and divide the 8 rows"):
+            routing.with_k(k)
+
+
 def test_flatten_sort_count_bad_input():
     with pytest.raises(ValueError, match="expert_idxs must lie in 0..3"):
         flatten_sort_count(torch.tensor([[0, 4]]), 4)

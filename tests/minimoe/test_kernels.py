@@ -398,6 +398,71 @@ def test_bad_inputs_raise_clear_errors():
         group_bwd_lora(torch.zeros(13, 40), x[ssi // 2], A, B, offs, 1.0)
 
 
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t.float(), "must be an integer tensor"),
+    (lambda t: t.bool(), "must be an integer tensor"),
+    (lambda t: t[:-1], r"must have shape \[6\], got \(5,\)"),
+    (lambda t: t[:, None], r"must have shape \[6\], got \(6, 1\)"),
+])
+def test_launchers_check_each_index_tensor(edit, match):
+    """Index tensors reach the kernels as [M] int64: a float or bool one, a short one and an
+    [M, 1] one are ValueErrors naming the argument, never truncated or read past M
+    (scripts/mutate.py: `or` -> `and` in either check went unnoticed)."""
+    sei, ssi, offs = flatten_sort_count(torch.tensor([[0, 1], [1, 2], [2, 0]]), 3)   # M = 6
+    X, W = torch.randn(3, 8), torch.randn(3, 8, 4)
+    with pytest.raises(ValueError, match="sorted_scattered_idxs " + match):
+        group(X, edit(ssi), 2)
+    with pytest.raises(ValueError, match="sorted_scattered_idxs " + match):
+        scatter2scatter(X, W, sei, edit(ssi), 2)
+    offs_match = match.split(", got")[0].replace("6", "3")
+    with pytest.raises(ValueError, match="expert_offsets " + offs_match):
+        group_bwd_W(torch.randn(6, 4), torch.randn(6, 8), edit(offs), 3)
+
+
+def test_backward_launchers_take_offsets_with_the_first_expert_empty():
+    """End offsets starting at 0 (expert 0 has no rows) are valid: its blocks are exact zeros,
+    the others match the per-expert products (the launchers' own offset check)."""
+    gen = torch.Generator().manual_seed(5)
+    M, K, N, E, r = 6, 7, 5, 3, 2
+    DY, X = torch.randn(M, N, generator=gen), torch.randn(M, K, generator=gen)
+    A, B = torch.randn(r * E, K, generator=gen), torch.randn(N, r * E, generator=gen)
+    offs = torch.tensor([0, 4, 6])
+    dW = group_bwd_W(DY, X, offs, E)
+    dA, dB = group_bwd_lora(DY, X, A, B, offs, 0.5)
+    assert not dW[0].any() and not dA[:r].any() and not dB[:, :r].any()
+    for e, (lo, hi) in ((1, (0, 4)), (2, (4, 6))):
+        x, dy, a, b = X[lo:hi], DY[lo:hi], A[e * r:(e + 1) * r], B[:, e * r:(e + 1) * r]
+        torch.testing.assert_close(dW[e], x.T @ dy)
+        torch.testing.assert_close(dA[e * r:(e + 1) * r], 0.5 * (dy @ b).T @ x)
+        torch.testing.assert_close(dB[:, e * r:(e + 1) * r], 0.5 * dy.T @ (x @ a.T))
+
+
+@pytest.mark.parametrize("offs", [[2, 5, 3, 6], [0, 4, 2, 6], [3, 3, 7, 6]])
+def test_backward_launchers_refuse_offsets_that_go_down(offs):
+    """In range and ending at M = 6 (but for the last), yet not non-decreasing: a drop after
+    the first expert, which a check against the first offset alone would pass."""
+    DY, X = torch.randn(6, 5), torch.randn(6, 7)
+    A, B = torch.randn(8, 7), torch.randn(5, 8)
+    with pytest.raises(ValueError, match="expert_offsets must be non-decreasing end offsets"):
+        group_bwd_W(DY, X, torch.tensor(offs), 4)
+    with pytest.raises(ValueError, match="expert_offsets must be non-decreasing end offsets"):
+        group_bwd_lora(DY, X, A, B, torch.tensor(offs), 1.0)
+
+
+def test_cpu_tensors_are_refused_when_the_kernels_are_compiled(monkeypatch):
+    """A compiled kernel reads CUDA memory only: with the interpreter faked off, CPU inputs are a
+    ValueError naming the argument before anything launches."""
+    sei, ssi, offs = flatten_sort_count(torch.tensor([[0, 1], [1, 2]]), 3)
+    X, W = torch.randn(2, 8), torch.randn(3, 8, 4)
+    monkeypatch.setattr("minimoe.kernels.interpreting", lambda: False)
+    with pytest.raises(ValueError, match="X is on cpu, but Triton compiles for CUDA"):
+        scatter2scatter(X, W, sei, ssi, 2)
+    with pytest.raises(ValueError, match="X is on cpu, but Triton compiles for CUDA"):
+        group(X, ssi, 2)
+    with pytest.raises(ValueError, match="DY is on cpu, but Triton compiles for CUDA"):
+        group_bwd_W(torch.randn(4, 4), torch.randn(4, 8), offs, 3)
+
+
 @pytest.mark.skipif(not interpreting(), reason="interpreter-only check")
 def test_interpreter_rejects_bf16():
     x, W, _, (sei, ssi, _) = _good()

@@ -146,6 +146,34 @@ def test_selective_empty_active(fn):
     assert got.shape == (0, 4, 16) and got.dtype == torch.float32
 
 
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("fn", SELECTIVE, ids=["triton", "torch"])
+def test_selective_one_expert(fn, double_quant):
+    """A single listed expert (one output row, the smallest launch), each of three in turn
+    (scripts/mutate.py: `active.numel() == 1` returning the unwritten buffer went unnoticed)."""
+    q = experts(n_experts=5, d_out=3, d_in=96, blocksize=32, double_quant=double_quant, seed=3)
+    full = dequantize_nf4(q)
+    for e in (4, 0, 2):
+        got = fn(q, torch.tensor([e]))
+        assert got.shape == (1, 3, 96) and torch.equal(got, full[[e]]), e
+
+
+def test_cpu_weight_is_refused_when_the_kernel_is_compiled(monkeypatch):
+    """A compiled kernel reads CUDA memory only: with the interpreter faked off, a CPU weight is
+    a ValueError naming the argument from both kernel entry points (nothing launches), while
+    the PyTorch selective path still takes it."""
+    import miniquant.triton_dequant as triton_dequant
+
+    q = experts(n_experts=2, d_out=4, d_in=64)
+    monkeypatch.setattr(triton_dequant, "_interpreting", lambda: False)
+    with pytest.raises(ValueError, match="q is on cpu, but Triton compiles for CUDA"):
+        triton_dequantize_nf4(q)
+    with pytest.raises(ValueError, match="q_experts is on cpu, but Triton compiles for CUDA"):
+        selective_dequantize_nf4(q, torch.tensor([1]))
+    got = selective_dequantize_nf4_torch(q, torch.tensor([1]))
+    assert torch.equal(got, dequantize_nf4(q)[[1]])
+
+
 @pytest.mark.parametrize(
     "active, match",
     [
