@@ -16,10 +16,11 @@ stand-ins (`like(torch.bfloat16)`): only the dtype and alignment of a pointer ma
 `read_cubin` then reads the machine code:
 
 - registers per thread and stack bytes (ptxas spills registers to the stack: `spill_bytes`);
-- static shared memory, and the theoretical occupancy those allow (`occupancy`);
+- static shared memory, and the theoretical occupancy those allow (`occupancy`, by the
+  rule of NVIDIA's occupancy calculator, for sm_75 to sm_90);
 - global memory instructions by access width in bits (`LDG.E.U8` = 8, `LDG.E` = 32,
   `LDG.E.128` = 128; the asynchronous copies `LDGSTS` of a pipelined loop count as loads);
-- tensor-core instructions: `HMMA` (mma.sync, sm_80 and up) and `HGMMA` (wgmma, sm_90).
+- tensor-core instructions: `HMMA` (mma.sync, sm_70 and up) and `HGMMA` (wgmma, sm_90).
 
 Works in a process that runs kernels in the interpreter too: an interpreted kernel is
 compiled from its Python source (`.fn`), so a notebook can compile the kernel it just ran.
@@ -41,14 +42,28 @@ from pathlib import Path
 
 import torch
 
-# The SMs' limits for occupancy (CUDA C Programming Guide, "Compute capabilities" table):
-# registers per SM, the most resident warps and blocks, shared memory per SM usable by blocks,
-# and the shared memory the driver reserves per block.
+# The SMs' limits for occupancy, per architecture (CUDA C++ Programming Guide, "Compute
+# Capabilities" table; the allocation rules are those of NVIDIA's occupancy calculator,
+# cuda_occupancy.h, which the triton wheel ships in backends/nvidia/include): 32-bit registers,
+# resident warps and blocks, shared memory usable by blocks, the shared memory the driver
+# reserves per block, and the unit shared memory is allocated in.
 SM_LIMITS = {
-    "sm_80": dict(regs=65536, warps=64, blocks=32, shared=164 * 1024, reserved=1024),
-    "sm_90": dict(regs=65536, warps=64, blocks=32, shared=228 * 1024, reserved=1024),
+    "sm_75": dict(registers=65536, warps=32, blocks=16, shared=64 * 1024, reserved=0,
+                  shared_unit=256),
+    "sm_80": dict(registers=65536, warps=64, blocks=32, shared=164 * 1024, reserved=1024,
+                  shared_unit=128),
+    "sm_86": dict(registers=65536, warps=48, blocks=16, shared=100 * 1024, reserved=1024,
+                  shared_unit=128),
+    "sm_89": dict(registers=65536, warps=48, blocks=24, shared=100 * 1024, reserved=1024,
+                  shared_unit=128),
+    "sm_90": dict(registers=65536, warps=64, blocks=32, shared=228 * 1024, reserved=1024,
+                  shared_unit=128),
 }
-ARCHS = tuple(SM_LIMITS)
+SUB_PARTITIONS = 4         # an SM's register file is 4 banks of 16 384, one per warp scheduler
+REGISTER_UNIT = 256        # registers go to a warp in units of 256
+MAX_REGISTERS = 255        # per thread: ptxas spills past it
+MAX_WARPS_PER_BLOCK = 32   # 1 024 threads
+ARCHS = ("sm_80", "sm_90")   # what compile_kernel targets (A100, H100)
 
 _WIDTH = {"U8": 8, "S8": 8, "U16": 16, "S16": 16, "64": 64, "128": 128}
 
@@ -134,7 +149,7 @@ def _compiled_helpers(fn):
 
 
 def _arch_number(arch: str) -> int:
-    if arch not in SM_LIMITS:
+    if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     return int(arch[3:])
 
@@ -188,14 +203,29 @@ def memory_widths(sass: str, op: str) -> dict[str, int]:
 
 
 def occupancy(arch: str, registers: int, shared_bytes: int, num_warps: int) -> float:
-    """Theoretical occupancy: resident warps per SM over the most an SM holds, limited by
-    registers (allocated per warp in units of 256), shared memory and blocks per SM."""
+    """Theoretical occupancy, by NVIDIA's rule (cuda_occupancy.h): resident warps per SM over
+    the most an SM holds; 0.0 when one block does not fit.
+
+    Blocks per SM are limited by the block slots, the warp slots, the registers and the shared
+    memory. Registers go to a warp in units of 256 (`registers · 32` rounded up), and from one
+    of the SM's 4 sub-partitions of 16 384: a sub-partition holds a whole number of warps, so
+    97 registers (3 328 a warp) allow 4 · (16 384 // 3 328) = 16 warps, not 65 536 // 3 328 =
+    19. A block's shared memory is what it asks plus the driver's reserve, rounded up to the
+    allocation unit."""
+    if arch not in SM_LIMITS:
+        raise ValueError(f"arch must be one of {tuple(SM_LIMITS)}, got {arch!r}")
     lim = SM_LIMITS[arch]
-    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
-    blocks = min(lim["blocks"], lim["warps"] // num_warps,
-                 lim["regs"] // regs_per_warp // num_warps)
-    if shared_bytes:
-        blocks = min(blocks, lim["shared"] // (shared_bytes + lim["reserved"]))
+    if not 1 <= num_warps <= MAX_WARPS_PER_BLOCK or registers > MAX_REGISTERS:
+        return 0.0
+    blocks = min(lim["blocks"], lim["warps"] // num_warps)
+    regs_per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    if regs_per_warp:
+        warps_per_partition = lim["registers"] // SUB_PARTITIONS // regs_per_warp
+        blocks = min(blocks, warps_per_partition * SUB_PARTITIONS // num_warps)
+    unit = lim["shared_unit"]
+    shared_per_block = -(-(shared_bytes + lim["reserved"]) // unit) * unit
+    if shared_per_block:
+        blocks = min(blocks, lim["shared"] // shared_per_block)
     return blocks * num_warps / lim["warps"]
 
 
@@ -241,5 +271,5 @@ REFERENCE = {
     },
 }
 
-__all__ = ["REFERENCE", "ARCHS", "KernelReport", "compile_kernel", "inspect_kernel", "like",
-           "memory_widths", "occupancy", "read_cubin"]
+__all__ = ["REFERENCE", "ARCHS", "SM_LIMITS", "KernelReport", "compile_kernel", "inspect_kernel",
+           "like", "memory_widths", "occupancy", "read_cubin"]

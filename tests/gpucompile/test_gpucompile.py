@@ -1,6 +1,8 @@
 """gpucompile: compile for sm_80/sm_90 on a CPU and read what ptxas made.
 
-The SASS parsing and the occupancy arithmetic against hand counts; the whole path on small
+The SASS parsing against hand counts; the occupancy against hand-worked cases and against
+NVIDIA's occupancy calculator, transcribed (every register count, block size and a range of
+shared memory sizes on five GPUs); the whole path on small
 kernels whose machine code is known to differ: aligned vs unaligned sizes (vector width),
 bf16 vs exact float32 vs TF32 dots (tensor cores), a tile too large for the register file
 (spills). Runs in this process, whose kernels are interpreted: the inspector recompiles them.
@@ -51,14 +53,90 @@ def test_memory_widths_against_hand_counts():
 
 @pytest.mark.parametrize("arch, regs, shared, warps, want", [
     ("sm_90", 32, 0, 4, 1.0),            # 64 warps fit: the warp limit
-    ("sm_90", 255, 0, 4, 8 / 64),         # 256 regs · 32 threads = 8 KiB a warp: 8 warps
-    ("sm_80", 128, 0, 8, 16 / 64),        # 4 KiB a warp: 16 warps = 2 blocks of 8
+    ("sm_90", 255, 0, 4, 8 / 64),         # 256 regs · 32 threads = 8 KiB a warp: 2 a sub-partition
+    ("sm_80", 128, 0, 8, 16 / 64),        # 4 KiB a warp: 4 a sub-partition, 16 = 2 blocks of 8
+    ("sm_90", 97, 0, 1, 16 / 64),         # 3 328 a warp: 4 · (16 384 // 3 328) = 16, not 19
+    ("sm_90", 97, 0, 2, 16 / 64),         # ... 8 blocks of 2, not 9
+    ("sm_90", 80, 0, 1, 24 / 64),         # 2 560 a warp: 4 · 6 = 24, not 65 536 // 2 560 = 25
     ("sm_80", 40, 100 * 1024, 4, 4 / 64),  # shared: one block of 101 KiB in 164 KiB
     ("sm_90", 40, 100 * 1024, 4, 8 / 64),  # ... two in 228 KiB
+    ("sm_80", 32, 41_984, 4, 12 / 64),    # 41 984 + the reserved 1 024 B: 3 blocks, not 4
+    ("sm_80", 32, 54_926, 4, 8 / 64),     # 55 950 B round up to 56 064 (128-byte units): 2, not 3
     ("sm_90", 16, 0, 1, 32 / 64),         # the limit of 32 blocks an SM
+    ("sm_86", 16, 0, 1, 16 / 48),         # sm_86: 16 blocks of 48 warps
+    ("sm_89", 16, 0, 1, 24 / 48),         # sm_89: 24 blocks of 48 warps
+    ("sm_89", 64, 0, 8, 32 / 48),         # 2 048 a warp, 8 a sub-partition: 4 blocks of 8 (6 fit)
+    ("sm_75", 64, 0, 8, 32 / 32),         # sm_75: 32 warps an SM
+    ("sm_75", 40, 40_000, 2, 2 / 32),     # 64 KiB, 256-byte units, no reserve: 40 192 B, 1 block
+    ("sm_90", 40, 0, 33, 0.0),            # 1 056 threads: no block launches
+    ("sm_90", 256, 0, 1, 0.0),            # past the 255 registers of a thread
 ])
 def test_occupancy_known_answers(arch, regs, shared, warps, want):
     assert occupancy(arch, regs, shared, warps) == pytest.approx(want)
+
+
+# NVIDIA's occupancy calculator (cuda_occupancy.h: cudaOccMaxActiveBlocksPerMultiprocessor),
+# transcribed apart from gpucompile.occupancy: the cudaDeviceProp values of each GPU and the
+# header's functions, step by step (default carveout, shared memory limit opted in as Triton
+# does for large tiles, no partitioned global caching).
+_PROPS = {   # major, minor, maxThreadsPerMultiProcessor, sharedMemPerMultiprocessor,
+    # sharedMemPerBlockOptin, reservedSharedMemPerBlock
+    "sm_75": (7, 5, 1024, 65536, 65536, 0),
+    "sm_80": (8, 0, 2048, 167936, 166912, 1024),
+    "sm_86": (8, 6, 1536, 102400, 101376, 1024),
+    "sm_89": (8, 9, 1536, 102400, 101376, 1024),
+    "sm_90": (9, 0, 2048, 233472, 232448, 1024),
+}
+
+
+def _round_up(x, y):
+    return y * ((x + y - 1) // y)
+
+
+def _nvidia_blocks(arch, num_regs, dynamic_smem, block_size):
+    major, minor, threads_per_sm, smem_per_sm, smem_optin, reserved = _PROPS[arch]
+    warp_size, regs_per_sm, regs_per_block, max_threads_per_block = 32, 65536, 65536, 1024
+    # cudaOccMaxBlocksPerSMRegsLimit
+    warps_per_cta = -(-block_size // warp_size)
+    regs_per_warp = _round_up(num_regs * warp_size, 256)            # RegAllocationGranularity
+    sub_partitions = 4                                              # SubPartitionsPerMultiprocessor
+    if (regs_per_block < regs_per_warp * _round_up(warps_per_cta, sub_partitions)
+            or regs_per_block < regs_per_warp * warps_per_cta or num_regs > 256):
+        regs_limit = 0
+    elif regs_per_warp > 0:
+        warps_per_sub_partition = (regs_per_sm // sub_partitions) // regs_per_warp
+        regs_limit = warps_per_sub_partition * sub_partitions // warps_per_cta
+    else:
+        regs_limit = 2**31 - 1
+    # cudaOccMaxBlocksPerSMWarpsLimit
+    warps_limit = 0 if block_size > max_threads_per_block else \
+        (threads_per_sm // warp_size) // warps_per_cta
+    # cudaOccMaxBlocksPerMultiprocessor
+    blocks_limit = {(7, 5): 16, (8, 0): 32, (8, 6): 16, (8, 9): 24, (9, 0): 32}[major, minor]
+    # cudaOccMaxBlocksPerSMSmemLimit
+    granularity = 256 if major == 7 else 128                        # SMemAllocationGranularity
+    allocated = _round_up(reserved + dynamic_smem, granularity)
+    per_cta_limit = (smem_optin if reserved + dynamic_smem > 49152 else 49152) + \
+        (reserved if major >= 8 else 0)
+    if allocated > per_cta_limit:
+        smem_limit = 0
+    else:
+        smem_limit = smem_per_sm // allocated if allocated else 2**31 - 1
+    return min(regs_limit, warps_limit, blocks_limit, smem_limit)
+
+
+_SHARED = (0, 1, 1000, 16384, 41984, 50176, 99328, 148480, 166912, 200000, 232448)
+
+
+@pytest.mark.parametrize("arch", sorted(_PROPS))
+def test_occupancy_is_nvidias_calculator(arch):
+    """Every register count 16..255, block of 1..32 warps and the shared sizes above."""
+    max_warps = _PROPS[arch][2] // 32
+    wrong = [(regs, shared, warps) for regs in range(16, 256) for warps in range(1, 33)
+             for shared in _SHARED
+             if occupancy(arch, regs, shared, warps)
+             != _nvidia_blocks(arch, regs, shared, 32 * warps) * warps / max_warps]
+    assert not wrong, f"{arch}: {len(wrong)} cases differ, e.g. (regs, shared, warps) {wrong[:5]}"
 
 
 @triton.jit
@@ -132,9 +210,10 @@ def test_tensor_cores_for_bf16_and_tf32_not_for_exact_float32(arch):
 
 
 def test_a_float32_tile_too_large_for_4_warps_spills_and_8_warps_do_not():
-    """An exact float32 dot runs on the FMA units, each thread holding its strip of the
-    accumulator and of both operands: 128×128 over 4 warps (128 accumulator registers a
-    thread) overflows sm_80's 255 registers; 8 warps halve it."""
+    """An exact float32 dot runs on the FMA units. 128×128 over 4 warps is 128 accumulator
+    registers a thread, which fit; with the FMA operand strips and the addresses of the
+    pipelined loads next to them the thread passes sm_80's 255 registers and spills; 8 warps
+    halve every thread's share."""
     four = _mm(torch.float32, blocks=(128, 128, 32), warps=4, arch="sm_80")
     eight = _mm(torch.float32, blocks=(128, 128, 32), warps=8, arch="sm_80")
     assert four.registers == 255 and four.spill_bytes > 0 and four.local_instructions > 0
@@ -153,7 +232,9 @@ def test_read_cubin_adds_the_launch_shared_memory():
 
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="arch must be one of"):
-        _copy(4096, arch="sm_75")
+        _copy(4096, arch="sm_75")              # occupancy knows sm_75; the compiler targets two
+    with pytest.raises(ValueError, match="arch must be one of"):
+        occupancy("sm_70", 32, 0, 4)
     with pytest.raises(ValueError, match="kernel must be a @triton.jit function"):
         compile_kernel(lambda x: x, (1,), {}, "sm_90")
 
