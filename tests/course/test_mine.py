@@ -1,16 +1,15 @@
 """The learner's own code carried to the capstone: course.notebook.mine and pieces.
 
 The solutions' notebooks are saved the way `make check` saves a learner's passing notebook;
-`use("mine")` must then run them wherever the packages call the reference, fall back by name
-where a piece is not done, and leave the packages as they were. The last test runs the
-capstone (Lab 11's solution) on those pieces and checks it gets the reference's numbers.
+`use("mine")` must then run them wherever the packages call the reference, count the calls
+each piece receives, fall back by name where a piece is not done (or was edited by hand), and
+leave the packages as they were. test_capstone_pieces.py runs the capstone on them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 
@@ -18,14 +17,24 @@ import nbformat
 import pytest
 import torch
 
+import minimoe
 import miniquant
 import minituner.lora
 from course.authoring.build import graded_test_cells, source_notebook
-from course.notebook.mine import choose, definitions, save, saved, use
+from course.notebook.mine import choose, definitions, ran, save, saved, use
 from course.notebook.pieces import PIECES
+from miniquant.triton_env import import_triton, triton_installed
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_LABS = ("02-nf4", "04-lora")
+QUANTIZE, DEQUANTIZE, EXPERTS_CPU, DEQUANT_KERNEL, SELECTIVE_KERNEL, LORA, S2S, PL, LORA_PL = (
+    p.name for p in PIECES)
+
+# As the capstone's setup cell does: Triton's interpreter chosen (no CUDA) before anything in
+# this session imports triton without it (torch's checkpoint does), or the learner's kernels,
+# which call triton.language helpers, cannot run on a CPU.
+if triton_installed():
+    import_triton()
 
 
 def _save_solution(root: Path, lab: str, passed: bool = True) -> Path:
@@ -72,13 +81,21 @@ def test_definitions_keep_what_a_later_lab_can_import():
     assert "setdefault" not in src and "f(1)" not in src
 
 
-def test_record_detects_a_module_edited_by_hand(tmp_path):
-    path = _save_solution(tmp_path, "04-lora")
-    s = saved(tmp_path, "04-lora")
-    assert s is not None and "test_lora_backward" in s.passed and s.failed == []
+def test_record_detects_a_module_edited_by_hand(tmp_path, capsys):
+    path = _save_solution(tmp_path, "02-nf4")
+    s = saved(tmp_path, "02-nf4")
+    assert s is not None and not s.edited and "test_nibbles" in s.passed and s.failed == []
+    assert choose(tmp_path)[0].yours
     path.write_text(path.read_text() + "\nX = 1\n")
-    assert saved(tmp_path, "04-lora") is None
-    assert not choose(tmp_path)[5].yours
+    assert saved(tmp_path, "02-nf4").edited
+    for c in choose(tmp_path)[:3]:                      # the three pieces of Lab 02
+        assert not c.yours and "edited by hand" in c.why and "make check LAB=02-nf4" in c.why, \
+            c.why
+    original = miniquant.quantize_nf4
+    with use("mine", root=tmp_path) as choices:
+        assert miniquant.quantize_nf4 is original       # the reference stands in
+        assert ran(choices) == {}
+    assert "02-nf4.py was edited by hand" in capsys.readouterr().out
 
 
 def test_choose_falls_back_by_name_with_the_reason(tmp_path, monkeypatch):
@@ -131,6 +148,66 @@ def test_the_learners_lora_function_trains_like_the_reference(learner):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_use_counts_the_calls_it_hands_to_each_piece(learner, capsys):
+    """One count per call a stand-in hands to the learner's code; a case the piece does not
+    cover (LoRA dropout, bitsandbytes' rounding) runs the reference and is not counted."""
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(16, 32, generator=g), torch.randn(5, 32, generator=g)
+    A, B = torch.randn(4, 32, generator=g), torch.randn(16, 4, generator=g)
+    with use("mine", root=learner) as choices:
+        q = miniquant.quantize_nf4(w, 64)
+        miniquant.quantize_nf4(w, 64, double_quant=True)
+        miniquant.quantize_nf4(w, 64, double_quant=True, nested_rounding="bnb_cpu")
+        miniquant.dequantize_nf4(q)
+        minituner.lora.lora_linear(x, A, B, w, 0.5)
+        minituner.lora.lora_linear(x, A, B, w, 0.5, mask=torch.ones_like(x))
+        assert ran(choices)[QUANTIZE] == 2              # live inside the block
+    assert ran(choices) == {QUANTIZE: 2, DEQUANTIZE: 1, EXPERTS_CPU: 0, DEQUANT_KERNEL: 0,
+                            SELECTIVE_KERNEL: 0, LORA: 1, S2S: 0, PL: 0, LORA_PL: 0}
+    out = capsys.readouterr().out.split("your pieces that ran in this block (calls):")[1]
+    assert re.search(rf"{re.escape(QUANTIZE)}\s+2\n", out), out
+    assert re.search(rf"{re.escape(S2S)}\s+loaded, never called", out), out
+    with use("mine", root=learner, quiet=True, reference=[LORA]) as choices:
+        minituner.lora.lora_linear(x, A, B, w, 0.5)
+    lora = next(c for c in choices if c.piece == LORA)
+    assert not lora.yours and lora.calls == 0 and "kept on the reference" in lora.why
+    with pytest.raises(ValueError, match="names no piece"), use("mine", reference=["LoRA"]):
+        pass
+
+
+@pytest.mark.skipif(not triton_installed(), reason="the kernels need triton")
+def test_the_counts_follow_the_kernels_that_ran(learner):
+    """parallel_linear without LoRA runs Lab 09's Function, whose forward and input gradient
+    are Lab 08's scatter2scatter; with LoRA it runs Lab 10's fused kernels instead; an NF4
+    expert layer on the Triton path dequantizes with Lab 03's selective kernel."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 16, generator=g).to(device).requires_grad_(True)
+    W = torch.randn(2, 16, 8, generator=g).to(device).requires_grad_(True)
+    A, B = torch.randn(4, 16, generator=g).to(device), torch.randn(8, 4, generator=g).to(device)
+    routing = minimoe.flatten_sort_count(torch.tensor([[0, 1], [1, 0], [1, 0]], device=device), 2)
+    with use("mine", root=learner, quiet=True) as plain:
+        minimoe.parallel_linear(x, W, routing, backend="triton").sum().backward()
+    calls = ran(plain)
+    assert calls[PL] == 1 and calls[S2S] == 2 and calls[LORA_PL] == 0, calls   # forward, dX
+    want = (x.grad.clone(), W.grad.clone())
+    x.grad = W.grad = None
+    minimoe.parallel_linear(x, W, routing, backend="torch").sum().backward()
+    for got, ref in zip(want, (x.grad, W.grad), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    with use("mine", root=learner, quiet=True) as lora:
+        minimoe.parallel_linear(x.detach(), W.detach(), routing, backend="triton",
+                                lora=(A.requires_grad_(True), B, 0.5)).sum().backward()
+    calls = ran(lora)
+    assert calls[LORA_PL] == 1 and calls[PL] == 0 and calls[S2S] == 0, calls
+    experts = minimoe.NF4Experts.from_weight(torch.randn(2, 32, 16, generator=g), blocksize=32)
+    experts = experts.to(device)
+    with use("mine", root=learner, quiet=True) as nf4:
+        experts(torch.randn(3, 32, generator=g).to(device), routing, backend="triton")
+    calls = ran(nf4)
+    assert calls[SELECTIVE_KERNEL] == 1 and calls[PL] == 1 and calls[EXPERTS_CPU] == 0, calls
+
+
 def test_a_module_that_fails_to_load_falls_back(tmp_path, capsys):
     _save_solution(tmp_path, "04-lora")
     path = tmp_path / "work" / "mine" / "04-lora.py"
@@ -150,32 +227,3 @@ def test_a_module_that_fails_to_load_falls_back(tmp_path, capsys):
 def test_use_rejects_an_unknown_switch():
     with pytest.raises(ValueError, match="which"), use("theirs"):
         pass
-
-
-@pytest.mark.notebooks
-def test_capstone_runs_on_the_learners_pieces(learner, tmp_path):
-    """Lab 11's solution with every lab's solution saved as a learner's: every piece is the
-    learner's, and the run gets the reference run's numbers."""
-    from nbclient import NotebookClient
-
-    nb = source_notebook(ROOT / "solutions" / "11-capstone-qlora-moe.py")
-    env = {k: v for k, v in os.environ.items() if k != "NBGRADER_EXECUTION"}
-    os.environ.pop("NBGRADER_EXECUTION", None)
-    os.environ["MINIQLORA_ROOT"] = str(learner)
-    try:
-        NotebookClient(nb, timeout=600, kernel_name="python3",
-                       resources={"metadata": {"path": str(tmp_path)}}).execute()
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                   for o in c.outputs)
-    n = len(PIECES)
-    assert f"{n} of {n} pieces were yours" in text, text[-2000:]
-    em = re.search(r"rev exact match: yours (\S+) -> (\S+), reference (\S+) -> (\S+)", text)
-    assert em and em.group(1, 2) == em.group(3, 4), em and em.group(0)
-    assert float(em.group(2)) > float(em.group(1)), "rev was not learned"
-    gap = re.search(r"largest smoothed gap (\S+) at step", text)
-    assert gap and float(gap.group(1)) <= 1e-6, gap and gap.group(0)
-    kernels = re.search(r"kernels of yours on the Triton path: (.*)", text)
-    assert kernels and "my_lora_parallel_linear" in kernels.group(1)

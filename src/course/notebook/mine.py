@@ -8,10 +8,17 @@ work/mine/NN-name.json records which visible tests passed and the module's sha25
 
 `use("mine")` then swaps each piece of `pieces.PIECES` whose tests passed into the packages,
 wherever they call the reference (by object, as the lab tests' `swap` does), and prints for
-every piece whether it is yours or, and why, the reference's:
+every piece whether it is yours or, and why, the reference's. Each call the packages hand to
+a piece of yours is counted (`Choice.calls`); leaving the block prints what ran, so a piece
+that was loaded but never called says so:
 
-    with use("mine"):
+    with use("mine") as choices:
         train(model, ...)          # quantize_nf4, lora_linear, parallel_linear: yours
+    ran(choices)                   # {piece: calls} for every piece of yours
+
+When a run on your pieces leaves the reference's, `blame` repeats a short version of it with
+your pieces swapped back to the reference one at a time and names the one whose swap restores
+agreement.
 
 Grading never reads work/: a graded notebook runs on the reference alone (`use` says so).
 """
@@ -28,16 +35,18 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import nbformat
+from typing import TYPE_CHECKING
 
 from labkit.atomic import atomic_write_text
 from labkit.errors import InputError
 
 from ..learner import WORK
+
+if TYPE_CHECKING:   # annotations only: the capstone imports `use` without nbformat's import cost
+    import nbformat
 
 MINE = "mine"                      # work/mine/: the learner's saved modules
 MODULE_PREFIX = "labkit_mine_"     # sys.modules names of the loaded modules
@@ -133,6 +142,7 @@ class Saved:
     notebook: str = ""
     saved_at: str = ""
     path: Path = field(default=Path(), compare=False)
+    edited: bool = False         # the module no longer has the sha256 `make check` recorded
 
 
 def save(root: Path, lab: str, nb: nbformat.NotebookNode, passed: dict[str, bool],
@@ -155,8 +165,9 @@ def save(root: Path, lab: str, nb: nbformat.NotebookNode, passed: dict[str, bool
 
 
 def saved(root: Path, lab: str) -> Saved | None:
-    """The record of `lab`'s saved module, or None when there is none (or it is unreadable,
-    or the module no longer matches it: edited by hand since the check)."""
+    """The record of `lab`'s saved module, or None when there is none (or it is unreadable).
+    `edited` says the module no longer has the hash recorded when it was saved: it was edited
+    by hand since the check, and is not used."""
     folder = mine_dir(root)
     try:
         record = json.loads((folder / f"{lab}.json").read_text())
@@ -166,15 +177,25 @@ def saved(root: Path, lab: str) -> Saved | None:
                   path=folder / f"{lab}.py")
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return s if hashlib.sha256(source).hexdigest() == s.sha256 else None
+    s.edited = hashlib.sha256(source).hexdigest() != s.sha256
+    return s
 
 
 def load(s: Saved):
     """Import a saved module (the learner's own code, in the learner's own process) with the
     process as it was: loading runs setup lines such as `harness.triton_setup()`, which seed
-    torch and set its thread count, and print."""
+    torch and set its thread count, and print. Triton is imported first the packages' way
+    (`import_triton`: the interpreter where there is no CUDA), in case the module's own
+    `import triton` would be the first: the lab's setup cell that chose the interpreter is not
+    saved. (If something imported triton earlier without it, as torch's checkpoint does, a
+    kernel that calls triton.language helpers cannot run on a CPU: the capstone chooses the
+    interpreter in its setup cell.)"""
     import torch
 
+    from miniquant.triton_env import import_triton, triton_installed
+
+    if triton_installed():
+        import_triton()
     name = MODULE_PREFIX + s.lab.replace("-", "_")
     spec = importlib.util.spec_from_file_location(name, s.path)
     module = importlib.util.module_from_spec(spec)
@@ -198,6 +219,7 @@ class Choice:
     lab: str
     yours: bool
     why: str
+    calls: int = 0      # calls the packages handed to your code inside the `use` block
 
 
 def choose(root: Path) -> list[Choice]:
@@ -212,6 +234,9 @@ def choose(root: Path) -> list[Choice]:
             why = "grading runs every notebook on the reference alone"
         elif s is None:
             why = f"nothing saved from {p.lab} yet (`make check LAB={p.lab}` saves it)"
+        elif s.edited:
+            why = (f"{WORK}/{MINE}/{p.lab}.py was edited by hand since `make check` saved it: "
+                   f"edit the notebook and run `make check LAB={p.lab}` again")
         elif missing:
             why = f"{p.lab}: visible tests not passed yet: {', '.join(missing)}"
         else:
@@ -221,19 +246,33 @@ def choose(root: Path) -> list[Choice]:
 
 
 @contextlib.contextmanager
-def use(which: str = "mine", root: Path | None = None, quiet: bool = False
-        ) -> Iterator[list[Choice]]:
+def use(which: str = "mine", root: Path | None = None, quiet: bool = False,
+        reference: Iterable[str] = ()) -> Iterator[list[Choice]]:
     """Inside the block, the packages run the learner's pieces where they are done
-    (`which="mine"`), or the reference everywhere (`which="reference"`); prints the choice for
-    each piece unless `quiet`. A piece whose module fails to load falls back, saying why."""
+    (`which="mine"`), except the pieces named in `reference`, or the reference everywhere
+    (`which="reference"`). Each call handed to a piece of yours adds one to its
+    `Choice.calls` (a case the piece does not cover, which the reference runs, does not).
+    Unless `quiet`, prints the choice for each piece on entry and what ran on a normal exit.
+    A piece whose module fails to load falls back, saying why."""
     if which not in ("mine", "reference"):
         raise ValueError(f"which must be 'mine' or 'reference', got {which!r}")
     from .forbid import swap
     from .pieces import ADAPTERS, PIECES, resolve
 
+    reference = set(reference)
+    if unknown := reference - {p.name for p in PIECES}:
+        raise ValueError(f"reference names no piece: {sorted(unknown)}")
     root = (root or default_root()).resolve()
     choices = choose(root) if which == "mine" else [
         Choice(p.name, p.lab, False, "use('reference')") for p in PIECES]
+    for c in choices:
+        if c.yours and c.piece in reference:
+            c.yours, c.why = False, "kept on the reference (use(..., reference=...))"
+    by_name = {c.piece: c for c in choices}
+
+    def count(piece: str) -> None:
+        by_name[piece].calls += 1
+
     modules: dict[str, object] = {}
     with contextlib.ExitStack() as stack:
         # Target by target in PIECES order, each lab's module loaded just before its first
@@ -248,7 +287,7 @@ def use(which: str = "mine", root: Path | None = None, quiet: bool = False
                 if mine:
                     ref = resolve(target)
                     stack.enter_context(swap(ref, ADAPTERS[target](
-                        ref, {p.name: modules[p.lab] for p, _ in mine})))
+                        ref, {p.name: modules[p.lab] for p, _ in mine}, count)))
             except Exception as e:  # the learner's module: any error means "not usable"
                 for piece, choice in mine:
                     choice.yours, choice.why = False, (
@@ -256,12 +295,66 @@ def use(which: str = "mine", root: Path | None = None, quiet: bool = False
         if not quiet:
             print(describe(choices))
         yield choices
+        if not quiet:
+            print(f"your pieces that ran in this block (calls):\n{describe_calls(choices)}")
+
+
+def ran(choices: list[Choice]) -> dict[str, int]:
+    """{piece: calls} for every piece of yours in a `use` block; 0: loaded, never called."""
+    return {c.piece: c.calls for c in choices if c.yours}
 
 
 def describe(choices: list[Choice]) -> str:
     width = max(len(c.piece) for c in choices)
     return "\n".join(f"  {c.piece:<{width}}  {'yours    ' if c.yours else 'reference'}  {c.why}"
                      for c in choices)
+
+
+def describe_calls(choices: list[Choice]) -> str:
+    calls = ran(choices)
+    if not calls:
+        return "  none: every piece was the reference's"
+    width = max(len(p) for p in calls)
+    return "\n".join(f"  {p:<{width}}  {n:>6,}" if n else
+                     f"  {p:<{width}}  loaded, never called" for p, n in calls.items())
+
+
+def blame(run: Callable[[], object], agrees: Callable[[object], bool],
+          root: Path | None = None) -> str:
+    """Which piece of yours makes a run leave the reference's, as a sentence.
+
+    `run` is a short, seeded version of the run that disagreed and `agrees(result)` says
+    whether its result matches the reference's. It is repeated under `use("mine")`: with all
+    your pieces (the short run must disagree too), then with each piece that ran swapped back
+    to the reference alone, in PIECES order; the first whose swap restores agreement is named.
+    If no single swap does, the pieces that ran are swapped back one more at a time."""
+    def agrees_with(back: list[str]) -> tuple[bool, list[Choice]]:
+        with use("mine", root=root, quiet=True, reference=back) as choices:
+            result = run()
+        return agrees(result), choices
+
+    ok, choices = agrees_with([])
+    if ok:
+        return ("the short check agrees with the reference even with all your pieces, so it "
+                "cannot tell which piece moved the long run")
+    labs = {c.piece: c.lab for c in choices}
+    suspects = [c.piece for c in choices if c.calls]
+
+    def named(piece: str) -> str:
+        return f"{piece} (work/mine/{labs[piece]}.py)"
+
+    for piece in suspects:
+        if agrees_with([piece])[0]:
+            return (f"swapped back to the reference alone, {named(piece)} restores agreement "
+                    f"on a short run: that piece computes something else than the reference "
+                    f"here; rerun `make check LAB={labs[piece]}`")
+    for n in range(2, len(suspects) + 1):
+        if agrees_with(suspects[:n])[0]:
+            return (f"no single piece restores agreement on a short run; swapping back "
+                    f"{', '.join(named(p) for p in suspects[:n])} together does, the last "
+                    f"one named completing it")
+    return ("a short run disagrees even with every piece of yours swapped back to the "
+            "reference: the difference is in this notebook's code, not in your pieces")
 
 
 def status(root: Path) -> int:

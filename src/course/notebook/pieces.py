@@ -6,6 +6,8 @@ the labs define them) into that function's signature; the package's own argument
 first, so a learner's piece sees only inputs the reference accepts, and every case a piece
 does not cover (dropout masks, bitsandbytes' nested rounding, the torch backend) goes to the
 reference. Two pieces share `parallel_linear`: Lab 09's without LoRA, Lab 10's with it.
+An adapter calls `ran(piece name)` each time it hands a call to the learner's code, so that
+`use` can say which pieces ran and how often.
 """
 
 from __future__ import annotations
@@ -62,14 +64,21 @@ def resolve(target: str):
 
 
 # ------------------------------------------------------------------------------- adapters
-# Each takes (reference, {piece name: the learner's loaded module}) and returns the stand-in.
+# Each takes (reference, {piece name: the learner's loaded module}, ran) and returns the
+# stand-in, which calls ran(piece name) just before it runs the learner's code.
 
 
-def _quantize_nf4(ref, mods):
+def _only(mods: dict) -> tuple[str, object]:
+    """(piece name, module) of an adapter that stands for one piece."""
+    ((name, module),) = mods.items()
+    return name, module
+
+
+def _quantize_nf4(ref, mods, ran):
     from miniquant.intquant import check_weight
     from miniquant.nf4 import NESTED_BLOCKSIZE, NF4Config, NF4Weight, check_blocksize
 
-    (m,) = mods.values()
+    piece, m = _only(mods)
 
     def quantize_nf4(w, blocksize=NF4Config.blocksize, double_quant=False,
                      nested_rounding=NF4Config.nested_rounding):
@@ -77,6 +86,7 @@ def _quantize_nf4(ref, mods):
             return ref(w, blocksize, double_quant, nested_rounding)
         check_weight(w, "w")
         check_blocksize(blocksize)
+        ran(piece)
         idx, absmax = m.nf4_indices(w, blocksize)
         packed = m.pack_nibbles(idx.reshape(-1).to(torch.uint8))
         absmax = absmax.reshape(-1).float()
@@ -88,25 +98,27 @@ def _quantize_nf4(ref, mods):
     return quantize_nf4
 
 
-def _dequantize_nf4(ref, mods):
+def _dequantize_nf4(ref, mods, ran):
     from miniquant.nf4 import check_float_dtype
 
-    (m,) = mods.values()
+    piece, m = _only(mods)
 
     def dequantize_nf4(q, dtype=None):
         check_float_dtype("dtype", dtype)
+        ran(piece)
         idx = m.unpack_nibbles(q.packed, q.numel)
         return m.nf4_dequantize(idx, q.absmax, q.blocksize, q.shape, dtype or q.dtype)
     return dequantize_nf4
 
 
-def _selective_torch(ref, mods):
+def _selective_torch(ref, mods, ran):
     from miniquant.triton_dequant import _check_selective
 
-    (m,) = mods.values()
+    piece, m = _only(mods)
 
     def selective_dequantize_nf4_torch(q_experts, active, dtype=None):
         dtype, numel = _check_selective(q_experts, active, dtype, kernel=False)
+        ran(piece)
         E, d_out, d_in = q_experts.shape
         packed = q_experts.packed.view(E, numel // 2)
         absmax = q_experts.absmax.view(E, numel // q_experts.blocksize)
@@ -118,62 +130,70 @@ def _selective_torch(ref, mods):
     return selective_dequantize_nf4_torch
 
 
-def _triton_dequantize(ref, mods):
-    (m,) = mods.values()
+def _triton_dequantize(ref, mods, ran):
+    piece, m = _only(mods)
 
     def triton_dequantize_nf4(q, dtype=None):
         ref_dtype = ref.__globals__["_check_weight"](q, "q", dtype)
+        ran(piece)
         return m.my_dequantize_nf4(q).to(ref_dtype)
     return triton_dequantize_nf4
 
 
-def _selective_kernel(ref, mods):
-    (m,) = mods.values()
+def _selective_kernel(ref, mods, ran):
+    piece, m = _only(mods)
 
     def selective_dequantize_nf4(q_experts, active, dtype=None):
         dtype, _ = ref.__globals__["_check_selective"](q_experts, active, dtype, kernel=True)
+        ran(piece)
         return m.my_selective_dequantize(q_experts, active).to(dtype)
     return selective_dequantize_nf4
 
 
-def _lora_linear(ref, mods):
-    (m,) = mods.values()
+def _lora_linear(ref, mods, ran):
+    piece, m = _only(mods)
 
     def lora_linear(x, lora_A, lora_B, weight, scaling, mask=None):
         if mask is not None:                      # LoRA dropout: the lab's Function has none
             return ref(x, lora_A, lora_B, weight, scaling, mask)
         W = weight() if callable(weight) else weight
+        ran(piece)
         return m.LoRAMatmul.apply(x, lora_A, lora_B, W, scaling)
     return lora_linear
 
 
-def _scatter2scatter(ref, mods):
-    (m,) = mods.values()
+def _scatter2scatter(ref, mods, ran):
+    piece, m = _only(mods)
 
     def scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_grouped=False,
                         y_grouped=False, *, trusted=False):
+        ran(piece)
         return m.my_scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k,
                                     x_grouped=x_grouped, y_grouped=y_grouped)
     return scatter2scatter
 
 
-def _parallel_linear(ref, mods):
+def _parallel_linear(ref, mods, ran):
     from minimoe import Routing
 
-    plain = next((m.my_parallel_linear for name, m in mods.items() if "LoRA" not in name), None)
-    lora = next((m.my_lora_parallel_linear for name, m in mods.items() if "LoRA" in name), None)
+    plain = next(((name, m.my_parallel_linear) for name, m in mods.items()
+                  if "LoRA" not in name), None)
+    lora = next(((name, m.my_lora_parallel_linear) for name, m in mods.items()
+                 if "LoRA" in name), None)
 
     def parallel_linear(x, W, routing, *args, **kw):
         # The packages call it with a Routing and keywords; anything else (the index form,
         # gates that do not fit, whose error the reference raises) goes to the reference.
         A, B, scaling = kw.get("lora") or (None, None, 1.0)
-        fn = plain if A is None else lora
+        chosen = plain if A is None else lora
         gates = kw.get("gates")
-        if (args or not isinstance(routing, Routing) or fn is None
+        if (args or not isinstance(routing, Routing) or chosen is None
                 or kw.get("backend", "triton") != "triton"
                 or kw.get("lora_path", "fused") != "fused"
                 or (gates is not None and gates.shape[-1] != routing.k)):
             return ref(x, W, routing, *args, **kw)
+        piece, fn = chosen
+        ran(piece)
         extra = () if A is None else (A, B, scaling)
         return fn(x, W, routing.k, *routing, *extra, gates=gates,
                   grouped_in=kw.get("grouped_in", False), grouped_out=kw.get("grouped_out", False))
