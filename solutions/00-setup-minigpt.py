@@ -305,14 +305,41 @@ def _check_attention(B, H, T, D, Dv=None, dtype=torch.float32, scale=1.0, seed=0
     assert got.shape == want.shape, \
         f"{where} expected output shape {tuple(want.shape)}, got {tuple(got.shape)}"
     assert got.dtype == want.dtype, f"{where} expected dtype {want.dtype}, got {got.dtype}"
-    assert not got.isnan().any(), \
-        f"{where} output has NaN at (b, h, t) = {got.isnan().any(-1).nonzero()[:3].tolist()}..."
+    stable = " (scores this large overflow exp: a numerically stable softmax subtracts each " \
+             "row's maximum first)" if scale > 1 else ""
+    assert not got.isnan().any(), f"{where} output has NaN at (b, h, t) = " \
+        f"{got.isnan().any(-1).nonzero()[:3].tolist()}...{stable}"
     atol, rtol = tol or (1e-5, 1e-4)
+    # A wrong output that is attention with another scale: name the scale.
+    for s, why in ((1.0, "not scaled at all"), (1 / D, "scaled by 1/D instead of 1/sqrt(D)"),
+                   (T**-0.5, "scaled by 1/sqrt(T), the sequence length"),
+                   ((Dv or D)**-0.5, "scaled by 1/sqrt(Dv), the head size of v")):
+        other = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s)
+        assert torch.allclose(got, want, atol=atol, rtol=rtol) or s == D**-0.5 or \
+            not torch.allclose(got, other, atol=atol, rtol=rtol), \
+            f"{where} your output is attention with the scores {why}: the scale is " \
+            "1/sqrt(D), D = q.shape[-1]"
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol,
                                msg=lambda m: f"{where} differs from F.scaled_dot_product_attention"
                                              f"(..., is_causal=True):\n{m}")
 
 
+# The weights themselves first: with v = identity, the output is the weight matrix P [T, T].
+_g = torch.Generator().manual_seed(7)
+_q, _k = torch.randn(1, 1, 5, 4, generator=_g), torch.randn(1, 1, 5, 4, generator=_g)
+_P = causal_attention(_q, _k, torch.eye(5).expand(1, 1, 5, 5))[0, 0]
+assert not _P[0].isnan().any(), \
+    f"the weights of query 0 are {_P[0].tolist()}: every key of its row is masked. Position i " \
+    "must see itself: mask only the keys j > i, strictly above the diagonal"
+_leak = _P.triu(diagonal=1).abs().max().item()
+assert _leak == 0, f"a query puts weight {_leak:.3g} on a later key: the mask must hide every " \
+    f"future position, j > i, and nothing else (weights:\n{_P})"
+if not torch.allclose(_P.sum(-1), torch.ones(5)):
+    raise AssertionError(
+        f"the columns of the weights sum to 1, not the rows: take the softmax over the keys, "
+        f"the last dim (weights:\n{_P})" if torch.allclose(_P.sum(-2), torch.ones(5)) else
+        f"each query's weights should sum to 1, got {_P.sum(-1).tolist()}: apply the mask "
+        f"before the softmax (scores of future keys set to -inf), not after it")
 _check_attention(2, 3, 5, 7)          # several heads, odd head size
 _check_attention(1, 1, 1, 4)          # a single token: it may only attend to itself
 _check_attention(1, 4, 16, 8)
@@ -516,9 +543,15 @@ def decode(ids) -> str:
 
 # %% nbgrader={"grade": true, "grade_id": "test_encode", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 _ref = CharTokenizer()
+_got = encode("add:12+7=")
+assert isinstance(_got, list), \
+    f"encode should return a list of Python ints, got a {type(_got).__name__}: {_got!r}"
 for text in ["add:12+7=", "kv:a1,b2?b=", "count:abca?c=", " ", ""]:
     got, want = encode(text), _ref.encode(text)
-    assert got == want, f"encode({text!r}): expected {want}, got {got}"
+    _off = {g - w for g, w in zip(got, want, strict=False)}
+    assert got == want, f"encode({text!r}): expected {want}, got {got}" + (
+        f" (every id is off by {_off.pop()}: ALPHABET[i] has id i + 2, after <pad> = 0 and "
+        "<eos> = 1)" if len(got) == len(want) and len(_off) == 1 else "")
 assert all(type(i) is int for i in encode("sort:zyx=")), \
     f"encode should return Python ints, got {[type(i).__name__ for i in encode('sort:zyx=')]}"
 try:
@@ -575,13 +608,16 @@ assert decode(ids) == "ab", \
 assert decode([]) == "", f"decode([]): expected '', got {decode([])!r}"
 assert decode(encode("kv:a1,b2?a=")) == "kv:a1,b2?a=", "decode(encode(text)) is not text"
 # Ids outside the vocabulary raise, negative ones included (ALPHABET[-3] would not fail).
-for _bad in ([-1], [2, VOCAB_SIZE]):
+for _bad, _why in (([-1], "a negative id: ALPHABET[-3] does not fail, it counts from the end"),
+                   ([2, VOCAB_SIZE], "VOCAB_SIZE is one past the last id")):
     try:
-        _came = decode(_bad)
+        _came = f"returned {decode(_bad)!r}"
     except ValueError:
         continue
-    raise AssertionError(f"decode({_bad}) should raise ValueError (an id outside "
-                         f"0..{VOCAB_SIZE - 1}), but it returned {_came!r}")
+    except Exception as _e:  # noqa: BLE001 - any other error is reported as the wrong one
+        _came = f"raised {type(_e).__name__}: {_e}"
+    raise AssertionError(f"decode({_bad}) should raise ValueError ({_why}; the ids are "
+                         f"0..{VOCAB_SIZE - 1}), but it {_came}")
 # Off-limits: CharTokenizer's own methods are switched off while yours runs.
 _ids = _ref.encode("sort:cab=") + [EOS_ID, 7]
 with forbid([(CharTokenizer, "encode"), (CharTokenizer, "decode")], globals(),
@@ -691,8 +727,16 @@ def _check_pair(prompt, answer, eos, want_x, want_y, want_mask):
         came = getattr(t, "dtype", type(t).__name__)
         assert isinstance(t, torch.Tensor) and t.dtype == dtype, \
             f"{call}: {name} should be a {dtype} tensor, got {came}"
+    on_seq = [False] * len(prompt) + [True] * (len(answer) + 1)    # answer + eos, per token
+    why = {"x": " (x and y are swapped: x = seq[:-1] is what the model reads)"
+                if x.tolist() == want_y else "",
+           "loss_mask": " (this mask is marked on x, the inputs: it belongs to the targets y)"
+                        if mask.tolist() == on_seq[:-1] else
+                        " (the eos is missing: it is how the model learns to stop)"
+                        if mask.tolist() == [*want_mask[:-1], False] else ""}
     for name, t, want in (("x", x, want_x), ("y", y, want_y), ("loss_mask", mask, want_mask)):
-        assert t.tolist() == want, f"{call}: {name} expected {want}, got {t.tolist()}"
+        assert t.tolist() == want, \
+            f"{call}: {name} expected {want}, got {t.tolist()}{why.get(name, '')}"
 
 
 # worked by hand: seq = [5, 6, 7, 8, 9, 1]
@@ -860,6 +904,8 @@ a_ulp = a.clone()
 a_ulp[1, 2] = torch.nextafter(a[1, 2], torch.tensor(float("inf")))
 _differ({"a": a, "b": b}, {"a": a_ulp, "b": b}, "one element moved by one ulp")
 _differ({"a": a}, {"a": a.double()}, "float32 vs float64 of the same values")
+_differ({"w": torch.arange(6, dtype=torch.float32)}, {"w": torch.arange(6.0).view(torch.int32)},
+        "float32 vs int32 holding the same bytes (the dtype is part of what a tensor is)")
 _differ({"a": a, "b": b}, {"a": a, "c": b}, "key 'b' renamed to 'c'")
 six = torch.arange(6, dtype=torch.float32)
 _differ({"w": six}, {"w": six.reshape(2, 3)}, "shape [6] vs [2, 3] with the same bytes")
@@ -869,14 +915,16 @@ _differ({"w": six[:4], "x": six[4:]}, {"w": six[:3], "x": six[3:]},
 _awkward = {"bf16": torch.randn(5).to(torch.bfloat16), "scalar": torch.tensor(2.5),
             "t": torch.randn(3, 4).T, "p": torch.nn.Parameter(torch.randn(2, 2))}
 _plain = {k: t.detach().contiguous() for k, t in _awkward.items()}
-try:
-    _d1, _d2 = state_dict_sha256(_awkward), state_dict_sha256(_plain)
-except (TypeError, RuntimeError, ValueError) as _e:
-    raise AssertionError("state_dict_sha256 failed on a bfloat16, a 0-d, a non-contiguous or a "
-                         f"requires-grad tensor: {type(_e).__name__}: {_e}") from _e
-assert _d1 == _d2, \
-    "a non-contiguous tensor should hash like its contiguous copy, and a tensor that requires " \
-    f"grad like its detached copy: got {_d1} and {_d2}"
+for _key, _what in (("bf16", "a bfloat16 tensor (NumPy has no bfloat16: hash bytes)"),
+                    ("scalar", "a 0-d tensor"),
+                    ("t", "a non-contiguous tensor (it should hash like its contiguous copy)"),
+                    ("p", "a tensor that requires grad (it should hash like its detached copy)")):
+    try:
+        _d1, _d2 = state_dict_sha256({_key: _awkward[_key]}), state_dict_sha256({_key: _plain[_key]})
+    except (TypeError, RuntimeError, ValueError) as _e:
+        raise AssertionError(f"state_dict_sha256 failed on {_what}: "
+                             f"{type(_e).__name__}: {_e}") from _e
+    assert _d1 == _d2, f"{_what}: got the digest {_d1}, and {_d2} for the plain copy"
 # Off-limits: the reference is switched off while yours runs.
 with forbid([(labkit, "sha256_state_dict"), (labkit.hashing, "sha256_state_dict")], globals(),
             why="state_dict_sha256 must build its own digest"):

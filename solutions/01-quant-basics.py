@@ -77,8 +77,9 @@ print(f"blocks.0.mlp.up_proj.weight: shape {tuple(W.shape)}, {W.numel():,d} weig
 
 
 # Helpers for the test cells below (you do not need to read them to do the exercises).
-def _codes_equal(got, want, where):
-    """Assert two integer code tensors are equal; say how many differ, where, and by how much."""
+def _codes_equal(got, want, where, ratio=None):
+    """Assert two integer code tensors are equal; say how many differ, where, and by how much,
+    and which rounding rule they break when `ratio` (the exact w / scale) tells."""
     assert isinstance(got, torch.Tensor), f"{where}: expected a tensor, got {type(got).__name__}"
     assert got.dtype == torch.int8, f"{where}: codes should be torch.int8, got {got.dtype}"
     assert got.shape == want.shape, \
@@ -88,7 +89,28 @@ def _codes_equal(got, want, where):
         first = [tuple(i.tolist()) for i in bad[:4]]
         shown = [(i, int(want[i]), int(got[i])) for i in first]
         raise AssertionError(f"{where}: {len(bad)} of {want.numel()} codes differ; "
-                             f"(index, expected, got): {shown}")
+                             f"(index, expected, got): {shown}{_rounding_rule(got, want, ratio)}")
+
+
+def _rounding_rule(got, want, ratio):
+    """Why codes differ, when the exact w / scale of the differing ones tells."""
+    if ratio is None:
+        return ""
+    g = got.float()
+    if torch.equal(g, ratio.trunc()):
+        return ". These codes are w / scale truncated toward zero: round to the nearest " \
+               "code with torch.round"
+    if torch.equal(g, (ratio + 0.5).floor()) or \
+            torch.equal(g, ratio.sign() * (ratio.abs() + 0.5).floor()):
+        return ". Each of these weights sits on a tie, exactly halfway between two codes: " \
+               "torch.round sends a tie to the even code, not always up or away from zero"
+    r = ratio[got != want]
+    off = (r - r.floor() - 0.5).abs()            # distance from the midpoint between two codes
+    if (off < 1e-4).all():
+        return ". These weights sit within an ulp of a midpoint between two codes: divide by " \
+               "the scale, w / scale, exactly as specified (multiplying by qmax / absmax " \
+               "rounds them to the other side)"
+    return ""
 
 
 # %% [markdown]
@@ -233,17 +255,27 @@ def _check_absmax(w, dim=None, want_q=None, want_scale=None):
         assert isinstance(got, tuple) and len(got) == 2, f"{where}: expected (q, scale)"
         q, scale = got
         deq = dequantize_absmax_int8(q, scale)
-    if want_q is not None:
-        _codes_equal(q, want_q, where + " (worked by hand)")
-    _codes_equal(q, ref_q, where)
+    # the scale first: a wrong scale makes every code wrong
     assert isinstance(scale, torch.Tensor) and scale.dtype == torch.float32, \
         f"{where}: scale should be a float32 tensor, got {getattr(scale, 'dtype', type(scale))}"
     assert scale.shape == ref_scale.shape, \
-        f"{where}: scale should have shape {tuple(ref_scale.shape)}, got {tuple(scale.shape)}"
+        f"{where}: scale should have shape {tuple(ref_scale.shape)}, got {tuple(scale.shape)}" + \
+        ("" if dim is None else " (the absmax along dim is kept as a size-1 dimension, "
+                                "keepdim=True, so that it broadcasts)")
+    x = w.float()
+    signed_max = x.amax() if dim is None else x.amax(dim=dim, keepdim=True)
+    why = (" (that is max(w) / 127: the absmax is the largest magnitude, max |w|, which may "
+           "belong to a negative weight)" if torch.allclose(scale, signed_max / 127) else
+           " (that is absmax / 128: qmax = 2**(8-1) - 1 = 127)"
+           if torch.allclose(scale, ref_scale * 127 / 128) else "")
     if want_scale is not None:
-        torch.testing.assert_close(scale, want_scale, msg=lambda m: f"{where} scale: {m}")
+        torch.testing.assert_close(scale, want_scale, msg=lambda m: f"{where} scale{why}: {m}")
     torch.testing.assert_close(scale, ref_scale, rtol=0, atol=0,
-                               msg=lambda m: f"{where}: scale should be absmax / 127:\n{m}")
+                               msg=lambda m: f"{where}: scale should be absmax / 127{why}:\n{m}")
+    ratio = x / torch.where(ref_scale > 0, ref_scale, torch.ones_like(ref_scale))
+    if want_q is not None:
+        _codes_equal(q, want_q, where + " (worked by hand)", ratio)
+    _codes_equal(q, ref_q, where, ratio)
     assert isinstance(deq, torch.Tensor) and deq.dtype == torch.float32, \
         f"dequantize_absmax_int8 should return float32, got {getattr(deq, 'dtype', type(deq))}"
     torch.testing.assert_close(deq, ref_deq, msg=lambda m: f"dequantize_absmax_int8 after "
@@ -490,23 +522,31 @@ def _check_per_group(w, bits, group_size, want_q=None, want_scales=None, naive=T
         got = quantize_symmetric_per_group(w, bits=bits, group_size=group_size)
     assert isinstance(got, tuple) and len(got) == 2, f"{where}: expected (q, scales)"
     q, scales = got
-    if want_q is not None:
-        _codes_equal(q, want_q, where + " (worked by hand)")
-    if naive:
-        codes, naive_scales = _naive_per_group(w, bits, group_size)
-        _codes_equal(q, torch.tensor(codes, dtype=torch.int8).reshape(w.shape),
-                     where + " vs a loop over groups")
-    _codes_equal(q, ref_q, where + " vs miniquant")
+    # the scales first: a wrong scale makes every code of its group wrong
     n_groups = -(-w.numel() // group_size)
     assert isinstance(scales, torch.Tensor) and scales.dtype == torch.float32, \
         f"{where}: scales should be float32, got {getattr(scales, 'dtype', type(scales))}"
     assert scales.shape == (n_groups,), \
         f"{where}: scales should have shape ({n_groups},) = ceil({w.numel()}/{group_size}), " \
         f"got {tuple(scales.shape)}"
+    qmax = 2 ** (bits - 1) - 1
+    absmax = torch.stack([g.abs().max() for g in w.reshape(-1).float().split(group_size)])
+    why = next((f" (that is absmax / {other}: qmax = 2**(bits-1) - 1 = {qmax})"
+                for other in (2 ** bits - 1, 2 ** (bits - 1))
+                if torch.allclose(scales, absmax / other)), "")
     if want_scales is not None:
-        torch.testing.assert_close(scales, want_scales, msg=lambda m: f"{where} scales: {m}")
+        torch.testing.assert_close(scales, want_scales, msg=lambda m: f"{where} scales{why}: {m}")
     torch.testing.assert_close(scales, ref_scales, rtol=0, atol=0,
-                               msg=lambda m: f"{where}: scales should be absmax / qmax:\n{m}")
+                               msg=lambda m: f"{where}: scales should be absmax / qmax{why}:\n{m}")
+    per = ref_scales.repeat_interleave(group_size)[: w.numel()].reshape(w.shape)
+    ratio = w.float() / torch.where(per > 0, per, torch.ones_like(per))
+    if want_q is not None:
+        _codes_equal(q, want_q, where + " (worked by hand)", ratio)
+    if naive:
+        codes, naive_scales = _naive_per_group(w, bits, group_size)
+        _codes_equal(q, torch.tensor(codes, dtype=torch.int8).reshape(w.shape),
+                     where + " vs a loop over groups", ratio)
+    _codes_equal(q, ref_q, where + " vs miniquant", ratio)
     return q, scales
 
 
@@ -552,15 +592,16 @@ assert _s[1] == 0 and not _q[8:16].any(), \
     f"an all-zero group should get scale 0 and codes 0; got scale {_s[1].item()} and codes " \
     f"{_q[8:16].tolist()}"
 # bad arguments raise ValueError
-for _kw in ({"bits": 1}, {"bits": 9}, {"group_size": 0}):
+for _kw, _rule in (({"bits": 1}, "bits must be an integer in 2..8"),
+                   ({"bits": 9}, "bits must be an integer in 2..8"),
+                   ({"group_size": 0}, "group_size must be an integer >= 1")):
     try:
         with reference_disabled():
             quantize_symmetric_per_group(torch.ones(4), **{"bits": 8, "group_size": 64, **_kw})
     except ValueError:
         continue
     raise AssertionError(f"quantize_symmetric_per_group(torch.ones(4), {_kw}) should raise "
-                         "ValueError: bits must be an integer in 2..8 and group_size an "
-                         "integer >= 1")
+                         f"ValueError: {_rule}")
 print("quantize_symmetric_per_group matches the hand-worked cases, a loop and miniquant")
 
 ### BEGIN HIDDEN TESTS
@@ -617,10 +658,20 @@ def _check_per_group_round_trip(w, bits, group_size):
 
 
 # worked by hand: the codes and scales of the first hand-worked case above
-_deq = dequantize_symmetric_per_group(torch.tensor([[7, 4, -1, 7, -4, 0, 7]], dtype=torch.int8),
-                                      torch.tensor([1.0, 2.0, 2.0 / 7.0]), group_size=3)
+_q = torch.tensor([[7, 4, -1, 7, -4, 0, 7]], dtype=torch.int8)
+_s = torch.tensor([1.0, 2.0, 2.0 / 7.0])
+try:
+    _deq = dequantize_symmetric_per_group(_q, _s, group_size=3)
+except RuntimeError as _e:
+    raise AssertionError(f"dequantize_symmetric_per_group(7 codes, 3 scales, group_size=3) "
+                         f"failed: {_e}. The last group may be partial: give each of the "
+                         "q.numel() codes its group's scale, and no more") from _e
+_why = " (each code took scales[i % 3]: code i has its own group's scale, scales[i // 3], " \
+       "as repeat_interleave gives, not repeat)" \
+    if torch.allclose(_deq.float(), _q.float() * _s.repeat(3)[:7]) else ""
 torch.testing.assert_close(_deq, torch.tensor([[7.0, 4.0, -1.0, 14.0, -8.0, 0.0, 2.0]]),
-                           msg=lambda m: f"dequantize_symmetric_per_group, worked by hand:\n{m}")
+                           msg=lambda m: f"dequantize_symmetric_per_group, worked by hand"
+                                         f"{_why}:\n{m}")
 _g = torch.Generator().manual_seed(0)
 _check_per_group_round_trip(torch.randn(5, 13, generator=_g), 4, 8)
 _check_per_group_round_trip(torch.randn(3, 4, 9, generator=_g), 8, 7)
@@ -732,11 +783,26 @@ def _ref_error(w, bits, group_size):
 def _check_error(w, bits, group_size, want=None):
     call = f"quant_error(w of shape {tuple(w.shape)}, {w.dtype}, bits={bits}, " \
            f"group_size={group_size})"
-    got = quant_error(w, bits=bits, group_size=group_size)
+    try:
+        got = quant_error(w, bits=bits, group_size=group_size)
+    except (ValueError, TypeError) as e:
+        raise AssertionError(f"{call} raised {type(e).__name__}: {e}" + (
+            " (group_size=None means one group holding the whole tensor)"
+            if group_size is None else "")) from e
     assert type(got) is float, f"{call}: expected a Python float, got {type(got).__name__}"
     want = _ref_error(w, bits, group_size) if want is None else want
+    x = w.float()
+    gs = x.numel() if group_size is None else group_size
+    x_hat = dequantize_per_group_ref(*quantize_per_group_ref(x, bits=bits, group_size=gs), gs)
+    why = (" (an all-zero w has error 0.0, not NaN: check ‖w‖ = 0 before dividing)"
+           if math.isnan(got) else
+           " (that is the squared ratio: divide the norms, not their squares)"
+           if math.isclose(got, want**2, rel_tol=1e-4) else
+           " (that is ‖w − ŵ‖ / ‖ŵ‖: the error is relative to ‖w‖, the original weights)"
+           if math.isclose(got, ((x - x_hat).norm() / x_hat.norm()).item(), rel_tol=1e-5)
+           else "")
     assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-7), \
-        f"{call}: expected {want:.7f}, got {got:.7f}"
+        f"{call}: expected {want:.7f}, got {got:.7f}{why}"
 
 
 # worked by hand: bits=2 has qmax 1, so [1, 0.5] -> codes [1, 0] (0.5 is a tie: to even)
@@ -920,6 +986,15 @@ def _naive_wasted(q, bits, group_size):
     return torch.tensor(out, dtype=torch.float32)
 
 
+def _ks(q, group_size, magnitude=True):
+    """Per group, its codes (|q| or signed) and one padding zero or more, largest first."""
+    flat = q.reshape(-1).float()
+    flat = flat.abs() if magnitude else flat
+    groups = torch.nn.functional.pad(flat, (0, -flat.numel() % group_size))
+    groups = torch.nn.functional.pad(groups.reshape(-1, group_size), (0, 1))
+    return groups.sort(dim=1, descending=True).values
+
+
 def _check_wasted(q, bits, group_size, want=None):
     call = f"wasted_fraction(q of shape {tuple(q.shape)}, bits={bits}, group_size={group_size})"
     got = wasted_fraction(q, bits, group_size)
@@ -927,8 +1002,17 @@ def _check_wasted(q, bits, group_size, want=None):
     assert isinstance(got, torch.Tensor) and got.dtype == torch.float32, \
         f"{call}: expected a float32 tensor, got {getattr(got, 'dtype', type(got).__name__)}"
     assert got.shape == want.shape, \
-        f"{call}: expected shape {tuple(want.shape)} (one value per group), got {tuple(got.shape)}"
-    torch.testing.assert_close(got, want, msg=lambda m: f"{call}:\n{m}")
+        f"{call}: expected shape {tuple(want.shape)} (one value per group), got " \
+        f"{tuple(got.shape)}" + (" (the last, partial group is missing)"
+                                 if got.shape[0] == want.shape[0] - 1 else "")
+    levels = 2 * (2 ** (bits - 1) - 1) + 1
+    k = ((1 - got) * levels - 1) / 2                     # the k your values stand for
+    why = (" (that k is the largest |code| of each group, the outlier itself: k is the "
+           "second largest)" if torch.allclose(k, _ks(q, group_size)[:, 0], atol=1e-3) else
+           " (that k comes from signed codes: take magnitudes |q|, a large negative code "
+           "counts too)" if torch.allclose(k, _ks(q, group_size, False)[:, 1], atol=1e-3)
+           else "")
+    torch.testing.assert_close(got, want, msg=lambda m: f"{call}{why}:\n{m}")
 
 
 # worked by hand, 8 bits (255 levels), groups of 4:

@@ -182,11 +182,22 @@ def _ulps_apart(a, b):
 _bnb_code = bnbF.get_4bit_type("nf4", device="cpu")
 got = nf4_codebook()
 assert isinstance(got, torch.Tensor), f"expected a tensor, got {type(got).__name__}"
-assert got.shape == (16,), f"expected shape (16,), got {tuple(got.shape)}"
+assert got.shape == (16,), f"expected shape (16,), got {tuple(got.shape)} (8 positive " \
+    "levels from linspace(0.9677083, 0.5, 9) without its last value, 7 negative levels from " \
+    "linspace(0.9677083, 0.5, 8) without its last value, and one 0)"
 assert got.dtype == torch.float32, f"expected float32, got {got.dtype}"
-assert got[7] == 0 and got[0] == -1 and got[15] == 1, \
-    f"index 7 must be exactly 0 and the ends exactly -1 and 1; got {got[7]}, {got[0]}, {got[15]}"
-assert (got[1:] > got[:-1]).all(), f"the values must be strictly increasing, got {got.tolist()}"
+assert (got[1:] > got[:-1]).all(), \
+    f"the values must be strictly increasing (sorted), got {got.tolist()}"
+# the ends within an ulp or two here; exactly -1 and 1 is part of the bit-for-bit check below
+assert got[7] == 0 and (got[[0, 15]].abs() - 1).abs().max() < 1e-6, \
+    f"index 7 must be exactly 0 and the ends exactly -1 and 1 (the quantiles divided by " \
+    f"their maximum); got {got[7]}, {got[0]}, {got[15]}"
+_q64 = torch.cat([torch.special.ndtri(torch.linspace(0.9677083, 0.5, 9)[:-1].double()),
+                  torch.zeros(1, dtype=torch.float64),
+                  -torch.special.ndtri(torch.linspace(0.9677083, 0.5, 8)[:-1].double())]).sort()
+assert not torch.equal(got, (_q64.values / _q64.values.max()).float()), \
+    "your table divides in float64 and rounds at the end: round the quantiles to float32 " \
+    "before the division, then divide in float32"
 if not torch.equal(got, _bnb_code):
     _off = (got != _bnb_code).nonzero().flatten().tolist()
     raise AssertionError(
@@ -446,11 +457,18 @@ def _check_indices(w, blocksize=64, what=""):
     assert isinstance(absmax, torch.Tensor) and absmax.dtype == torch.float32 \
         and absmax.shape == (n_blocks,), \
         f"{where}: absmax should be float32 of shape ({n_blocks},), got " \
-        f"{getattr(absmax, 'dtype', type(absmax).__name__)} {tuple(getattr(absmax, 'shape', ()))}"
+        f"{getattr(absmax, 'dtype', type(absmax).__name__)} {tuple(getattr(absmax, 'shape', ()))}" \
+        + (" (the work is in float32, whatever w's dtype)"
+           if getattr(absmax, "dtype", None) == w.dtype != torch.float32 else "")
     bad = (absmax != want_absmax).nonzero().flatten()
+    flat = w.reshape(-1).float()
+    signed = torch.stack([b.max() for b in flat.split(blocksize)])
+    why = " (that is each block's largest value: the absmax is the largest magnitude, " \
+          "max |w|)" if len(bad) and torch.equal(absmax[bad], signed[bad]) else ""
     assert len(bad) == 0, \
         f"{where}: {len(bad)} of {n_blocks} absmax values differ from bitsandbytes'; first at " \
-        f"block {bad[0].item()}: expected {want_absmax[bad[0]].item()!r}, got {absmax[bad[0]].item()!r}"
+        f"block {bad[0].item()}: expected {want_absmax[bad[0]].item()!r}, got " \
+        f"{absmax[bad[0]].item()!r}{why}"
     bad = (idx != want_idx).nonzero().flatten()
     if len(bad):
         i = bad[0].item()
@@ -643,19 +661,33 @@ def _as_list(t):
     return t.tolist() if isinstance(t, torch.Tensor) else t
 
 
+def _swapped(bytes_):
+    return [((b & 0xF) << 4) | (b >> 4) for b in bytes_]
+
+
 for _codes, _bytes in [([1, 2], [0x12]), ([15, 0], [0xF0]), ([1, 2, 3], [0x12, 0x37]),
                        ([0, 15, 7, 7], [0x0F, 0x77])]:
     _got = pack_nibbles(torch.tensor(_codes, dtype=torch.uint8))
     assert isinstance(_got, torch.Tensor) and _got.dtype == torch.uint8, \
         f"pack_nibbles should return a uint8 tensor, got {getattr(_got, 'dtype', type(_got))}"
+    _why = (" (the nibbles are swapped: element 2i goes in the high nibble)"
+            if _got.tolist() == _swapped(_bytes) else
+            " (an odd count is padded with code 7, NF4's zero, not with 0)"
+            if _got.tolist() == [*_bytes[:-1], _bytes[-1] & 0xF0] and len(_codes) % 2 else "")
     assert _got.tolist() == _bytes, \
         f"pack_nibbles({_codes}): expected bytes {[hex(b) for b in _bytes]}, " \
-        f"got {[hex(b) for b in _as_list(_got)]}"
+        f"got {[hex(b) for b in _as_list(_got)]}{_why}"
     _back = unpack_nibbles(_got, len(_codes))
+    _back_list = _as_list(_back)
+    _why = "" if not isinstance(_back_list, list) else (
+        " (the high nibble of a byte is element 2i: it comes first)"
+        if _back_list[:2] == _codes[:2][::-1] != _codes[:2] else
+        " (return the first n codes only: the padding is not a code)"
+        if len(_back_list) > len(_codes) else "")
     assert isinstance(_back, torch.Tensor) and _back.dtype == torch.uint8 \
         and _back.tolist() == _codes, \
         f"unpack_nibbles({[hex(b) for b in _bytes]}, {len(_codes)}): expected {_codes}, " \
-        f"got {_as_list(_back)}"
+        f"got {_back_list}{_why}"
 
 # bitsandbytes' own codes, packed by you, give bitsandbytes' bytes
 _w = randn(3, 71, seed=8)
@@ -796,16 +828,32 @@ def _check_dequant(w, blocksize=64, double_quant=False, what=""):
     bad = (got != want).reshape(-1).nonzero().flatten()
     if len(bad):
         i = bad[0].item()
+        values, n = CODE[q.codes().long()], w.numel()
+        cast_first = values.to(w.dtype) * q.absmax.repeat_interleave(blocksize)[:n].to(w.dtype)
+        cycled = values * q.absmax.repeat(blocksize)[:n]
+        why = (f" (the factors were cast to {w.dtype} before the product: form the product in "
+               "float32 and cast once, at the end)"
+               if torch.equal(got.reshape(-1), cast_first) else
+               " (element i takes absmax[i // blocksize], as repeat_interleave gives; repeat "
+               "cycles through the blocks)"
+               if torch.equal(got.reshape(-1), cycled.to(w.dtype)) else "")
         raise AssertionError(
             f"{where}: {len(bad)} of {w.numel()} values differ from miniquant.dequantize_nf4; "
             f"first at flat position {i} (code {q.codes()[i].item()}, block {i // blocksize}, "
             f"absmax {q.absmax[i // blocksize].item()!r}): expected "
-            f"{want.reshape(-1)[i].item()!r}, got {got.reshape(-1)[i].item()!r}")
+            f"{want.reshape(-1)[i].item()!r}, got {got.reshape(-1)[i].item()!r}{why}")
 
 
-# by hand: codes 15, 0, 7, 12 of one block with absmax 2
-_got = nf4_dequantize(torch.tensor([15, 0, 7, 12], dtype=torch.uint8), torch.tensor([2.0]),
-                      64, (2, 2))
+# by hand: codes 15, 0, 7, 12 of one (partial) block with absmax 2
+try:
+    _got = nf4_dequantize(torch.tensor([15, 0, 7, 12], dtype=torch.uint8), torch.tensor([2.0]),
+                          64, (2, 2))
+except (RuntimeError, IndexError) as _e:
+    raise AssertionError(
+        f"nf4_dequantize(4 codes, one absmax, blocksize 64, (2, 2)) failed: {_e}. " + (
+            "uint8 indices are read as a boolean mask: index the table with idx.long()"
+            if "mask" in str(_e) else
+            "The last block may be partial: cut the repeated absmax to the n codes")) from _e
 _want = torch.tensor([[2.0, -2.0], [0.0, 2 * CODE[12].item()]])
 assert torch.equal(_got, _want), f"expected {_want.tolist()}, got {_got.tolist()}"
 _check_dequant(randn(3, 70, seed=12))
@@ -1020,9 +1068,9 @@ def _check_dq(w, blocksize=64, what=""):
 _c, _s, _o = double_quantize_absmax(torch.tensor([1.0, 3.0]))
 assert _c.tolist() == [0, 255] and _s.tolist() == [1.0] and float(_o) == 2.0, \
     f"double_quantize_absmax([1, 3]): expected ([0, 255], [1.0], 2.0), " \
-    f"got ({_c.tolist()}, {_s.tolist()}, {float(_o)})"
-_check_dq(randn(64 * 300 + 5, seed=18))            # 301 blocks: one full nested block + 45
-_check_dq(randn(4, 128, 512, seed=19))             # 4096 blocks: 16 full nested blocks
+    f"got ({_c.tolist()}, {_s.tolist()}, {float(_o)})" + (
+        " (scale 3 is the largest absmax itself: subtract the offset first and scale the "
+        "centred values)" if _s.tolist() == [3.0] else "")
 # The offset is the float32 torch.mean; for this vector a float64 mean rounded to float32
 # lands one ulp away (0.81464726 instead of 0.81464720).
 _am = randn(1000, seed=30).abs()
@@ -1071,6 +1119,8 @@ assert (_c == 127).all() and _s.tolist() == [0.0, torch.tensor(1e-38).item()] \
     f"codes {_c.unique().tolist()}, scales {_s.tolist()}, offset {float(_o)}. Rule: store " \
     "the true scale of a full nested block and the floored one of a partial block"
 
+_check_dq(randn(64 * 300 + 5, seed=18))            # 301 blocks: one full nested block + 45
+_check_dq(randn(4, 128, 512, seed=19))             # 4096 blocks: 16 full nested blocks
 # Off-limits: the reference and bitsandbytes are switched off while yours runs.
 _w = randn(64 * 300 + 5, seed=26)
 _q = miniquant.quantize_nf4(_w, double_quant=True)
@@ -1126,17 +1176,25 @@ def _check_bits(shape, blocksize=64, double_quant=False):
     numel = math.prod(shape)
     got = nf4_bits_per_param(numel, blocksize, double_quant)
     assert isinstance(got, float), f"expected a Python float, got {type(got).__name__}"
+    floor_blocks = numel // blocksize
+    floor_bytes = -(-numel // 2) + (floor_blocks + 4 * -(-floor_blocks // 256) + 4
+                                    if double_quant else 4 * floor_blocks)
+    why = " (a partial last block stores a scale too: ceil(numel / blocksize) blocks)" \
+        if math.isclose(got, 8 * floor_bytes / numel, rel_tol=1e-12) else ""
     assert math.isclose(got, want, rel_tol=1e-12), \
         f"numel {numel}, blocksize {blocksize}, double_quant {double_quant}: expected " \
-        f"{want!r} bits/param (NF4Weight.bits_per_param), got {got!r}"
+        f"{want!r} bits/param (NF4Weight.bits_per_param), got {got!r}{why}"
 
 
 _n = 64 * 256 * 16
-assert nf4_bits_per_param(_n) == 4.5, f"expected exactly 4.5, got {nf4_bits_per_param(_n)}"
+assert nf4_bits_per_param(_n) == 4.5, f"expected exactly 4.5, got {nf4_bits_per_param(_n)}" + (
+    " (that is bytes per weight: a byte is 8 bits)" if nf4_bits_per_param(_n) == 4.5 / 8 else "")
 _dq = 4 + 8 / 64 + 32 / (64 * 256) + 32 / _n
-assert math.isclose(nf4_bits_per_param(_n, 64, True), _dq, rel_tol=1e-12), \
-    f"double quant: expected {_dq} (4 + 8/64 + 32/(64*256) + 32/n), " \
-    f"got {nf4_bits_per_param(_n, 64, True)}"
+_got = nf4_bits_per_param(_n, 64, True)
+assert math.isclose(_got, _dq, rel_tol=1e-12), \
+    f"double quant: expected {_dq} (4 + 8/64 + 32/(64*256) + 32/n), got {_got}" + (
+        " (32/n is missing: the float32 offset is stored too)"
+        if math.isclose(_got, _dq - 32 / _n, rel_tol=1e-12) else "")
 for _args in [((1000,), 64, False), ((1000,), 64, True), ((3, 1001), 128, True)]:
     _check_bits(*_args)
 print("nf4_bits_per_param matches NF4Weight.bits_per_param on the visible cases")

@@ -252,8 +252,13 @@ def _check_axpy(n_or_shape, alpha=2.5, seed=0):
     assert isinstance(got, torch.Tensor) and got.shape == want.shape, \
         f"axpy on shape {tuple(shape)}: expected a tensor of shape {tuple(want.shape)}, got " \
         f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}"
+    full = want.numel() // 1024 * 1024             # elements in whole blocks of the default 1024
+    flat, flat_want = got.reshape(-1), want.reshape(-1)
+    why = " (the last, partial block was not computed: launch triton.cdiv(n, block) programs)" \
+        if torch.allclose(flat[:full], flat_want[:full]) \
+        and not torch.allclose(flat[full:], flat_want[full:]) else ""
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6,
-                               msg=lambda m: f"axpy({alpha}, x, y), shape {tuple(shape)}:\n{m}")
+                               msg=lambda m: f"axpy({alpha}, x, y), shape {tuple(shape)}{why}:\n{m}")
 
 
 def _launch_axpy(n, BLOCK, alpha=-1.5, extra_programs=0, seed=1):
@@ -438,10 +443,15 @@ def _launch_unpack(n, BLOCK, seed=1):
     unpack_nibbles_kernel[grid](packed.to(DEVICE), out, n, BLOCK=BLOCK)
     out = out.cpu()
     where = f"unpack_nibbles_kernel[{grid}](..., n={n}, BLOCK={BLOCK})"
+    swapped = torch.stack([packed & 15, packed >> 4], 1).reshape(-1)[:n]
+    why = " (the nibbles are swapped: even j takes the high nibble, b >> 4)" \
+        if torch.equal(out[:n], swapped) else ""
     assert torch.equal(out[:n], codes), \
-        f"{where}: expected codes {codes[:12].tolist()}..., got {out[:12].tolist()}..."
+        f"{where}: expected codes {codes[:12].tolist()}..., got {out[:12].tolist()}...{why}"
     assert (out[n:] == 0xEE).all(), \
-        f"{where} wrote past n: out[n:n+4] = {out[n:n + 4].tolist()}, expected [238, ...]"
+        f"{where} wrote past n: out[n:n+4] = {out[n:n + 4].tolist()}, expected [238, ...]" + (
+            " (the pad nibble of an odd n was written: mask on the element count n, not on "
+            "the byte count)" if n % 2 and (out[n + 1:] == 0xEE).all() else "")
 
 
 _launch_unpack(7, BLOCK=4)            # odd count: the pad nibble must not be written
@@ -610,11 +620,23 @@ def _launch_nf4(n, blocksize, BLOCK, table=None, seed=0):
     out = out.cpu()
     where = f"nf4_dequant_kernel[{grid}](..., n={n}, BLOCKSIZE={blocksize}, BLOCK={BLOCK})"
     bad = (out[:n] != want).nonzero().flatten()
+    j = torch.arange(n)
+    per_program = absmax[(j // BLOCK).clamp(max=absmax.numel() - 1)]
+    swapped = torch.stack([packed & 15, packed >> 4], 1).reshape(-1)[:n].long()
+    first = absmax[(j // BLOCK * BLOCK // blocksize).clamp(max=absmax.numel() - 1)]
+    why = (" (each element took the scale of its program, j // BLOCK: element j takes "
+           "absmax[j // BLOCKSIZE])" if torch.equal(out[:n], table[codes.long()] * per_program)
+           else " (each element took the scale of its program's first element: load the scale "
+           "of block j // BLOCKSIZE for every element, not once per program)"
+           if torch.equal(out[:n], table[codes.long()] * first)
+           else " (the nibbles are swapped: even j takes the high nibble, b >> 4)"
+           if torch.equal(out[:n], table[swapped] * absmax[j // blocksize]) else "")
     assert bad.numel() == 0, \
         f"{where}: {bad.numel()} of {n} values differ, first at j = {bad[:4].tolist()}: " \
         f"expected {want[bad[:4]].tolist()}, got {out[bad[:4]].tolist()} " \
-        f"(codes {codes[bad[:4]].tolist()}, blocks {(bad[:4] // blocksize).tolist()})"
-    assert (out[n:] == -999.0).all(), f"{where} wrote past n: {out[n:n + 4].tolist()}"
+        f"(codes {codes[bad[:4]].tolist()}, blocks {(bad[:4] // blocksize).tolist()}){why}"
+    assert (out[n:] == -999.0).all(), \
+        f"{where} wrote past n: {out[n:n + 4].tolist()}. Mask the store with j < n"
 
 
 _launch_nf4(100, blocksize=32, BLOCK=64)      # a program spans two scale blocks
@@ -638,12 +660,19 @@ def _check_dequant(shape, blocksize=64, double_quant=False, dtype=torch.float32,
     w = (torch.randn(shape, generator=g) * torch.rand(shape, generator=g) * 3).to(dtype)
     q = quantize_nf4(w.to(DEVICE), blocksize=blocksize, double_quant=double_quant)
     want = dequantize_nf4(q, torch.float32)
-    got = my_dequantize_nf4(q)
     where = f"shape {tuple(shape)}, blocksize {blocksize}, double_quant={double_quant}, {dtype}"
+    try:
+        got = my_dequantize_nf4(q)
+    except (AttributeError, TypeError) as e:
+        raise AssertionError(f"{where}: {type(e).__name__}: {e}" + (
+            " (with double quantization q.block_absmax is None: the scales are q.absmax, "
+            "which dequantizes them)" if double_quant else "")) from e
     assert isinstance(got, torch.Tensor) and got.shape == want.shape \
         and got.dtype == torch.float32, \
         f"{where}: expected float32 of shape {tuple(want.shape)}, got " \
-        f"{getattr(got, 'dtype', type(got).__name__)} {tuple(getattr(got, 'shape', ()))}"
+        f"{getattr(got, 'dtype', type(got).__name__)} {tuple(getattr(got, 'shape', ()))}" + (
+            " (reshape the flat output to q.shape)" if isinstance(got, torch.Tensor)
+            and got.numel() == want.numel() and got.shape != want.shape else "")
     if not torch.equal(got, want):
         diff = (got != want).reshape(-1).nonzero().flatten()
         raise AssertionError(
@@ -888,14 +917,19 @@ def _check_selective(E, d_out, d_in, active, blocksize=64, double_quant=False, s
     poisoned, others = _poisoned(q, active)
     where = (f"[E={E}, {d_out}, {d_in}], blocksize {blocksize}, double_quant={double_quant}, "
              f"active {active.tolist()} (experts {others} poisoned)")
-    if forbid:
-        with _no_reference(my_dequantize_nf4):
+    try:
+        if forbid:
+            with _no_reference(my_dequantize_nf4):
+                got = my_selective_dequantize(poisoned, active.to(DEVICE))
+            _launches(selective_dequant_kernel,
+                      lambda: my_selective_dequantize(poisoned, active.to(DEVICE)),
+                      f"my_selective_dequantize, {where}")
+        else:
             got = my_selective_dequantize(poisoned, active.to(DEVICE))
-        _launches(selective_dequant_kernel,
-                  lambda: my_selective_dequantize(poisoned, active.to(DEVICE)),
-                  f"my_selective_dequantize, {where}")
-    else:
-        got = my_selective_dequantize(poisoned, active.to(DEVICE))
+    except (AttributeError, TypeError) as e:
+        raise AssertionError(f"{where}: {type(e).__name__}: {e}" + (
+            " (with double quantization q.block_absmax is None: the scales are q.absmax)"
+            if double_quant else "")) from e
     assert isinstance(got, torch.Tensor) and got.shape == want.shape \
         and got.dtype == torch.float32, \
         f"{where}: expected float32 of shape {tuple(want.shape)}, got " \
@@ -924,9 +958,18 @@ _pq, _ = _poisoned(_qd, _ids)
 _out = torch.full((2 * 128 + 256,), -999.0, device=DEVICE)
 selective_dequant_kernel[(1, 2)](_pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE),
                                  _ids.to(DEVICE), _out, 128, BLOCKSIZE=64, BLOCK=256)
+# what two wrong offsets give: expert e's codes with expert 0's scales, or the reverse
+_lv = NF4_CODE[unpack_nibbles(_qd.packed.cpu(), 384).long()].view(3, 128)       # [E, M]
+_sc = _qd.block_absmax.cpu().repeat_interleave(64).view(3, 128)                 # [E, M]
+_why = (" (expert e's scales start at absmax[e*M // BLOCKSIZE]: add e * expert_numel to j "
+        "before dividing by BLOCKSIZE)" if torch.equal(_out[:256].cpu(), (_lv[_ids] * _sc[0])
+                                                       .reshape(-1)) else
+        " (expert e's bytes start at packed_ptr + e * M / 2)"
+        if torch.equal(_out[:256].cpu(), (_lv[0] * _sc[_ids]).reshape(-1)) else
+        " (row r starts at out_ptr + r*M: the output row is r, not the expert id e)")
 assert torch.equal(_out[:256], _want), \
     f"selective_dequant_kernel[(1, 2)] with BLOCK=256 > M=128: {(_out[:256] != _want).sum()} " \
-    "of 256 values differ from the reference (row r starts at out_ptr + r*M)"
+    f"of 256 values differ from the reference{_why}"
 assert (_out[256:] == -999.0).all(), \
     "selective_dequant_kernel[(1, 2)] with BLOCK=256 > M=128 wrote past the last row: mask " \
     "the store with j < expert_numel"
@@ -934,8 +977,13 @@ assert (_out[256:] == -999.0).all(), \
 _check_selective(5, 6, 32, [3, 0, 3])               # repeats and order kept
 _check_selective(4, 4, 16, [2], blocksize=32, seed=1)
 _check_selective(4, 8, 32, [1, 3], double_quant=True, seed=2)
-_empty = my_selective_dequantize(quantize_nf4(torch.randn(3, 4, 16).to(DEVICE), 32),
-                                 torch.tensor([], dtype=torch.int64, device=DEVICE))
+try:
+    _empty = my_selective_dequantize(quantize_nf4(torch.randn(3, 4, 16).to(DEVICE), 32),
+                                     torch.tensor([], dtype=torch.int64, device=DEVICE))
+except RuntimeError as _e:
+    raise AssertionError(f"empty active: my_selective_dequantize raised {_e}. An empty active "
+                         "returns an empty [0, out, in] tensor; test active.numel() before "
+                         "active.min()") from _e
 assert isinstance(_empty, torch.Tensor) and tuple(_empty.shape) == (0, 4, 16), \
     f"empty active: expected shape (0, 4, 16), got {tuple(getattr(_empty, 'shape', ()))}"
 # off-limits: the references and your my_dequantize_nf4 are switched off, and the wrapper
@@ -1102,8 +1150,20 @@ def dequant_traffic(shape, blocksize: int = 64, out_dtype: torch.dtype = torch.b
 # %% nbgrader={"grade": true, "grade_id": "test_dequant_traffic", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 def _check_traffic(shape, blocksize, out_dtype, want):
     got = dequant_traffic(shape, blocksize, out_dtype)
+    n = 1
+    for d in shape:
+        n *= int(d)
+    nbytes, blocks = -(-n // 2), -(-n // blocksize)
+    why = {(n // 2 + 4 * blocks, want[1]): "an odd count still fills a last byte: ceil(n / 2)",
+           (nbytes + 4 * (n // blocksize), want[1]):
+               "a partial last block has a scale too: ceil(n / blocksize) scales",
+           **{(nbytes + k * blocks, want[1]): "the scales are float32, 4 bytes each"
+              for k in (1, 2, 8)},
+           **{(want[0], n * k): "the bytes of an output element depend on out_dtype"
+              for k in (1, 2, 4, 8) if n * k != want[1]}}.get(tuple(got), "")
     assert tuple(got) == want and all(isinstance(v, int) for v in got), \
-        f"dequant_traffic({shape}, {blocksize}, {out_dtype}): expected {want}, got {got}"
+        f"dequant_traffic({shape}, {blocksize}, {out_dtype}): expected {want}, got {got}" + (
+            f" ({why})" if why else "")
 
 
 # Llama-7B's q_proj, by hand: 16 777 216 weights -> 8 MiB of codes, 1 MiB of scales, 32 MiB out

@@ -458,6 +458,12 @@ torch.manual_seed(7)
 _d = (_mine(_x) - _mine.base(_x)).abs().max().item()
 assert _d == 0, f"with B = 0 and dropout in training mode, the output must equal base(x) " \
                 f"exactly (dropout belongs on the LoRA path only); max difference {_d:.3g}"
+# a layer marked merged: the update is inside the base weight already
+_mine, _, _ = _twin_layers(40, 24, 4, 8.0, seed=1)
+_mine.merged = True
+_d = (_mine(_x) - _mine.base(_x)).abs().max().item()
+assert _d == 0, f"with self.merged = True the forward must return base(x) alone (the update is " \
+                f"already inside the weight); max difference {_d:.3g}"
 print("MyLoRALinear.forward matches minituner.LoRALinear and PEFT, dropout included")
 
 ### BEGIN HIDDEN TESTS
@@ -524,8 +530,10 @@ for label, zero_a in (("A random, B = 0 (LoRA)", False), ("A = 0,    B = 0", Tru
 # Rules: no tensor of shape `[out, in]` or `[in, out]` may be *created* on the way, in the
 # forward or the backward (views of `W` such as `W.t()` are fine; a copy such as
 # `W.t().contiguous()` is not, and neither is a gradient for `W`); no `torch.autograd.grad`
-# inside the backward; no `minituner`. `lora_matmul` below is how the tests call your
-# Function.
+# inside the backward; no `minituner`; and `dy` is read-only: autograd hands the same tensor
+# to the other branches of the graph (the residual stream around a layer), so scaling it in
+# place (`dy.mul_(s)`, `dy *= s`) corrupts their gradients. `lora_matmul` below is how the
+# tests call your Function.
 #
 # **Where the formulas come from.** Write $h = x A^\top$ (`[T, r]`). The forward is
 # $y = x W^\top + s\, h B^\top$, and the chain rule gives
@@ -664,20 +672,56 @@ def _grads(fn, x, A, B, W, s, dy):
     return y.detach(), x.grad, A.grad, B.grad
 
 
+def _backward_rule(error):
+    """The rule an error of autograd's about a backward's return value points at."""
+    text = str(error)
+    if "incorrect number of gradients" in text:
+        return "Rule: backward returns one value per input of forward: five, None for W and " \
+               "for scaling"
+    if "invalid gradient" in text:
+        return "Rule: each gradient has its input's shape, dA [r, in] = s·(dY·B)ᵀ·x and " \
+               "dB [out, r] = s·dYᵀ·(x·Aᵀ); a transpose in the wrong place gives dAᵀ or dBᵀ"
+    return "Rule: see the formulas of the specification"
+
+
+def _likely_rule(name, got, x, A, B, W, s, dy):
+    """Which rule a wrong gradient breaks, when it is one of the usual slips (else '')."""
+    dy_b = dy @ B
+    base, lora = dy @ W, s * (dy_b @ A)
+    slips = {"dA": [(s * s * (dy_b.t() @ x), "the scaling s is applied twice"),
+                    (dy_b.t() @ x, "the scaling s is missing")],
+             "dB": [(s * s * (dy.t() @ (x @ A.t())), "the scaling s is applied twice"),
+                    (dy.t() @ (x @ A.t()), "the scaling s is missing")],
+             "dX": [(s * base + lora, "the scaling s multiplies the LoRA part only, not dY·W"),
+                    (base + lora / s, "the scaling s is missing in the LoRA part"),
+                    (base, "the LoRA part s·(dY·B)·A is missing")]}
+    for want, rule in slips.get(name, []):
+        if got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+            return f"\nLikely: {rule}."
+    return ""
+
+
 def _check_grads(T, n_in, n_out, r, s, seed=0, what=""):
     where = f"{what}x [{T}, {n_in}], A [{r}, {n_in}], B [{n_out}, {r}], scaling {s}"
     x, A, B = randn(T, n_in, seed=seed), randn(r, n_in, seed=seed + 1), randn(n_out, r,
                                                                                 seed=seed + 2)
     W, dy = randn(n_out, n_in, seed=seed + 3), randn(T, n_out, seed=seed + 4)
     want = _grads(naive_lora, x, A, B, W, s, dy)
-    with _forbid_reference():
-        got = _grads(lora_matmul, x, A, B, W, s, dy)
+    try:
+        with _forbid_reference():
+            got = _grads(lora_matmul, x, A, B, W, s, dy)
+    except (AssertionError, NotImplementedError):
+        raise
+    except Exception as e:
+        raise AssertionError(f"{where}: forward + backward raised {type(e).__name__}: {e}\n"
+                             f"{_backward_rule(e)}") from e
     for name, g, w in zip(("y", "dX", "dA", "dB"), got, want, strict=True):
         assert isinstance(g, torch.Tensor) and g.shape == w.shape, \
             f"{where}: {name} expected shape {tuple(w.shape)}, got " \
             f"{tuple(g.shape) if isinstance(g, torch.Tensor) else g}"
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4, msg=lambda m, name=name: (
-            f"{where}: {name} differs from autograd of x·(W + s·B·A)ᵀ:\n{m}"))
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4, msg=lambda m, name=name, g=g: (
+            f"{where}: {name} differs from autograd of x·(W + s·B·A)ᵀ:\n{m}"
+            f"{_likely_rule(name, g, x, A, B, W, s, dy)}"))
 
 
 def _gradcheck(T, n_in, n_out, r, s, seed=0, what=""):
@@ -696,8 +740,8 @@ def _gradcheck(T, n_in, n_out, r, s, seed=0, what=""):
 
 assert is_subclass(LoRAMatmul, torch.autograd.Function), "LoRAMatmul must subclass " \
     "torch.autograd.Function"
-_gradcheck(5, 7, 6, 3, 0.7)
 _check_grads(6, 40, 24, 4, 2.0)
+_gradcheck(5, 7, 6, 3, 0.7)
 print("LoRAMatmul: gradcheck passes in float64, and y, dX, dA, dB equal autograd's on the "
       "naive form")
 
@@ -762,12 +806,45 @@ def _check_no_out_by_in(T, n_in, n_out, r, s=2.0, seed=0, what=""):
     assert _weight_sized(lambda: naive_lora(x, A, B, W, s).backward(dy), n_out, n_in)
 
 
+# in-process check: autograd hands your backward a gradient that other branches share (the
+# residual stream around a layer); scaling it in place (dy.mul_(s), dy *= s) corrupts theirs
+def _probe_incoming_gradient(T, n_in, n_out, r, s, seed):
+    x = randn(T, n_in, seed=seed).requires_grad_()
+    A = randn(r, n_in, seed=seed + 1).requires_grad_()
+    B = randn(n_out, r, seed=seed + 2).requires_grad_()
+    W, dy = randn(n_out, n_in, seed=seed + 3), randn(T, n_out, seed=seed + 4)
+    kept = dy.clone()
+    lora_matmul(x, A, B, W, s).backward(dy)
+    changed = (dy - kept).abs().max().item()
+    stream = randn(T, n_out, seed=seed + 5).requires_grad_()      # h = 1.5·stream + layer(x)
+    h = stream * 1.5 + lora_matmul(x, A, B, W, s)
+    (h * kept).sum().backward()
+    ratio = (stream.grad / (1.5 * kept)).abs().max().item()
+    return changed, ratio
+
+
+def _check_incoming_gradient(T, n_in, n_out, r, s, seed=0):
+    where = f"T={T}, in={n_in}, out={n_out}, r={r}, scaling {s}"
+    with _forbid_reference():
+        changed, ratio = in_learner(_probe_incoming_gradient, T, n_in, n_out, r, s, seed)
+    rule = "Rule: never modify the incoming gradient in place (dy.mul_(s), dy *= s): autograd " \
+           "shares it with the other branches of the graph, such as the residual stream; " \
+           "write s * (...) into new tensors"
+    assert changed == 0, f"{where}: your backward modified the incoming gradient dY in place " \
+                         f"(max change {changed:.3g}).\n{rule}"
+    assert abs(ratio - 1) < 1e-5, f"{where}: in h = 1.5·stream + LoRAMatmul(x), the gradient " \
+                                  f"of the stream came out {ratio:.3g} times too large: your " \
+                                  f"backward modified the shared incoming gradient in place." \
+                                  f"\n{rule}"
+
+
 _check_no_out_by_in(6, 40, 24, 4)
 _check_no_out_by_in(9, 17, 33, 5, s=0.5, seed=20)
 _check_no_out_by_in(3, 64, 48, 1, s=16.0, seed=21)
 _check_no_out_by_in(10, 30, 20, 16, s=1.0, seed=22)
-print("LoRAMatmul: forward + backward create no [out, in] or [in, out] tensor; the naive form "
-      "creates several")
+_check_incoming_gradient(6, 40, 24, 4, 2.0, seed=23)
+print("LoRAMatmul: forward + backward create no [out, in] or [in, out] tensor (the naive form "
+      "creates several), and leave the incoming gradient untouched")
 
 # %% [markdown]
 # ### Your Function inside the layer
@@ -972,7 +1049,7 @@ def _check_merge(layer, x, what=""):
     with _forbid_reference():
         got_delta = delta_weight(layer)
     assert isinstance(got_delta, torch.Tensor) and got_delta.shape == w0.shape, \
-        f"{where}: delta_weight should have shape {tuple(w0.shape)}, got " \
+        f"{where}: delta_weight should have the weight's shape [out, in] = {tuple(w0.shape)}, got " \
         f"{tuple(getattr(got_delta, 'shape', ()))}"
     torch.testing.assert_close(got_delta.detach(), want_delta, **tol, msg=lambda m: (
         f"{where}: delta_weight differs from scaling · B · A:\n{m}"))
@@ -1001,7 +1078,8 @@ def _check_merge(layer, x, what=""):
     assert torch.equal(layer.base.tied.weight, layer.base.weight), \
         f"{where}: unmerge must work in place: {replaced}"
     torch.testing.assert_close(layer.base.weight.detach(), w0, **tol, msg=lambda m: (
-        f"{where}: merge then unmerge should give back the original weight:\n{m}"))
+        f"{where}: merge then unmerge should give back the original weight (unmerge must "
+        f"subtract the s·B·A that merge added):\n{m}"))
     with _forbid_reference():
         unmerge(layer)
     torch.testing.assert_close(layer.base.weight.detach(), w0, **tol, msg=lambda m: (
@@ -1278,9 +1356,13 @@ def _check_wrap(target_modules, r=8, alpha=16.0, want_names=None, with_peft=True
     assert isinstance(counts, tuple) and len(counts) == 2 and all(isinstance(c, int)
                                                                   for c in counts), \
         f"count_trainable should return a tuple of two ints, got {counts!r}"
+    slips = {(ref_counts[1], ref_counts[0]): "\nLikely: the order is (trainable, total).",
+             (ref_counts[0], ref_counts[1] - ref_counts[0]):
+                 "\nLikely: total must count every parameter, the adapter's own included."}
     assert counts == ref_counts, \
         f"{where}: count_trainable gives (trainable, total) = {counts}; expected {ref_counts} " \
-        f"(minituner.trainable_summary, and PEFT's get_nb_trainable_parameters())"
+        f"(minituner.trainable_summary, and PEFT's get_nb_trainable_parameters())" \
+        f"{slips.get(counts, '')}"
     with torch.no_grad():
         torch.testing.assert_close(model(idx), before, rtol=0, atol=0, msg=lambda m: (
             f"{where}: a freshly wrapped model must compute what it computed before:\n{m}"))
@@ -1294,6 +1376,18 @@ assert count_trainable(_m) == (2048, 23008), \
 _check_wrap(r"blocks\.\d+\.mlp\.(gate|up|down)_proj", r=4, alpha=8.0,
             want_names=[f"blocks.{i}.mlp.{p}_proj" for i in (0, 1) for p in ("gate", "up",
                                                                               "down")])
+# dropout and rsLoRA reach the layers
+_m = share(small_gpt())
+with _forbid_reference():
+    wrap(_m, ["o_proj"], r=4, alpha=8.0, dropout=0.1, use_rslora=True)
+_l = _m.blocks[1].attn.o_proj
+assert is_instance(_l, MyLoRALinear) and _l.use_rslora is True and _l.scaling == 4.0, \
+    f"wrap(small_gpt(), ['o_proj'], r=4, alpha=8.0, dropout=0.1, use_rslora=True): " \
+    f"blocks.1.attn.o_proj has scaling {_l.scaling!r}, expected alpha / sqrt(r) = 4.0 " \
+    f"(pass use_rslora on to MyLoRALinear)"
+assert getattr(_l.dropout, "p", 0.0) == 0.1, \
+    f"wrap(..., dropout=0.1): blocks.1.attn.o_proj has dropout {_l.dropout} (pass dropout on " \
+    f"to MyLoRALinear)"
 print("wrap selects what PEFT selects (suffix list and full-match regex), freezes the rest; "
       "count_trainable agrees with PEFT")
 
@@ -1600,7 +1694,9 @@ def _check_save(target_modules, r=4, alpha=8.0, dropout=0.0, use_rslora=False, w
     tensors = safetensors.torch.load_file(d / "adapter_model.safetensors")
     want_keys = sorted(f"{PREFIX}{n}.lora_{ab}.weight" for n in names for ab in "AB")
     assert sorted(tensors) == want_keys, \
-        f"{where}: the safetensors keys should be {want_keys[:2]}...; got {sorted(tensors)[:4]}"
+        f"{where}: the safetensors keys should be {want_keys[:2]}...; got {sorted(tensors)[:4]}" \
+        + ("\nLikely: on disk PEFT's names carry no adapter name ('default')"
+           if any(".default." in k for k in tensors) else "")
     for n in names:
         for ab in "AB":
             assert torch.equal(tensors[f"{PREFIX}{n}.lora_{ab}.weight"],
@@ -1624,6 +1720,7 @@ def _check_save(target_modules, r=4, alpha=8.0, dropout=0.0, use_rslora=False, w
 
 
 _check_save(["q_proj", "v_proj", "down_proj"])
+_check_save(["o_proj"], r=2, alpha=4.0, dropout=0.1, use_rslora=True)
 try:
     with _forbid_reference():
         save_peft_adapter(small_gpt(), learner_dir(), ["q_proj"])
@@ -1672,6 +1769,11 @@ def _check_load(target_modules, r=4, alpha=8, use_rslora=False, what=""):
     assert isinstance(names, list) and names == want_names, \
         f"{where}: expected the wrapped names {want_names}, got {names}"
     mine.eval()
+    want_s = alpha / (math.sqrt(r) if use_rslora else r)
+    scalings = {n: mine.get_submodule(n).scaling for n in names}
+    assert all(math.isclose(v, want_s) for v in scalings.values()), \
+        f"{where}: the loaded layers have scaling {scalings}; the config says {want_s!r} " \
+        f"(pass r, lora_alpha and use_rslora from adapter_config.json on to wrap)"
     with torch.no_grad():
         want, got = theirs(_IDX), mine(_IDX)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=lambda m: (
@@ -1679,6 +1781,7 @@ def _check_load(target_modules, r=4, alpha=8, use_rslora=False, what=""):
 
 
 _check_load(["k_proj", "up_proj"])
+_check_load(["v_proj"], r=2, alpha=8, use_rslora=True)
 # a file that lacks a key, and a config that is not LoRA: ValueError, before copying anything
 _m = share(small_gpt())
 wrap(_m, ["k_proj"], r=2, alpha=4.0)
@@ -1840,7 +1943,10 @@ print(f"adapter file: {adapter_bytes / 1024:.0f} KB; base checkpoint: "
 #    backward then have to recompute?
 # 4. Dropout on the LoRA path multiplies $x$ by a random mask $m$. Derive the LoRA part of
 #    $dX$ with dropout, and say why $dA$ must use $x \odot m$, not $x$.
-# 5. PEFT's on-disk names drop the adapter name (`default`). What does that buy when one
+# 5. The memory chart says the decomposition buys nothing on MiniGPT's `128 x 128` layers at
+#    2048 tokens. At what number of tokens $T$ does `[T, r]` outgrow `[out, in]` for a
+#    `4096 x 4096` projection at rank 16, and is that a batch you would meet in practice?
+# 6. PEFT's on-disk names drop the adapter name (`default`). What does that buy when one
 #    model carries two adapters, and what must a loader do to put a file into an adapter that
 #    is not called `default`?
 
@@ -1876,7 +1982,12 @@ print(f"adapter file: {adapter_bytes / 1024:.0f} KB; base checkpoint: "
 #    the gradient of a function the forward never computed (gradcheck would fail), and the
 #    dropped features would be trained as if they had been seen. `minituner.lora_linear`
 #    saves `x_d = x * mask` for `dA` and multiplies the LoRA part of `dX` by `mask`.
-# 5. A file is not tied to a slot: the same model can load two files as two named adapters
+# 5. `[T, r]` outgrows `[out, in]` when $T r > \text{out} \cdot \text{in}$, here
+#    $T > 4096 \cdot 4096 / 16 = 1\,048\,576$ tokens in one step on one device. Fine-tuning
+#    batches are thousands to tens of thousands of tokens per device (8 sequences of 2048
+#    are 16 384), so for the projections of real models the decomposition always wins; it
+#    loses only on layers as small as MiniGPT's, where nothing is short of memory anyway.
+# 6. A file is not tied to a slot: the same model can load two files as two named adapters
 #    (say `default` and `rev`) and switch between them, or load one file into several models,
 #    without renaming anything on disk. A loader that puts a file into an adapter called
 #    `rev` must insert the name into every key

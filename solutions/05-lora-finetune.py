@@ -288,7 +288,19 @@ def _forbid_reference():
     return forbid(_REFERENCE, globals(), why=_WHY)
 
 
-def _check_rewards(rewards, what=""):
+def _reward_rule(got, want):
+    """The property of the weights that `got` breaks, when it is one of the usual slips."""
+    if bool((want == 1).all()):
+        return "\nLikely: all rewards are equal, so every weight is 1 (there is nothing to " \
+               "prefer; the shifted rewards are all 0, and 0 / 0 is NaN)"
+    if not got.min().item() == 0:
+        return "\nLikely: the smallest reward must get weight 0: shift by the minimum first"
+    if not abs(got.double().mean().item() - 1) < 1e-5:
+        return "\nLikely: the weights must average 1: divide the shifted rewards by their mean"
+    return ""
+
+
+def _check_rewards(rewards, what="", diagnose=True):
     where = f"{what}normalize_rewards({rewards!r})"
     want = minituner.reward_weights(rewards)
     with _forbid_reference():
@@ -298,7 +310,8 @@ def _check_rewards(rewards, what=""):
         f"{where}: expected a float32 tensor of shape {tuple(want.shape)}, got " \
         f"{getattr(got, 'dtype', type(got).__name__)} {tuple(getattr(got, 'shape', ()))}"
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=lambda m: (
-        f"{where}: expected {want.tolist()}, got {got.tolist()}\n{m}"))
+        f"{where}: expected {want.tolist()}, got {got.tolist()}\n{m}"
+        + (_reward_rule(got, want) if diagnose else "")))
 
 
 def _check_bad_rewards(rewards, index, what=""):
@@ -317,7 +330,7 @@ _check_rewards([1.0, 2.0, 3.0])                # shifted [0, 1, 2], mean 1: [0, 
 _check_rewards([0.0, 1.0, 1.0, 0.0, 1.0])      # 0/1 rewards: rejection sampling
 _check_rewards([5.0, 5.0, 5.0])                # nothing to prefer: plain SFT
 try:                                           # a large offset: float32 cannot tell these apart
-    _check_rewards([1e8, 1e8 + 1.0, 1e8 + 3.0])
+    _check_rewards([1e8, 1e8 + 1.0, 1e8 + 3.0], diagnose=False)
 except AssertionError as _e:
     raise AssertionError(f"{_e}\nRule: compute in float64 (torch.as_tensor(rewards, "
                          "dtype=torch.float64)) and cast to float32 only at the end") from _e
@@ -381,6 +394,25 @@ def _loop_loss(logits, y, mask, weights=None):
     return sum(w * p for w, p in zip(weights.tolist(), per, strict=True)) / len(y)
 
 
+def _loss_rule(got, logits, y, mask, weights):
+    """The rule a wrong loss breaks, when it is one of the usual slips (else '')."""
+    ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+    ce, m = ce.view_as(mask), mask.float()
+    slips = [(ce.mean(), "the mask: only positions where mask is True are scored (not the "
+                         "prompt, not the padding)")]
+    if weights is not None:
+        per = (ce * m).sum(1) / m.sum(1).clamp(min=1.0)
+        slips += [((weights * per).sum() / weights.sum().clamp(min=1e-12),
+                   "divide the weighted sum by the batch size b, not by the sum of the weights"),
+                  ((weights[:, None] * ce * m).sum() / m.sum().clamp(min=1.0),
+                   "a weight multiplies its example's own mean (per-example means), not each "
+                   "of its tokens")]
+    for want, rule in slips:
+        if math.isclose(got, want.item(), rel_tol=1e-5, abs_tol=1e-6):
+            return f"\nLikely: {rule}."
+    return ""
+
+
 def _check_loss(logits, y, mask, weights=None, what=""):
     where = f"{what}logits {tuple(logits.shape)} {logits.dtype}, " \
             f"{int(mask.sum())} scored tokens, weights " \
@@ -400,7 +432,9 @@ def _check_loss(logits, y, mask, weights=None, what=""):
     torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6,
                                msg=lambda m: (f"{where}: expected {want.item():.6f} "
                                               f"(minituner.trainer.sequence_loss), got "
-                                              f"{got.item():.6f}\n{m}"))
+                                              f"{got.item():.6f}\n{m}"
+                                              + _loss_rule(got.item(), logits, y, mask,
+                                                           weights)))
     torch.testing.assert_close(want.detach(), loop.detach(), rtol=1e-5, atol=1e-6)
     assert got.requires_grad, f"{where}: the loss must stay differentiable (no .item(), no " \
                               f"torch.no_grad())"
@@ -610,6 +644,26 @@ def clip_grads(params, max_value: float = 0.0, max_norm: float = 0.0) -> torch.T
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_lr_schedule", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _schedule_rule(step, cfg, got):
+    """The rule a wrong learning rate breaks, when it is one of the usual slips (else '')."""
+    W, S, rho = cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio
+    if step < W:
+        slips = [(cfg.lr * step / W, "steps count from 0: the first warm-up step has "
+                                      "lr/warmup_steps, the last one lr")]
+    else:
+        def cos(p):
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, p)))
+        p = (step - W) / max(1, S - 1 - W)
+        slips = [(cfg.lr * (rho + (1 - rho) * cos((step - W) / max(1, S - W))),
+                  "the cosine reaches lr · min_lr_ratio at the last step, steps - 1: "
+                  "p = (step - warmup_steps) / max(1, steps - 1 - warmup_steps)"),
+                 (cfg.lr * cos(p), "the cosine decays to lr · min_lr_ratio, not to 0")]
+    for want, rule in slips:
+        if math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-15):
+            return f" ({rule})"
+    return ""
+
+
 def _check_schedule(what="", **kw):
     cfg = TrainConfig(progress=False, **kw)
     where = f"{what}TrainConfig(steps={cfg.steps}, warmup_steps={cfg.warmup_steps}, " \
@@ -628,8 +682,7 @@ def _check_schedule(what="", **kw):
         assert isinstance(got, (float, int)) and math.isclose(got, want, rel_tol=1e-9,
                                                               abs_tol=1e-15), \
             f"{where}: at step {step} expected lr {want!r}, got {got!r}" + (
-                " (steps count from 0: the first warm-up step has lr/warmup_steps)"
-                if step == 0 else "")
+                _schedule_rule(step, cfg, got) if isinstance(got, (float, int)) else "")
 
 
 _check_schedule(steps=40, warmup_steps=5, lr=3e-3)
@@ -686,6 +739,11 @@ def _check_clip(shapes, max_value, max_norm, seed=0, scale=1.0, none_at=(), what
         got = clip_grads(mine, max_value, max_norm)
     assert isinstance(got, torch.Tensor) and got.dim() == 0, \
         f"{where}: expected the norm as a 0-dim tensor, got {got!r}"
+    if max_value > 0:
+        top = max(p.grad.abs().max().item() for p in mine if p.grad is not None)
+        assert top <= max_value * (1 + 1e-6), \
+            f"{where}: after clip_grads a gradient element is {top:.4g}, above max_value: " \
+            f"clamp each p.grad in place (g.clamp_(...)); a clamped copy changes nothing"
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=lambda m: (
         f"{where}: expected the returned norm {want.item():.6g}, got {got.item():.6g}" + (
             " (the norm of the clamped gradients, before the rescaling)" if max_value else "")
@@ -704,6 +762,7 @@ _check_clip([(3, 4), (5,)], 0.0, 1.0)              # global norm only (norm abou
 _check_clip([(3, 4), (5,)], 0.5, 0.0)              # clamp only
 _check_clip([(3, 4), (5,)], 0.5, 1.0)              # both: clamp, then the norm of the clamped
 _check_clip([(3, 4), (5,)], 0.0, 100.0)            # the norm is below max_norm: untouched
+_check_clip([(8, 8)], 0.0, 1e-4, seed=3, scale=1e-4)  # norm about 8e-4: the 1e-6 matters
 try:                                               # a parameter without a gradient
     _check_clip([(3, 4), (2,), (5,)], 0.5, 1.0, none_at=(1,))
 except (AttributeError, TypeError) as _e:
@@ -860,6 +919,61 @@ def train_loop(model: nn.Module, data: SequenceData, cfg: TrainConfig) -> list[f
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_train_loop", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+import contextlib
+import dataclasses
+from unittest import mock
+
+
+def _one_group(model, cfg):
+    """AdamW with weight decay on every trainable tensor (one group)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+def _loop_slips(cfg, data):
+    """(rule, config changes, data, patches) of the usual slips, as variants of the reference."""
+    lr0 = minituner.trainer.lr_at
+    tr = minituner.trainer
+    slips = [
+        ("the learning rate never changes: set every group's lr to lr_schedule(step, cfg) "
+         "before each step", {}, data, [(tr, "lr_at", lambda s, c: c.lr)]),
+        ("the learning rate is one step ahead: step s (counting from 0) uses "
+         "lr_schedule(s, cfg)", {}, data, [(tr, "lr_at", lambda s, c: lr0(s + 1, c))]),
+        ("the learning rate is set after opt.step(): set it before", {}, data,
+         [(tr, "lr_at", lambda s, c: c.lr if s == 0 else lr0(s - 1, c))]),
+        ("gradients accumulate over the steps: opt.zero_grad(set_to_none=True) before each "
+         "backward()", {}, data, [(torch.optim.AdamW, "zero_grad", lambda *a, **k: None)]),
+        ("no clipping: clip_grads(params, cfg.grad_clip_value, cfg.grad_clip) between "
+         "backward() and opt.step()", {"grad_clip": 0.0, "grad_clip_value": 0.0}, data, []),
+        ("weight decay on every tensor: the 1-D ones (norm gains, biases) go in a group with "
+         "weight_decay 0.0", {}, data, [(tr, "make_optimizer", _one_group)]),
+        ("no weight decay: the group of 2-D tensors gets cfg.weight_decay",
+         {"weight_decay": 0.0}, data, [])]
+    if data.weights is not None:
+        slips.append(("the example weights are ignored: w = data.weights[idx]", {},
+                      dataclasses.replace(data, weights=None), []))
+    if cfg.train_on_prompt:
+        slips.append(("cfg.train_on_prompt is ignored: data.batch(idx, cfg.train_on_prompt)",
+                      {"train_on_prompt": False}, data, []))
+    return slips
+
+
+def _loop_rule(make_model, data, cfg, got, rng_seed):
+    """The rule your losses break, when they are those of a usual slip (else '')."""
+    for rule, changes, variant_data, patches in _loop_slips(cfg, data):
+        with contextlib.ExitStack() as stack:
+            for owner, name, value in patches:
+                stack.enter_context(mock.patch.object(owner, name, value))
+            if rng_seed is not None:
+                torch.manual_seed(rng_seed)
+            want = minituner.train(make_model(), variant_data,
+                                   dataclasses.replace(cfg, **changes)).losses
+        if all(math.isclose(g, w, rel_tol=1e-5, abs_tol=1e-6) for g, w in zip(got, want,
+                                                                               strict=True)):
+            return f"\nLikely: {rule}."
+    return ""
+
+
 def _check_loop(make_model, data, what="", rng_seed=None, **kw):
     cfg = TrainConfig(**{"steps": 8, "batch_size": 6, "lr": 1e-2, "warmup_steps": 2,
                          "log_every": 1, "progress": False, **kw})
@@ -892,7 +1006,8 @@ def _check_loop(make_model, data, what="", rng_seed=None, **kw):
             raise AssertionError(f"{where}: the loss of step {step} is {g:.6f}, "
                                  f"minituner.train's is {w:.6f}; {hint}.\n"
                                  f"yours: {[round(v, 5) for v in got]}\n"
-                                 f"ref:   {[round(v, 5) for v in want]}")
+                                 f"ref:   {[round(v, 5) for v in want]}"
+                                 f"{_loop_rule(make_model, data, cfg, got, rng_seed)}")
     for (n, p), q in zip(list(mine.named_parameters()), ref.parameters(), strict=True):
         if n not in trainable:
             assert torch.equal(p, start[n]), f"{where}: the frozen parameter {n} changed"
@@ -905,6 +1020,10 @@ def _check_loop(make_model, data, what="", rng_seed=None, **kw):
 
 _loop_data = make_data(tasks.make_mixture(["sort", "copy"], 8, seed=2))   # 16 rows: 2 epochs
 _check_loop(small_gpt, _loop_data)
+# reward-weighted data (some weights 0), the prompt scored too
+_check_loop(small_gpt, make_data(tasks.make_mixture(["add", "kv"], 5, seed=6),
+                                 rewards=[float(i % 4) for i in range(10)]),
+            what="weighted, train_on_prompt: ", steps=5, batch_size=4, train_on_prompt=True)
 try:
     with _forbid_reference():
         train_loop(small_gpt().requires_grad_(False), _loop_data,
@@ -1071,7 +1190,10 @@ def _check_answers(model, prompts, max_new_tokens=10, what=""):
         f"{where}: expected a list of {len(prompts)} strings, got {type(got).__name__}"
     bad = [(p, g, w) for p, g, w in zip(prompts, got, want, strict=True) if g != w]
     assert not bad, f"{where}: {len(bad)} answers differ from minigpt.answers'; first ones " \
-                    f"(prompt, yours, expected): {bad[:3]}"
+                    f"(prompt, yours, expected): {bad[:3]}" + (
+                        "\nLikely: the answer is the text generated after the prompt, "
+                        "without the prompt" if all(isinstance(g, str) and g.startswith(p)
+                                                     for p, g, _ in bad) else "")
     assert model.training == mode, \
         f"{where}: the model came in {'training' if mode else 'eval'} mode and left in " \
         f"{'training' if model.training else 'eval'} mode; restore model.training"
@@ -1127,7 +1249,9 @@ def _check_em(model, task, n, seed, what=""):
         got = exact_match(model, examples)
     assert isinstance(got, float) and math.isclose(got, want, abs_tol=1e-12), \
         f"{what}exact_match on {n} '{task}' eval prompts (seed {seed}): expected {want} " \
-        f"(minigpt.evaluate), got {got!r}"
+        f"(minigpt.evaluate), got {got!r}" + (
+            "\nLikely: return the fraction of right answers, the count divided by the number "
+            "of examples" if isinstance(got, (int, float)) and got == round(want * n) else "")
 
 
 _check_em(base, "kv", 20, seed=1)

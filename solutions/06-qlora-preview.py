@@ -262,9 +262,14 @@ def _check_qlora_wrap(make, r=8, alpha=16.0, blocksize=64, double_quant=True, wh
             f"double_quant={double_quant})"
     mine, ref, plain = share(make()), make(), make()     # yours: changed in place, read back
     torch.manual_seed(5)
-    with forbid(_NO_REFERENCE_WRAP, globals()):
-        names = qlora_wrap(mine, r=r, alpha=alpha, blocksize=blocksize,
-                           double_quant=double_quant)
+    try:
+        with forbid(_NO_REFERENCE_WRAP, globals()):
+            names = qlora_wrap(mine, r=r, alpha=alpha, blocksize=blocksize,
+                               double_quant=double_quant)
+    except ValueError as e:
+        raise AssertionError(f"{where} on a plain model raised ValueError: {e}\nRule: quantize "
+                             f"first, wrap second (a wrapped projection is no nn.Linear any "
+                             f"more, so a quantizer run after wrap_lora finds nothing)") from e
     torch.manual_seed(5)
     want_names = wrap_minigpt_qlora(ref, r=r, alpha=alpha, quant_scheme=f"nf4_per_group_{blocksize}",
                                     double_quant=double_quant)
@@ -277,6 +282,9 @@ def _check_qlora_wrap(make, r=8, alpha=16.0, blocksize=64, double_quant=True, wh
         layer = mine.get_submodule(name)
         assert isinstance(layer.base, QuantizedLinear), \
             f"{where}: {name}.base should be a QuantizedLinear, got {type(layer.base).__name__}"
+        assert layer.r == r and layer.scaling == ref.get_submodule(name).scaling, \
+            f"{where}: {name} has r={layer.r}, scaling {layer.scaling}; expected r={r}, " \
+            f"scaling {alpha / r} (pass r and alpha on to the wrapper)"
         for ab in ("lora_A", "lora_B"):
             p = getattr(layer, ab)
             assert p.dtype == torch.float32 and p.requires_grad, \
@@ -319,6 +327,7 @@ def _check_qlora_wrap(make, r=8, alpha=16.0, blocksize=64, double_quant=True, wh
 
 
 _check_qlora_wrap(small_gpt)
+_check_qlora_wrap(small_gpt, r=4, alpha=8.0, blocksize=32, double_quant=False)
 _q = _check_qlora_wrap(lambda: minigpt.load_base("dense"))
 # `target` decides which layers are quantized and wrapped
 _m = share(small_gpt())
@@ -467,6 +476,12 @@ def _positions(logits):
 
 
 _KEYS = ("mean_abs_diff", "max_abs_diff", "argmax_agreement", "mean_abs_logit")
+_MEANING = {"mean_abs_diff": "the mean of |logits A - logits B| over every position and "
+                             "vocabulary entry",
+            "max_abs_diff": "the largest |logits A - logits B|",
+            "argmax_agreement": "the fraction of positions (batch x sequence) whose argmax over "
+                                "the vocabulary, the last dimension, is the same token",
+            "mean_abs_logit": "the mean of the absolute logits of model A, |logits A|"}
 
 
 def _check_parity(la, lb, want, what="", tokens=None):
@@ -477,9 +492,9 @@ def _check_parity(la, lb, want, what="", tokens=None):
         f"{sorted(got) if isinstance(got, dict) else type(got).__name__}"
     for k in _KEYS:
         assert isinstance(got[k], float), \
-            f"{what}{k} should be a Python float, got {type(got[k]).__name__}"
+            f"{what}{k} should be a Python float (.item()), got {type(got[k]).__name__}"
         assert math.isclose(got[k], want[k], rel_tol=1e-6, abs_tol=1e-6), \
-            f"{what}{k}: expected {want[k]:.6f}, got {got[k]:.6f}"
+            f"{what}{k}: expected {want[k]:.6f}, got {got[k]:.6f} ({k} is {_MEANING[k]})"
 
 
 # Two positions, three tokens. |A - B| = [[0.5, 0.5, 1], [0, 1, 1]]: mean 4/6, max 1.
@@ -490,6 +505,10 @@ _check_parity(_A, _B, {"mean_abs_diff": 4 / 6, "max_abs_diff": 1.0, "argmax_agre
                        "mean_abs_logit": 11 / 6}, what="hand example: ")
 _check_parity(_A, _A, {"mean_abs_diff": 0.0, "max_abs_diff": 0.0, "argmax_agreement": 1.0,
                        "mean_abs_logit": 11 / 6}, what="a model against itself: ")
+# negative logits, models of different scales: |A - B| = [[2, 5], [7, 6]], mean |A| = 2
+_check_parity([[[2.0, -2.0], [-2.0, 2.0]]], [[[4.0, 3.0], [5.0, -4.0]]], {
+    "mean_abs_diff": 5.0, "max_abs_diff": 7.0, "argmax_agreement": 0.5, "mean_abs_logit": 2.0},
+    what="negative logits: ")
 # a model with dropout, left in training mode, against itself: eval mode makes it exact
 _drop = _Fixed(randn(2, 3, 8, seed=4), dropout=0.3).train()
 _got = logit_parity(_drop, _drop, _positions(randn(2, 3, 8, seed=4)))
@@ -788,8 +807,8 @@ def _shared_storage():
 _s = _shared_storage()
 _got = _held(_s)
 assert _got == {"weights": 10 * 8 * 4 + 8 * 4, "grads": 0, "optimizer": 0}, \
-    f"shared storage: expected weights = 320 (the [10, 8] storage, once) + 32 (gain) = 352, " \
-    f"no grads, no optimizer state; got {_got}"
+    f"shared storage: expected weights = 320 (the [10, 8] storage, once) + 32 (gain, a " \
+    f"buffer: buffers are weights too) = 352, no grads, no optimizer state; got {_got}"
 # a Parameter over a slice holds the whole storage it lives in
 _sl = nn.Module()
 _sl.w = nn.Parameter(torch.zeros(50)[5:15])
@@ -827,7 +846,11 @@ def _check_against_reference(make, label, make_opt=_adamw):
     _two_steps(twin, twin_opt)
     got, want = _held(model, opt), memory.held_bytes(twin, twin_opt)
     want = {"weights": want.weights, "grads": want.grads, "optimizer": want.optimizer}
-    assert got == want, f"{label}, after two steps: expected {want}, got {got}"
+    meaning = {"weights": "every parameter and buffer", "grads": "every .grad present",
+               "optimizer": "every tensor in optimizer.state, AdamW's 0-d step counters "
+                            "included"}
+    assert got == want, f"{label}, after two steps: expected {want}, got {got}; " + \
+        "; ".join(f"{k} counts {meaning[k]}" for k in want if got[k] != want[k])
     return got, model
 
 
@@ -1046,6 +1069,24 @@ _NO_PREDICTOR = [miniquant.nf4_bytes, memory.predict, memory.predict_training,
                  memory.regime_specs, memory.param_specs, miniquant.quantize_nf4]
 
 
+def _nf4_rule(numel, blocksize, double_quant, got):
+    """The rule a wrong byte count breaks, when it is one of the usual slips (else '')."""
+    def nbytes(codes, blocks, nested, offset):
+        return codes + (blocks + 4 * nested + offset if double_quant else 4 * blocks)
+
+    blocks = -(-numel // blocksize)
+    right = (-(-numel // 2), blocks, -(-blocks // 256), 4)
+    slips = [(nbytes(numel // 2, *right[1:]), "ceil(n / 2) bytes of codes: an odd count needs "
+                                              "one more byte"),
+             (nbytes(right[0], numel // blocksize, -(-(numel // blocksize) // 256), 4),
+              "a partial last block has its scale too: ceil(n / blocksize) blocks")]
+    if double_quant:
+        slips += [(nbytes(*right[:2], blocks // 256, 4), "a float32 scale per 256 blocks, "
+                                                         "rounded up"),
+                  (nbytes(*right[:3], 0), "double quantization adds one float32 offset")]
+    return next((f" ({rule})" for n, rule in slips if n == got), "")
+
+
 def _check_nf4_bytes(numel, blocksize=64, double_quant=True, what=""):
     with forbid(_NO_PREDICTOR, globals()):
         got = nf4_storage_bytes(numel, blocksize, double_quant)
@@ -1053,12 +1094,14 @@ def _check_nf4_bytes(numel, blocksize=64, double_quant=True, what=""):
                                   double_quant=double_quant).nbytes
     assert isinstance(got, int) and got == want, \
         f"{what}nf4_storage_bytes({numel}, blocksize={blocksize}, double_quant={double_quant}): " \
-        f"quantize_nf4(...).nbytes is {want}, got {got!r}"
+        f"quantize_nf4(...).nbytes is {want}, got {got!r}" + _nf4_rule(numel, blocksize,
+                                                                       double_quant, got)
 
 
 _check_nf4_bytes(128 * 128)
 _check_nf4_bytes(448 * 128, double_quant=False)
 _check_nf4_bytes(64 * 300)            # 300 blocks: two float32 scales for the nested quantization
+_check_nf4_bytes(100)                 # partial last block
 _check_nf4_bytes(101)                 # odd count, partial last block
 _bits = 8 * nf4_storage_bytes(4096 * 4096) / (4096 * 4096)
 assert abs(_bits - 4.127) < 1e-3, f"NF4 + double quant at blocksize 64: expected ≈ 4.127 " \
@@ -1079,6 +1122,19 @@ assert _got == miniquant.nf4_bytes(11008 * 4096, 128, False), "hidden: 7B MLP ma
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_predict_bytes", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+_COUNTS = {
+    "weights": {"full": "every parameter at weight_bits / 8 bytes (other_params() and the "
+                        "projections of all n_layer blocks)",
+                "lora": "every base parameter at weight_bits / 8 bytes (all n_layer blocks), "
+                        "plus the LoRA factors in float32, 4 bytes per element",
+                "qlora": "NF4 for each projection matrix on its own (nf4_storage_bytes per "
+                         "(out, in), all n_layer blocks), other_params() at weight_bits / 8, "
+                         "plus the LoRA factors in float32, 4 bytes per element"},
+    "grads": "4 bytes per trained element (full: every parameter; lora and qlora: the factors, "
+             "r·(in + out) per projection of all n_layer blocks)",
+    "optimizer": "AdamW's two float32 tensors, 8 bytes per trained element"}
+
+
 def _check_predict(shape, regime, what="", **kw):
     where = f"{what}predict_bytes({shape}, {regime!r}, {kw})"
     with forbid(_NO_PREDICTOR, globals()):
@@ -1087,9 +1143,11 @@ def _check_predict(shape, regime, what="", **kw):
     assert isinstance(got, dict) and sorted(got) == ["grads", "optimizer", "weights"], \
         f"{where}: expected a dict with keys grads, optimizer, weights; got {got!r}"
     for k in ("weights", "grads", "optimizer"):
+        rule = _COUNTS[k][regime] if k == "weights" else _COUNTS[k]
         assert isinstance(got[k], int) and abs(got[k] - want[k]) <= 1, \
             f"{where}: {k} expected {want[k]:,d} bytes ({want[k] / GiB:.3f} GiB), got " + \
-            (f"{got[k]:,d} ({got[k] / GiB:.3f} GiB)" if isinstance(got[k], int) else repr(got[k]))
+            (f"{got[k]:,d} ({got[k] / GiB:.3f} GiB)" if isinstance(got[k], int) else repr(got[k])) \
+            + f"; {k} counts {rule}"
     return got
 
 
@@ -1399,6 +1457,12 @@ with tempfile.TemporaryDirectory() as _t:
     (Path(_t) / "adapter_config.json").write_text(json.dumps({**_cfg, "lora_alpha": 4.0}))
     _expect_refusal(_m_served, _t, [], "lora_alpha 4 into layers with scaling 8/4 (rule: "
                     "compare the scaling, not only r)")
+    (Path(_t) / "adapter_config.json").write_text(json.dumps({**_cfg, "use_rslora": True}))
+    _expect_refusal(_m_served, _t, [], "a use_rslora adapter, scaling 8/sqrt(4), into layers "
+                    "with scaling 8/4 (rule: with use_rslora the scaling is lora_alpha / sqrt(r))")
+    (Path(_t) / "adapter_config.json").write_text(json.dumps({**_cfg, "peft_type": "LOHA"}))
+    _expect_refusal(_m_served, _t, [], "an adapter_config.json with peft_type 'LOHA' (rule: "
+                    "only peft_type 'LORA' is loaded)")
     (Path(_t) / "adapter_config.json").write_text(json.dumps(_cfg))
     # a file without one key: refused, naming it, before any factor is copied
     _file = Path(_t) / "adapter_model.safetensors"

@@ -240,6 +240,37 @@ def _forbid_reference():
     return forbid([_BOUND_AT[t] for t in _REFERENCE], globals(), why=_WHY)
 
 
+def _rule_of(got, candidates, rtol=1e-4, atol=1e-6):
+    """The rule broken by `got`: the text of the first {rule: what breaking it computes}
+    entry that `got` equals, '' if none does."""
+    for rule, value in candidates.items():
+        value = torch.as_tensor(value, dtype=torch.float32)
+        got_ = torch.as_tensor(got.detach() if isinstance(got, torch.Tensor) else got,
+                               dtype=torch.float32)
+        if got_.shape == value.shape and torch.allclose(got_, value, rtol=rtol, atol=atol):
+            return f"\nLikely rule broken: {rule}"
+    return ""
+
+
+def _route_rule(w, logits, e, method, renormalize, bias):
+    """What a wrong weights tensor `w` of my_route most likely did, in words."""
+    lg = logits.float()
+    s = lg.softmax(-1) if method == "softmax_topk" else lg.sigmoid()
+    kept = s.gather(1, e)
+    sel = kept if bias is None else (s + bias.float()).gather(1, e)
+    cands = {}
+    if bias is not None:
+        cands["the weights are the UNBIASED scores of the chosen experts (the bias only "
+              "chooses)"] = sel / sel.sum(-1, keepdim=True) if renormalize else sel
+    if renormalize:
+        cands["renormalize=True: divide the kept weights by their sum"] = kept
+    elif e.shape[1] < lg.shape[1]:
+        cands["renormalize=False keeps the softmax mass: take the softmax over all E "
+              "experts, keep the k best, do not divide by their sum (a softmax over the k "
+              "kept logits sums to 1 too)"] = kept / kept.sum(-1, keepdim=True)
+    return _rule_of(w, cands) or " (router math in float32?)"
+
+
 def _naive_route(logits, k, method, renormalize=True, bias=None):
     """Token by token, in Python: sort (-score, index) pairs, keep k."""
     W, X = [], []
@@ -277,7 +308,8 @@ def _check_route(logits, k, method="softmax_topk", renormalize=True, bias=None, 
         f"(best first, ties to the lower index), got {e[bad[0]].tolist()}; logits of that " \
         f"token: {[round(v, 4) for v in logits[bad[0]].float().tolist()]}"
     torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-7, msg=lambda m: (
-        f"{where}: the weights differ from minimoe.route's (router math in float32?):\n{m}"))
+        f"{where}: the weights differ from minimoe.route's:\n{m}"
+        f"{_route_rule(w, logits, e, method, renormalize, bias)}"))
     if naive:
         nw, ne = _naive_route(logits, k, method, renormalize, bias)
         assert torch.equal(e, ne), f"{where}: experts differ from a per-token loop"
@@ -297,6 +329,8 @@ _check_route(torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]]), 2, renormalize=False)
 _lg = _logits.clone().requires_grad_()
 with _forbid_reference():
     _w, _ = my_route(_lg, 2)
+assert _w.requires_grad, \
+    "the weights carry no gradient to the logits (did you detach the scores?)"
 _w[:, 0].sum().backward()
 assert _lg.grad is not None and _lg.grad.abs().sum() > 0, \
     "no gradient reached the logits through the weights (did you detach the scores?)"
@@ -484,10 +518,19 @@ def _check_balance(logits, experts, want=None, what=""):
         f"{tuple(getattr(got, 'shape', ()))}"
     ref_lg = logits.detach().clone().requires_grad_()
     ref = minimoe.load_balancing_loss(ref_lg, experts)
+    P = logits.float().softmax(-1).mean(0)
+    rule = _rule_of(got, {
+        "the factor N = E (uniform routing gives exactly 1)": ref / E,
+        "f_i counts the routing slots in `experts` (bincount), not probabilities":
+            E * P.square().sum(),
+        "f_i is the fraction of the T·k slots (divide the counts by experts.numel())":
+            ref * experts.shape[1]})
     if want is not None:
-        assert abs(got.item() - want) < 1e-5, f"{where}: expected {want}, got {got.item():.6f}"
+        assert abs(got.item() - want) < 1e-5, \
+            f"{where}: expected {want}, got {got.item():.6f}{rule}"
     assert abs(got.item() - ref.item()) < 1e-5 * max(1.0, abs(ref.item())), \
-        f"{where}: expected {ref.item():.6f} (minimoe), got {got.item():.6f}"
+        f"{where}: expected {ref.item():.6f} (minimoe), got {got.item():.6f}{rule}"
+    assert got.requires_grad, f"{where}: no gradient reached the logits (P_i carries it)"
     got.backward()
     ref.backward()
     assert lg.grad is not None, f"{where}: no gradient reached the logits (P_i carries it)"
@@ -537,8 +580,12 @@ def _check_z(logits, want=None, what=""):
         f"{where}: expected a 0-d float32 tensor, got {getattr(got, 'dtype', type(got))} " \
         f"{tuple(getattr(got, 'shape', ()))}"
     ref = minimoe.router_z_loss(logits).item() if want is None else want
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    rule = _rule_of(got, {"sign: the z-loss is a positive penalty, +mean(lse²)": -ref,
+                          "square the log-sum-exp of each token": lse.mean(),
+                          "average over the tokens (mean, not sum)": lse.square().sum()})
     assert torch.isfinite(got) and abs(got.item() - ref) <= 1e-5 * max(1.0, abs(ref)), \
-        f"{where}: expected {ref:.6f}, got {got.item():.6f}"
+        f"{where}: expected {ref:.6f}, got {got.item():.6f}{rule}"
 
 
 _check_z(torch.zeros(5, 8), want=torch.tensor(8.0).log().item() ** 2)     # (log E)²
@@ -648,7 +695,11 @@ def _check_fsc(expert_idxs, E, want=None, what=""):
                           got, ref, strict=True):
         assert isinstance(g, torch.Tensor) and g.dtype == torch.int64 and g.shape == r.shape, \
             f"{where}: {name} should be int64 of shape {tuple(r.shape)}, got " \
-            f"{getattr(g, 'dtype', type(g))} {tuple(getattr(g, 'shape', ()))}"
+            f"{getattr(g, 'dtype', type(g))} {tuple(getattr(g, 'shape', ()))}" + (
+                " (cast the ids to int64 first: any integer dtype in, int64 out)"
+                if getattr(g, "dtype", None) != torch.int64 else
+                " (one offset per expert, the empty ones included: bincount's minlength)"
+                if name == "expert_offsets" else "")
         assert torch.equal(g, r), \
             f"{where}: {name}: expected {r.tolist()}, got {g.tolist()}" + (
                 " (offsets are the inclusive cumulative counts, the END row of each expert)"
@@ -807,6 +858,20 @@ def _count_moe_forward_matmuls(x, w, e, wg, wu, wd):
     return counter.n
 
 
+def _moe_forward_rule(got, x, w, e, wg, wu, wd):
+    """What a wrong output of my_moe_forward most likely did, in words."""
+    terms = torch.stack([moe_loop(x, w * (torch.arange(w.shape[1]) == j), e, wg, wu, wd)
+                         for j in range(w.shape[1])], dim=1)               # [T, k, C]
+    last = terms.gather(1, e.argmax(1)[:, None, None].expand(-1, 1, x.shape[1]))[:, 0]
+    return _rule_of(got, {
+        "gate weight: multiply each expert's output by its weight": moe_loop(
+            x, torch.ones_like(w), e, wg, wu, wd),
+        "silu of the gate projection x·W_gate, times x·W_up (not the other way)": moe_loop(
+            x, w, e, wu, wg, wd),
+        "sum the k gated experts of each token (index_add; assigning rows keeps only the "
+        "last expert)": last}, rtol=1e-4, atol=1e-5)
+
+
 def _check_moe_forward(T, C, F_, E, k, seed=0, dtype=torch.float32, experts=None, what="",
                        count=False):
     x, w, e, wg, wu, wd = moe_case(T, C, F_, E, k, seed, dtype, experts)
@@ -818,7 +883,8 @@ def _check_moe_forward(T, C, F_, E, k, seed=0, dtype=torch.float32, experts=None
         f"{where}: expected a {x.dtype} tensor of shape {tuple(want.shape)}, got " \
         f"{getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))}"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: (
-        f"{where}: the output differs from minimoe.reference.moe_loop:\n{m}"))
+        f"{where}: the output differs from minimoe.reference.moe_loop:\n{m}"
+        f"{_moe_forward_rule(got, x, w, e, wg, wu, wd)}"))
     if count:
         with _forbid_reference():
             n = in_learner(_count_moe_forward_matmuls, x, w, e, wg, wu, wd)
@@ -965,13 +1031,22 @@ def _check_bias(bias, counts, rate, want=None, what=""):
         f"{getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))}"
     ref = minimoe.update_selection_bias(bias, counts, rate)
     want = ref if want is None else torch.tensor(want, dtype=torch.float32)
+    b, load = bias.float(), counts.float()
+    rule = _rule_of(got, {
+        "sign: underloaded experts (below the mean load) move UP": 2 * b - want,
+        "an expert exactly at the mean load stays (sign(0) = 0)":
+            b + rate * torch.where(load > load.mean(), -1.0, 1.0),
+        "the step is ±rate, the sign of the gap, not the gap itself":
+            b + rate * (load.mean() - load)})
     torch.testing.assert_close(got, want, msg=lambda m: f"{where}: expected {want.tolist()}, "
-                               f"got {got.tolist()}\n{m}")
+                               f"got {got.tolist()}\n{m}{rule}")
 
 
 # mean load 10: experts 0 and 3 are under it, 1 over it, 2 exactly on it
 _check_bias(torch.zeros(4), torch.tensor([4, 22, 10, 4]), 0.01, want=[0.01, -0.01, 0.0, 0.01])
 _check_bias(torch.tensor([0.5, -0.2, 0.0]), torch.tensor([1.0, 7.0, 1.0]), 0.1)
+_check_bias(torch.tensor([0.25, 0.0], dtype=torch.bfloat16), torch.tensor([2, 6]), 0.125,
+            what="a bfloat16 bias (the result is float32): ")
 print("update_selection_bias: up for the underloaded, down for the overloaded, as minimoe")
 
 ### BEGIN HIDDEN TESTS

@@ -274,6 +274,41 @@ def _zero_experts(dW, idx, what):
             f"({'NaN' if blk.isnan().any() else 'garbage'}: allocate with zeros or write zeros)"
 
 
+def _likely(got, candidates):
+    """'\nLikely rule broken: <rule>' for the first {rule: what breaking it computes} entry
+    that `got` equals (within RTOL), '' if none does."""
+    for rule, value in candidates.items():
+        if isinstance(got, torch.Tensor) and got.shape == value.shape and torch.allclose(
+                got.detach().float().cpu(), value.float().cpu(), rtol=RTOL,
+                atol=RTOL * float(value.abs().max())):
+            return f"\nLikely rule broken: {rule}"
+    return ""
+
+
+def _dW_of(xs, dY, e, E):
+    """Σ over slots s of outer(xs[s], dY[s]) into expert e[s]'s block: [E, K, N]."""
+    return torch.zeros(E, xs.shape[1], dY.shape[1]).index_add_(0, e, xs[:, :, None] * dY[:, None])
+
+
+def _by_hand_rule(name, got, x, idx, gates, dout, want):
+    """The rule a wrong gradient of backward_by_hand most likely broke, in words."""
+    T, k = idx.shape
+    x, gates, dout, want = x.cpu(), gates.cpu(), dout.cpu(), want.cpu()
+    e, dY = idx.reshape(-1).cpu(), gates.reshape(-1, 1) * dout.repeat_interleave(k, 0)
+    if name == "dx" and isinstance(got, torch.Tensor) and got.shape == (T * k, x.shape[1]):
+        return "\nLikely rule broken: dx sums the k slots of each token ([T, K], not [T·k, K])"
+    if name == "dgates":
+        return _likely(got, {"dgates[t, j] = <Y[t·k + j], dout[t]>: no gate in it":
+                             want * gates})
+    if name == "dW":
+        return _likely(got, {
+            "the gate goes into dY = gate · dout, so into dW":
+                _dW_of(x.repeat_interleave(k, 0), dout.repeat_interleave(k, 0), e, len(want)),
+            "slot s = t·k + j belongs to token s // k (repeat_interleave)":
+                _dW_of(x.repeat(k, 1), dY, e, len(want))})
+    return ""
+
+
 def _check_by_hand(T, K, N, E, k, seed=0, **routing):
     x, W, idx, gates, dout = _problem(T, K, N, E, k, seed, **routing)
     want = _loop_grads(x, W, idx, gates, dout)
@@ -283,7 +318,11 @@ def _check_by_hand(T, K, N, E, k, seed=0, **routing):
         f"backward_by_hand must return (dx, dW, dgates), got {type(got).__name__}"
     where = f"backward_by_hand, {harness.describe(x, W, idx)}"
     for name, gt, wt in zip(("dx", "dW", "dgates"), got, want, strict=True):
-        harness.assert_close(gt, wt, f"{where}: {name}")
+        try:
+            harness.assert_close(gt, wt, f"{where}: {name}")
+        except AssertionError as err:
+            raise AssertionError(f"{err}{_by_hand_rule(name, gt, x, idx, gates, dout, wt)}") \
+                from err
     _zero_experts(got[1], idx, where)
 
 
@@ -296,9 +335,16 @@ with _no_reference(), torch.no_grad():
 # Y = [x, 3x] = [[1, 2], [3, 6]]: dgates = [<Y0, dout>, <Y1, dout>] = [-1, -3];
 # dx = (0.25·1 + 0.75·3)·dout = 2.5·dout
 assert torch.allclose(_dgh, torch.tensor([[-1.0, -3.0]])), \
-    f"dgates for Y = [[1, 2], [3, 6]], dout = [1, -1]: expected [[-1, -3]], got {_dgh.tolist()}"
+    f"dgates for Y = [[1, 2], [3, 6]], dout = [1, -1]: expected [[-1, -3]], got {_dgh.tolist()}" \
+    + _likely(_dgh, {"dgates[t, j] = <Y[t·k + j], dout[t]>: no gate in it":
+                     torch.tensor([[-0.25, -2.25]])})
+assert _dxh.shape == (1, 2), \
+    f"dx for one token: expected shape [T, K] = [1, 2], got {list(_dxh.shape)} (dx sums the " \
+    f"k slots of each token)"
 assert torch.allclose(_dxh, torch.tensor([[2.5, -2.5]])), \
-    f"dx: expected 0.25·W[0]·dout + 0.75·W[2]·dout = [[2.5, -2.5]], got {_dxh.tolist()}"
+    f"dx: expected 0.25·W[0]·dout + 0.75·W[2]·dout = [[2.5, -2.5]], got {_dxh.tolist()}" \
+    + _likely(_dxh, {"the gate goes into dY = gate · dout, so into dx":
+                     torch.tensor([[4.0, -4.0]])})
 assert torch.equal(_dWh[1], torch.zeros(2, 2)), f"dW[1] (no token) must be 0, got {_dWh[1]}"
 assert torch.allclose(_dWh[2], 0.75 * torch.outer(_x[0], _dh[0])), \
     f"dW[2]: expected 0.75 · outer(x, dout) = {(0.75 * torch.outer(_x[0], _dh[0])).tolist()}, " \
@@ -478,20 +524,19 @@ def _grouped_problem(T, K, N, E, k, seed=0, **routing):
 
 def _launch_bwd_W(T, K, N, E, k, BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, seed=0, guard=False,
                   **routing):
-    """Launch group_bwd_W_kernel directly on strided views over NaN-filled buffers; with
-    `guard`, the element just before `offsets` holds M (read it as expert 0's start, and
-    expert 0 gets no rows)."""
+    """Launch group_bwd_W_kernel directly on strided views over NaN-filled buffers. The
+    element just before `offsets` always holds M (read it as expert 0's start, and expert 0
+    gets no rows); `guard` says so in every message."""
     Xg, DYg, offs, idx, want = _grouped_problem(T, K, N, E, k, seed, **routing)
     M = Xg.shape[0]
-    if guard:
-        offs = torch.cat([torch.tensor([M], device=DEVICE), offs])[1:]
+    offs = torch.cat([torch.tensor([M], device=DEVICE), offs])[1:]
     xbuf = torch.full((M + BLOCK_M, K + 3), float("nan"), device=DEVICE)
     xbuf[:M, :K] = Xg
     ybuf = torch.full((M + BLOCK_M, N + 5), float("nan"), device=DEVICE)
     ybuf[:M, :N] = DYg
     X, DY = xbuf[:M, :K], ybuf[:M, :N]          # past row M and column K / N: NaN, never read
-    wbuf = torch.full((E, K + 2, N + 4), float("nan"), device=DEVICE)
-    DW = wbuf[:, :K, :N]                        # starts as NaN: every element must be written
+    wbuf = torch.full((E + 1, K + 2, N + 4), float("nan"), device=DEVICE)
+    DW = wbuf[:E, :K, :N]                       # starts as NaN: every element must be written
     grid = (E, triton.cdiv(K, BLOCK_K), triton.cdiv(N, BLOCK_N))
     # the kernel gets the whole buffer (same first element and strides as the view DW), so
     # that a write outside dW[:, :K, :N] shows in wbuf
@@ -500,19 +545,22 @@ def _launch_bwd_W(T, K, N, E, k, BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, seed=0, gua
                              BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N)
     where = (f"group_bwd_W_kernel[{grid}], {_where_rows(Xg, DYg, E, idx)}, "
              f"BLOCK_M/K/N = {BLOCK_M}/{BLOCK_K}/{BLOCK_N}")
-    if guard:
+    if guard or (DW[0].cpu() == 0).all() and (want[0].cpu() != 0).any():
         where += (f" (offsets sits right after the value {M}: expert 0's start must be 0, "
                   "from a masked load of offsets[e - 1], mask=e > 0, other=0)")
-    assert not DW.isnan().any(), \
-        f"{where}: NaN left in dW at {DW.isnan().nonzero()[0].tolist()} — an element was never " \
-        "written (store the accumulator even when the expert has no rows) or a row past " \
-        "`end` was read (mask the rows against end)"
-    harness.assert_close(DW, want, where)
-    _zero_experts(DW, idx, where)
     outside = wbuf.clone()
-    outside[:, :K, :N] = float("nan")
+    outside[:E, :K, :N] = float("nan")
     assert outside.isnan().all(), \
         f"{where} wrote outside dW[:, :K, :N]: mask the store with k < K and n < N"
+    rows = torch.diff(offs.cpu(), prepend=torch.zeros(1, dtype=offs.dtype))    # [E]
+    nan_experts = DW.isnan().flatten(1).any(1).cpu()                            # [E]
+    assert not nan_experts.any(), \
+        f"{where}: NaN left in dW at {DW.isnan().nonzero()[0].tolist()} — " + (
+            "an element was never written: store the accumulator even when the expert has "
+            "no rows (its zeros)" if (rows[nan_experts] == 0).all() else
+            "a row past `end` was read (NaN in the tests): mask the rows against end")
+    harness.assert_close(DW, want, where)
+    _zero_experts(DW, idx, where)
 
 
 harness.assert_no_atomics(group_bwd_W_kernel, "each program owns its dW tile, so no atomics "
@@ -562,16 +610,20 @@ def _check_my_bwd_W(T, K, N, E, k, seed=0, **routing):
     _zero_experts(got, idx, where)
 
 
+# your kernel first, on the padded buffers of the test above: a mask it lacks there would
+# make it read or write past the exact-size tensors of your wrapper and crash the process
+_launch_bwd_W(7, 24, 40, 4, 2)
 _check_my_bwd_W(7, 24, 40, 4, 2)
 _check_my_bwd_W(33, 40, 24, 8, 2, seed=1, skip=5)
 # offsets the kernel cannot trust: refused with a ValueError, before any launch
 _Xv, _DYv, _offv, _, _ = _grouped_problem(7, 24, 40, 4, 2, seed=13)
-harness.assert_rejects("my_group_bwd_W", [
-    ("expert_offsets that end at M - 1", lambda: my_group_bwd_W(_DYv, _Xv, _offv - 1, 4)),
-    ("expert_offsets [7, 3, 10, 14] (not non-decreasing)",
-     lambda: my_group_bwd_W(_DYv, _Xv, torch.tensor([7, 3, 10, 14], device=DEVICE), 4))],
-    lambda: harness.forbid([group_bwd_W_kernel], globals(),
-                           why="bad expert_offsets must raise ValueError before the launch"))
+for _what, _call in (
+        ("expert_offsets that end at M - 1", lambda: my_group_bwd_W(_DYv, _Xv, _offv - 1, 4)),
+        ("expert_offsets [7, 3, 10, 14] (not non-decreasing)",
+         lambda: my_group_bwd_W(_DYv, _Xv, torch.tensor([7, 3, 10, 14], device=DEVICE), 4))):
+    harness.assert_rejects("my_group_bwd_W", [(_what, _call)], lambda _what=_what: harness.forbid(
+        [group_bwd_W_kernel], globals(),
+        why=f"{_what} must raise ValueError before the launch"))
 print("my_group_bwd_W matches minimoe.group_bwd_W and launches your kernel")
 
 ### BEGIN HIDDEN TESTS
@@ -732,10 +784,20 @@ def _check_grouped_dy(T, N, E, k, seed=0, gated=True, **routing):
     else:
         dout = torch.randn(T * k, N, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
         gates, want = None, dout[ssi]
-    with _no_reference():
-        got = grouped_dy(dout, ssi, k, gates)
-    harness.assert_close(got, want, f"grouped_dy(gates={'[T, k]' if gated else None}), {harness.describe(x, W, idx)}"
-           + (" — did the gate multiply dout?" if gated else ""))
+    where = f"grouped_dy(gates={'[T, k]' if gated else None}), {harness.describe(x, W, idx)}"
+    try:
+        with _no_reference():
+            got = grouped_dy(dout, ssi, k, gates)
+    except ValueError as err:
+        raise AssertionError(f"{where}: raised ValueError: {err}" + ("" if gated else (
+            "\nWithout gates dout is already per slot [M, N], so each sorted row reads its "
+            "own slot (fan_out=1)"))) from err
+    hint = "" if not gated else _likely(got, {
+        "the gate multiplies dout: dYg[i] = gates[s_i] · dout[s_i // k]": dout[ssi // k]})
+    try:
+        harness.assert_close(got, want, where + (" — did the gate multiply dout?" if gated else ""))
+    except AssertionError as err:
+        raise AssertionError(f"{err}{hint}") from err
 
 
 _check_grouped_dy(7, 40, 4, 2)
@@ -769,10 +831,21 @@ def _check_input_grad(T, K, N, E, k, seed=0, grouped_in=False, **routing):
         want = _loop_grads(x, W, idx, gates, dout)[0]
     with _no_reference(), torch.no_grad():
         got = input_grad(dYg, W, sei, ssi, k, grouped_in=grouped_in)
-    harness.assert_close(got, want, f"input_grad(grouped_in={grouped_in}), {harness.describe(x, W, idx)}"
-           + ("" if grouped_in else " — the k copies of a token must be summed"))
+    cands = {"grouped_in=True: one gradient per SORTED row i, in sorted order (y_grouped)":
+             torch.zeros_like(want).index_copy(0, ssi, want)} if grouped_in else {}
+    if K == N:                                     # dYg[i] @ W[e_i], untransposed, fits
+        dxs = torch.einsum("mn,mnk->mk", dYg, W[sei])                   # [M, K] sorted
+        cands["dx = dYg[i] @ W[e_i]ᵀ: the forward map with W transposed"] = dxs if grouped_in \
+            else torch.zeros_like(dxs).index_copy(0, ssi, dxs).view(T, k, K).sum(1)
+    try:
+        harness.assert_close(got, want, f"input_grad(grouped_in={grouped_in}), "
+                             f"{harness.describe(x, W, idx)}"
+                             + ("" if grouped_in else " — the k copies of a token must be summed"))
+    except AssertionError as err:
+        raise AssertionError(f"{err}{_likely(got, cands)}") from err
 
 
+_check_input_grad(5, 24, 24, 4, 2, seed=7)                  # K = N: W and Wᵀ have one shape
 _check_input_grad(7, 24, 40, 4, 2)
 _check_input_grad(9, 40, 24, 4, 3, seed=1, skip=2)
 _check_input_grad(7, 24, 24, 4, 2, seed=2, grouped_in=True)
@@ -940,12 +1013,25 @@ def _check_pl(T, K, N, E, k, seed=0, gated=True, grouped_in=False, grouped_out=F
         loop, want_grads = ref[0], ref[1:]
     where = (f"my_parallel_linear(gates={'[T, k]' if gated else None}, grouped_in={grouped_in},"
              f" grouped_out={grouped_out}), {harness.describe(x, W, idx)}")
-    harness.assert_close(ours[0], loop, f"{where}: output")
+    ungated = {"mix each token's k rows with its gates":
+               linear_loop(x, W, idx).view(T, k, N).sum(1)} if gated and not grouped_in else {}
+    try:
+        harness.assert_close(ours[0], loop, f"{where}: output")
+    except AssertionError as err:
+        raise AssertionError(f"{err}{_likely(ours[0], ungated)}") from err
     for name, got, want in zip(("dx", "dW", "dgates"), ours[1:], want_grads, strict=True):
         if want is None:
             assert got is None, f"{where}: {name} should be None (no gates), got a tensor"
         else:
-            harness.assert_close(got, want, f"{where}: {name}")
+            assert got is not None, \
+                f"{where}: no {name} came back (the gate gradient is <Y[t·k + j], dout[t]>)" \
+                if name == "dgates" else f"{where}: no {name} came back"
+            gated_dg = {"dgates[t, j] = <Y[t·k + j], dout[t]>: no gate in it": want * gates
+                        } if name == "dgates" else {}
+            try:
+                harness.assert_close(got, want, f"{where}: {name}")
+            except AssertionError as err:
+                raise AssertionError(f"{err}{_likely(got, gated_dg)}") from err
     _zero_experts(ours[2], idx, f"{where}: dW")
     return ours, ref
 

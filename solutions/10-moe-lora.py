@@ -294,6 +294,53 @@ def _zero_lora(dA, dB, idx, E, what):
                 f"{' (NaN: write zeros)' if blk.isnan().any() else ''}"
 
 
+def _slips(x, W, idx, gates, A, B):
+    """(scaling, gates, A, B, what) of the usual slips of the LoRA term, as the loop's inputs
+    that reproduce each one."""
+    E, K, N = W.shape[0], A.shape[1], B.shape[0]
+    r = A.shape[0] // E
+    out = [(SCALING ** 2, gates, A, B, "scaling is applied twice: it multiplies the LoRA "
+            "term once"),
+           (1.0, gates, A, B, "the LoRA term is not multiplied by scaling"),
+           (0.0, gates, A, B, "the LoRA term is missing"),
+           (SCALING, gates, A, B.reshape(E * r, N).T, "B's experts are column blocks: "
+            "expert e owns columns e·r:(e+1)·r of lora_B, not rows of a reshape"),
+           (SCALING, gates, A.reshape(E, K, r).transpose(1, 2).reshape(E * r, K), B,
+            "A_e is the rows e·r:(e+1)·r of lora_A, and W_A[e] = A_eᵀ is their transpose, "
+            "not a reshape"),
+           (SCALING, gates, B.T, A.T, "A and B are swapped")]
+    if gates is not None:
+        out.append((SCALING, torch.ones_like(gates), A, B, "the gates weight each slot: "
+                    "out[t] = Σ_j gates[t, j] · Y[t·k + j]"))
+    return [(s, g, a, b, why) for s, g, a, b, why in out if a.shape == A.shape]
+
+
+def _slip_hint(got, x, W, idx, gates, A, B, post=lambda y: y, grad=None, dout=None):
+    """' (what went wrong)' when `got` is the output (or, with `grad` and `dout`, the gradient
+    named by `grad`) of a usual slip, else ''."""
+    got = got.detach().float().cpu()
+    for scaling, g, a, b, why in _slips(x, W, idx, gates, A, B):
+        if grad is None:
+            want = post(linear_loop(x, W, idx, g, a, b, scaling))
+        else:
+            want = dict(zip(("out", "dx", "dW", "dgates", "dA", "dB"),
+                            harness.loop_grads(x, W, idx, g, dout, a, b, scaling),
+                            strict=True))[grad]
+        if want is not None and want.shape == got.shape and \
+                torch.allclose(got, want.float().cpu(), rtol=1e-4, atol=1e-5):
+            return f" ({why})"
+    return ""
+
+
+def _close(got, want, where, hint=lambda: ""):
+    """harness.assert_close, with `hint()` (what a usual slip would give) added on failure."""
+    try:
+        harness.assert_close(got, want, where)
+    except AssertionError as err:
+        raise AssertionError(f"{err}{hint() if isinstance(got, torch.Tensor) else ''}") \
+            from None
+
+
 def _check_split(T, K, N, E, k, r, seed=0, gated=True, **routing):
     x, W, idx, gates, dout, A, B = _problem(T, K, N, E, k, r, seed, **routing)
     if not gated:
@@ -307,13 +354,15 @@ def _check_split(T, K, N, E, k, r, seed=0, gated=True, **routing):
         out = split_lora_linear(xr, Wr, k, sei, ssi, offs, Ar, Br, SCALING, gates=gr)
         out.backward(dout)
     where = f"split_lora_linear(gates={'[T, k]' if gated else None}), {harness.describe(x, W, idx, r)}"
-    harness.assert_close(out, want[0], f"{where}: output")
+    _close(out, want[0], f"{where}: output", lambda: _slip_hint(out, x, W, idx, gates, A, B))
     for name, got, w in zip(("dx", "dW", "dgates", "dA", "dB"),
                             (xr.grad, Wr.grad, None if gr is None else gr.grad, Ar.grad, Br.grad),
                             want[1:], strict=True):
         if w is not None:
             assert got is not None, f"{where}: {name} is None — did the graph reach it?"
-            harness.assert_close(got, w, f"{where}: {name}")
+            _close(got, w, f"{where}: {name}",
+                   lambda got=got, name=name: _slip_hint(got, x, W, idx, gates, A, B,
+                                                         grad=name, dout=dout))
     _zero_lora(Ar.grad, Br.grad, idx, E, where)
 
 
@@ -514,10 +563,20 @@ def my_scatter2scatter_lora(X: torch.Tensor, W: torch.Tensor, lora_A: torch.Tens
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_scatter2scatter_lora_kernel", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+def _in_nan(t, rows, cols):
+    """t [a, b] as the top-left view of a buffer of NaN with `rows`, `cols` more of each."""
+    buf = torch.full((t.shape[0] + rows, t.shape[1] + cols), float("nan"), device=t.device)
+    buf[:t.shape[0], :t.shape[1]] = t
+    return buf[:t.shape[0], :t.shape[1]]
+
+
 def _launch_s2s_lora(T, K, N, E, k, r, x_grouped=False, y_grouped=False, BLOCK_M=16,
-                     BLOCK_N=16, BLOCK_K=16, seed=0, transposed_lora=False, **routing):
-    """Launch scatter2scatter_lora_kernel directly (strided views, NaN around Y)."""
-    x, W, idx, _, _, A, B = _problem(T, K, N, E, k, r, seed, **routing)
+                     BLOCK_N=16, BLOCK_K=16, seed=0, transposed_lora=False, poison=False,
+                     **routing):
+    """Launch scatter2scatter_lora_kernel directly (strided views, NaN around Y; with
+    `poison`, NaN past lora_A's r·E rows and lora_B's r·E columns)."""
+    x, W, idx, _, _, A0, B0 = _problem(T, K, N, E, k, r, seed, **routing)
+    A, B = A0, B0
     M = T * k
     sei, ssi, _ = flatten_sort_count(idx, E)
     want = linear_loop(x, W, idx, None, A, B, SCALING)                # [M, N] slot order
@@ -527,6 +586,8 @@ def _launch_s2s_lora(T, K, N, E, k, r, x_grouped=False, y_grouped=False, BLOCK_M
         want = want[ssi]
     if transposed_lora:                                                # same values, other strides
         A, B = A.T.contiguous().T, B.T.contiguous().T
+    if poison:                                 # what a padded rank column rr >= R would read
+        A, B = _in_nan(A, 16, 0), _in_nan(B, 0, 16)
     ybuf = torch.full((M + 3, N + 5), float("nan"), device=DEVICE)
     Y = ybuf[:M, :N]
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
@@ -540,12 +601,16 @@ def _launch_s2s_lora(T, K, N, E, k, r, x_grouped=False, y_grouped=False, BLOCK_M
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=rank_block(r))
     where = (f"scatter2scatter_lora_kernel[{grid}] (x_grouped={x_grouped}, y_grouped="
              f"{y_grouped}), {harness.describe(x, W, idx, r)}, BLOCK_M/N/K/R = "
-             f"{BLOCK_M}/{BLOCK_N}/{BLOCK_K}/{rank_block(r)}")
+             f"{BLOCK_M}/{BLOCK_N}/{BLOCK_K}/{rank_block(r)}"
+             + (", lora_A and lora_B followed by NaN" if poison else ""))
     assert not Y.isnan().any(), \
-        f"{where}: NaN left in Y at {Y.isnan().nonzero()[0].tolist()}: an output row was never " \
-        "stored"
-    harness.assert_close(Y, want, where + (" — is the LoRA term there (and scaled)?"
-                             if not torch.allclose(Y, want, atol=1e-3) else ""))
+        f"{where}: NaN in Y at {Y.isnan().nonzero()[0].tolist()}: " + \
+        ("the factors are followed by NaN, so the padded rank columns rr >= R of BLOCK_R "
+         "were loaded: mask rr < R on both the A and the B load (other=0)" if poison else
+         "an output row was never stored, or a load read past its tensor (mask rr < R on "
+         "the A and the B load, k < K on the x and W loads)")
+    _close(Y, want, where, lambda: _slip_hint(Y, x, W, idx, None, A0, B0,
+                                              post=lambda y: y[ssi] if y_grouped else y))
     outside = ybuf.clone()
     outside[:M, :N] = float("nan")
     assert outside.isnan().all(), f"{where} wrote outside Y[:M, :N]: mask the store"
@@ -554,6 +619,7 @@ def _launch_s2s_lora(T, K, N, E, k, r, x_grouped=False, y_grouped=False, BLOCK_M
 _launch_s2s_lora(7, 24, 40, 4, 2, 2)                     # partial K and N tiles
 _launch_s2s_lora(9, 40, 24, 4, 3, 3, seed=1, skip=2)     # r = 3, k = 3, expert 2 empty
 _launch_s2s_lora(5, 24, 24, 4, 2, 1, seed=2, x_grouped=True, y_grouped=True)   # r = 1
+_launch_s2s_lora(9, 24, 40, 4, 2, 3, seed=8, poison=True)   # r = 3 of BLOCK_R 16, NaN after
 print("scatter2scatter_lora_kernel matches reference.linear_loop with LoRA")
 
 ### BEGIN HIDDEN TESTS
@@ -586,7 +652,8 @@ def _check_s2s_lora(T, K, N, E, k, r, seed=0, x_grouped=False, y_grouped=False, 
              f"{harness.describe(x, W, idx, r)}")
     _must_reach(scatter2scatter_lora_kernel, call,
                 f"{where}: scatter2scatter_lora_kernel was not launched")
-    harness.assert_close(got, want, where)
+    _close(got, want, where, lambda: _slip_hint(got, x, W, idx, None, A, B,
+                                                post=lambda y: y[ssi] if y_grouped else y))
 
 
 _check_s2s_lora(7, 24, 40, 4, 2, 2)
@@ -789,6 +856,31 @@ def _bwd_lora_problem(T, K, N, E, k, r, seed=0, **routing):
     return Xg, DYg, A, B, offs, idx, dA, dB
 
 
+def _bwd_lora_hint(name, got, Xg, DYg, A, B, offs, want):
+    """' (what went wrong)' when `got` (dA or dB) is what a usual slip gives, else ''."""
+    got = got.detach().float().cpu()
+    E, r = offs.numel(), A.shape[0] // offs.numel()
+    from_zero = torch.zeros_like(A if name == "dA" else B)   # every expert's sum from row 0
+    for e in range(E):
+        end = int(offs[e])
+        Ae, Be = A[e * r:(e + 1) * r], B[:, e * r:(e + 1) * r]
+        if name == "dB":
+            from_zero[:, e * r:(e + 1) * r] = SCALING * DYg[:end].T @ (Xg[:end] @ Ae.T)
+        else:
+            from_zero[e * r:(e + 1) * r] = SCALING * (DYg[:end] @ Be).T @ Xg[:end]
+    for wrong, why in ((want / SCALING, "not multiplied by scaling"),
+                       (want * SCALING, "scaling is applied twice"),
+                       (from_zero, "each expert sums over its own rows only, "
+                        "offsets[e-1] … offsets[e]-1, not from row 0"),
+                       (want.T.contiguous().view(want.shape), "dA holds dAᵀ's layout: write "
+                        "dAᵀ through the transposed strides of dA, (dA.stride(1), "
+                        "dA.stride(0))")):
+        if wrong.shape == got.shape and torch.allclose(got, wrong.float().cpu(), rtol=1e-4,
+                                                       atol=1e-5):
+            return f" ({why})"
+    return ""
+
+
 def _launch_bwd_lora(T, K, N, E, k, r, BLOCK_M=16, BLOCK_P=16, BLOCK_Q=16, seed=0, **routing):
     """Launch group_bwd_lora_kernel directly for dB and for dAᵀ into NaN-filled buffers."""
     Xg, DYg, A, B, offs, idx, wantA, wantB = _bwd_lora_problem(T, K, N, E, k, r, seed, **routing)
@@ -817,7 +909,8 @@ def _launch_bwd_lora(T, K, N, E, k, r, BLOCK_M=16, BLOCK_P=16, BLOCK_Q=16, seed=
             f"{where}: NaN left in {name} at {got.isnan().nonzero()[0].tolist()}: an element " \
             "was never written (store even when the expert has no rows) or a row past `end` " \
             "was read"
-        harness.assert_close(got, want, where)
+        _close(got, want, where, lambda got=got, name=name, want=want: _bwd_lora_hint(
+            name, got, Xg, DYg, A, B, offs, want))
         outside = buf.clone()
         outside[inner] = float("nan")
         assert outside.isnan().all(), f"{where} wrote outside {name}: mask p < P and rr < R"
@@ -853,8 +946,10 @@ def _check_my_bwd_lora(T, K, N, E, k, r, seed=0, **routing):
         f"{where}: expected (dA, dB), got {type(got).__name__}"
     _must_reach(group_bwd_lora_kernel, lambda: my_group_bwd_lora(DYg, Xg, A, B, offs, SCALING),
                 f"{where}: group_bwd_lora_kernel was not launched")
-    harness.assert_close(got[0], wantA, f"{where}: dA")
-    harness.assert_close(got[1], wantB, f"{where}: dB")
+    _close(got[0], wantA, f"{where}: dA",
+           lambda: _bwd_lora_hint("dA", got[0], Xg, DYg, A, B, offs, wantA))
+    _close(got[1], wantB, f"{where}: dB",
+           lambda: _bwd_lora_hint("dB", got[1], Xg, DYg, A, B, offs, wantB))
     _zero_lora(got[0], got[1], idx, E, where)
 
 
@@ -1073,7 +1168,9 @@ def _check_fn(T, K, N, E, k, r, seed=0, gated=True, grouped_in=False, grouped_ou
                 f"{where}: the backward did not call my_group_bwd_lora")
     with _no_reference():
         out.backward(dout)
-    harness.assert_close(out, want[0], f"{where}: output")
+    loop = not (grouped_in or grouped_out)          # the slips are replayed on the loop
+    _close(out, want[0], f"{where}: output",
+           lambda: _slip_hint(out, x, W, idx, gates, A, B) if loop else "")
     for name, got, w in zip(("dx", "dW", "dgates", "dA", "dB"),
                             (xr.grad, Wr.grad if W_grad else None,
                              None if gr is None else gr.grad, Ar.grad, Br.grad),
@@ -1085,7 +1182,8 @@ def _check_fn(T, K, N, E, k, r, seed=0, gated=True, grouped_in=False, grouped_ou
             assert got is None, f"{where}: {name} should be None (no gates), got a tensor"
         else:
             assert got is not None, f"{where}: {name} is None"
-            harness.assert_close(got, w, f"{where}: {name}")
+            _close(got, w, f"{where}: {name}", lambda got=got, name=name: _slip_hint(
+                got, x, W, idx, gates, A, B, grad=name, dout=dout) if loop else "")
     _zero_lora(Ar.grad, Br.grad, idx, E, where)
 
 
@@ -1294,12 +1392,16 @@ def _check_nf4(T, K, N, E, k, r, seed=0, gated=True, double_quant=True, **routin
     _must_reach(_SELECTIVE, lambda: nf4_lora_linear(x, q, k, *ss, A, B, SCALING, gates=gates),
                 f"{where}: neither selective_dequantize_nf4_torch nor selective_dequantize_nf4 "
                 "was called: dequantize the active experts with one of them")
-    harness.assert_close(out, want.detach(), f"{where}: output")
+    Wd = q.dequantize()
+    _close(out, want.detach(), f"{where}: output",
+           lambda: _slip_hint(out, x, Wd, idx, gates, A, B))
     for name, got, w in (("dx", xr.grad, refs[0].grad), ("dA", Ar.grad, refs[1].grad),
                          ("dB", Br.grad, refs[2].grad)) + \
             ((("dgates", gr.grad, refs[3].grad),) if gated else ()):
         assert got is not None, f"{where}: {name} is None"
-        harness.assert_close(got, w, f"{where}: {name}")
+        _close(got, w, f"{where}: {name}",
+               lambda got=got, name=name: _slip_hint(got, x, Wd, idx, gates, A, B,
+                                                     grad=name, dout=dout))
     _zero_lora(Ar.grad, Br.grad, idx, E, where)
     # poison the unused experts: the output must not move, gradients must stay finite
     _poison(q, keep=used)

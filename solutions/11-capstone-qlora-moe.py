@@ -27,10 +27,11 @@
 #   a router that moves during fine-tuning sends tokens to experts whose adapters never saw them.
 #
 # Then you train it on `rev`, the task the base never saw, **twice**: once on the course's
-# reference code and once on *yours* — your NF4 quantize and dequantize (Lab 02), your LoRA
-# Function (Lab 04), and, where the packages launch Triton, your kernels (Labs 03, 08–10) —
-# and check that the two runs agree, that `rev` was learned, which experts learned it, and
-# what your model holds in memory.
+# reference code and once on *yours* — your NF4 quantize and dequantize (Lab 02) and your LoRA
+# Function (Lab 04) — and check that the two runs agree, that `rev` was learned, which experts
+# learned it, and what your model holds in memory. Your kernels (Labs 03, 08–10) then run the
+# forward and backward of one MoE layer on the Triton path (Part F). Every piece of yours
+# counts its calls, and the notebook prints what ran, not only what was loaded.
 #
 # | # | you write | what it must match |
 # |---|---|---|
@@ -68,6 +69,7 @@ if "google.colab" in sys.modules:
     os.chdir("/content/miniqlora-moe-labs")
 
 # %%
+import dataclasses
 import json
 import logging
 import math
@@ -82,15 +84,17 @@ import torch.nn.functional as F
 # miniquant imports bitsandbytes, which logs a warning about an optional CPU kernel package.
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 import minigpt  # noqa: E402
+import miniquant  # noqa: E402
 import minituner.qlora  # noqa: E402
 from course.notebook import bridged  # noqa: E402
 from course.notebook.harness import forbid, pairs_of, randomize_lora  # noqa: E402
-from course.notebook.mine import use  # noqa: E402
+from course.notebook.mine import blame, ran, use  # noqa: E402
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks  # noqa: E402
 from minigpt.generate import evaluate  # noqa: E402
 from minimoe import MoEMLP, NF4Experts, attach_expert_lora  # noqa: E402
 from minimoe.experts import ExpertLinear  # noqa: E402
-from miniquant import quantize_model  # noqa: E402
+from miniquant import dequantize_nf4, quantize_model  # noqa: E402
+from miniquant.triton_env import TRITON_MISSING, import_triton, triton_installed  # noqa: E402
 from minituner import (  # noqa: E402
     LoRALinear,
     SequenceData,
@@ -106,6 +110,11 @@ from minituner.qlora import wrap_minigpt_qlora  # noqa: E402
 
 torch.set_num_threads(1)   # small matrices: one thread is faster than several on a busy CPU
 torch.manual_seed(0)
+# Part F runs your kernels, on a CPU in Triton's interpreter, which must be chosen before
+# anything imports triton: training's activation checkpointing (Part C) imports it through
+# torch, and your kernels' `tl.zeros` and friends then fail to run. Choose it now.
+if triton_installed():
+    import_triton()
 print("torch", torch.__version__, "| threads:", torch.get_num_threads())
 
 MiB, GiB, GB = 2**20, 2**30, 10**9
@@ -284,8 +293,10 @@ def _check_qlora_moe(make, r=8, alpha=16.0, blocksize=64, what=""):
     ref_buffers = dict(ref.named_buffers())
     mine_buffers = dict(mine.named_buffers())
     assert sorted(mine_buffers) == sorted(ref_buffers), \
-        f"{where}: expected the buffers {sorted(ref_buffers)[:3]} ..., got " \
-        f"{sorted(mine_buffers)[:3]} ..."
+        f"{where}: the NF4 buffers differ from the reference's; missing: " \
+        f"{sorted(set(ref_buffers) - set(mine_buffers))[:3]}, extra: " \
+        f"{sorted(set(mine_buffers) - set(ref_buffers))[:3]} (with double quantization an NF4 " \
+        f"weight holds absmax_codes, absmax_scales and absmax_offset, not block_absmax)"
     for n, b in mine_buffers.items():
         assert torch.equal(b, ref_buffers[n]), \
             f"{where}: NF4 buffer {n} differs from the reference's (blocksize? double quant?)"
@@ -308,13 +319,7 @@ def _check_qlora_moe(make, r=8, alpha=16.0, blocksize=64, what=""):
     return mine
 
 
-_q = _check_qlora_moe(load_moe)
-print(f"qlora_moe: same tree, NF4 buffers, trainable set ({_expected_trainable(base.config, 8):,} "
-      f"LoRA elements) and logits as wrap_minigpt_qlora; a fresh adapter computes the NF4 base")
-
-
-
-def _check_refuses(bad):
+def _check_refuses(bad, what):
     before = _structure(bad)
     try:
         with forbid(_NO_REFERENCE_WRAP, globals()):
@@ -322,22 +327,35 @@ def _check_refuses(bad):
     except ValueError:
         pass
     else:
-        raise AssertionError("hidden: qlora_moe should raise ValueError on a model that "
-                             "already holds adapters")
-    assert _structure(bad) == before, "hidden: after refusing, the model must be as it was"
+        raise AssertionError(f"{what}: qlora_moe should raise ValueError on a model that "
+                             f"already holds adapters (LoRALinear, or expert projections that "
+                             f"are no longer plain nn.Parameters)")
+    assert _structure(bad) == before, \
+        f"{what}: qlora_moe raised ValueError only after changing the model: a model that " \
+        f"already holds adapters must be refused before anything changes"
 
 
-### BEGIN HIDDEN TESTS
-# case: a small MoE, r = 4, alpha = 8, blocksize 32
-_check_qlora_moe(small_moe, r=4, alpha=8.0, blocksize=32, what="hidden: ")
-# case: another small MoE, r = 2, alpha = 4
-_check_qlora_moe(lambda: small_moe(seed=3), r=2, alpha=4.0, blocksize=64, what="hidden: ")
-# case: a model your qlora_moe already wrapped
-_check_refuses(_q)
-# case: a model whose experts (not its attention) already hold LoRA
+_q = _check_qlora_moe(load_moe)
+_check_qlora_moe(small_moe, r=4, alpha=8.0, blocksize=32, what="a small MoE, blocksize 32: ")
+_check_refuses(_q, "a model your qlora_moe already wrapped")
 _bad = small_moe()
 attach_expert_lora(_bad.blocks[1].mlp, r=2, nf4=False)
-_check_refuses(bridged.share(_bad))
+_check_refuses(bridged.share(_bad), "a model whose experts (not its attention) already hold LoRA")
+print(f"qlora_moe: same tree, NF4 buffers, trainable set ({_expected_trainable(base.config, 8):,} "
+      f"LoRA elements) and logits as wrap_minigpt_qlora; a fresh adapter computes the NF4 base; "
+      f"refuses a model that already holds adapters")
+
+### BEGIN HIDDEN TESTS
+# case: another small MoE, r = 2, alpha = 4
+_check_qlora_moe(lambda: small_moe(seed=3), r=2, alpha=4.0, blocksize=64, what="hidden: ")
+# case: LoRA on one attention projection only
+_bad = small_moe(seed=4)
+wrap_lora(_bad, r"blocks\.0\.attn\.q_proj", r=2)
+_check_refuses(bridged.share(_bad), "hidden: LoRA on one attention projection only")
+# case: NF4 experts without LoRA (r = 0) on one MoE layer
+_bad = small_moe(seed=5)
+attach_expert_lora(_bad.blocks[1].mlp, r=0, nf4=True, blocksize=32)
+_check_refuses(bridged.share(_bad), "hidden: NF4 experts without LoRA on one MoE layer")
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -431,8 +449,12 @@ def _check_norms(model, what):
             f"{what}: {name} should map to a list of Python floats, got {got[name]!r}"
         ok = len(got[name]) == len(values) and all(
             math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7) for a, b in zip(got[name], values, strict=True))
+        ratios = {round(a / b, 4) for a, b in zip(got[name], values, strict=False) if b > 0}
+        hint = "" if ok or len(ratios) != 1 else \
+            f" (every value is {ratios.pop()}× the loop's: the scaling s = α/r multiplies " \
+            f"B_e·A_e once)"
         assert ok, f"{what}: {name}: expected {[round(v, 5) for v in values]}, got " \
-                   f"{[round(v, 5) for v in got[name]]}"
+                   f"{[round(v, 5) for v in got[name]]}{hint}"
     return got
 
 
@@ -442,15 +464,22 @@ _fresh = _check_norms(_m, "a fresh adapter")
 assert all(v == 0.0 for vs in _fresh.values() for v in vs), \
     f"a fresh adapter has B = 0, so every norm should be 0.0; got {_fresh}"
 randomize_lora(_m, seed=3)
-_check_norms(_m, "random factors")
-_w = _m.blocks[2].mlp.w_up
+_w, _v = _m.blocks[2].mlp.w_up, _m.blocks[1].mlp.w_down
 with torch.no_grad():
     for _e in (1, 5):
         _w.lora_B[:, _e * _w.r:(_e + 1) * _w.r] = 0.0
-_got = expert_lora_norms(_m)["blocks.2.mlp.w_up"]
-assert _got[1] == 0.0 and _got[5] == 0.0 and min(_got[0], _got[2]) > 0, \
-    f"after zeroing experts 1 and 5's B in blocks.2.mlp.w_up, expected exactly 0.0 for them " \
-    f"and > 0 for the others; got {[round(v, 4) for v in _got]}"
+    _v.lora_A[3 * _v.r:4 * _v.r] = 0.0
+_got = expert_lora_norms(_m)
+assert _got["blocks.2.mlp.w_up"][1] == 0.0 and _got["blocks.2.mlp.w_up"][5] == 0.0 and \
+    min(_got["blocks.2.mlp.w_up"][0], _got["blocks.2.mlp.w_up"][2]) > 0, \
+    f"after zeroing experts 1 and 5's B in blocks.2.mlp.w_up (expert e owns the columns " \
+    f"e·r:(e+1)·r of lora_B), expected exactly 0.0 for them and > 0 for the others; got " \
+    f"{[round(v, 4) for v in _got['blocks.2.mlp.w_up']]}"
+assert _got["blocks.1.mlp.w_down"][3] == 0.0 and min(_got["blocks.1.mlp.w_down"][:3]) > 0, \
+    f"after zeroing expert 3's A in blocks.1.mlp.w_down (expert e owns the rows e·r:(e+1)·r " \
+    f"of lora_A), expected exactly 0.0 for it and > 0 for the others; got " \
+    f"{[round(v, 4) for v in _got['blocks.1.mlp.w_down']]}"
+_check_norms(_m, "random factors")
 print("expert_lora_norms: matches the per-expert loop; zero B reads exactly 0.0")
 
 ### BEGIN HIDDEN TESTS
@@ -478,17 +507,24 @@ _ = _check_norms(_f3, "hidden: one MoE layer wrapped, r=3, alpha=5")
 # `use("mine")` (from `course.notebook.mine`) swaps in what *you* built wherever the course
 # packages call it, for as long as the `with` block runs. Each time `make check LAB=NN-name`
 # runs one of your lab notebooks, it saves that notebook's definitions to `work/mine/`; a piece
-# counts as yours once the visible tests of its lab's exercises pass, otherwise the reference
-# stands in, and the cell below says which, piece by piece, and why
-# (`python -m course mine` prints the same list from a terminal).
+# counts as yours once the visible tests of its lab's exercises pass (and the saved file is
+# as `make check` wrote it), otherwise the reference stands in, and the cell below says which,
+# piece by piece, and why (`python -m course mine` prints the same list from a terminal).
+# Every call the packages hand to a piece of yours is counted: when the block ends, `use`
+# prints how many calls each piece received, and "loaded, never called" for one that got none.
 #
-# | piece | your lab | what it replaces | runs below on a CPU |
+# | piece | your lab | what it replaces | where it runs in this notebook |
 # |---|---|---|---|
-# | `nf4_indices`, `pack_nibbles`, `double_quantize_absmax` | 02 | `miniquant.quantize_nf4` | yes: every projection and expert is quantized by it |
-# | `unpack_nibbles`, `nf4_dequantize` | 02 | `miniquant.dequantize_nf4` and the experts' CPU dequantization | yes: every forward and backward |
-# | `LoRAMatmul` | 04 | `minituner.lora.lora_linear` | yes: every attention LoRA |
-# | `my_dequantize_nf4`, `my_selective_dequantize` | 03 | the Triton dequantization | Part F (Triton backend) |
-# | `my_scatter2scatter`, `my_parallel_linear`, `my_lora_parallel_linear` | 08, 09, 10 | `minimoe.ops.scatter2scatter`, `minimoe.parallel_linear` | Part F (Triton backend) |
+# | `nf4_indices`, `pack_nibbles`, `double_quantize_absmax` | 02 | `miniquant.quantize_nf4` | Part C: every projection and expert is quantized by it |
+# | `unpack_nibbles`, `nf4_dequantize` | 02 | `miniquant.dequantize_nf4` and the experts' CPU dequantization | Part C: every forward and backward |
+# | `LoRAMatmul` | 04 | `minituner.lora.lora_linear` | Part C: every attention LoRA |
+# | `my_selective_dequantize` | 03 | the experts' Triton dequantization | Part F: the QLoRA MoE layer |
+# | `my_lora_parallel_linear` | 10 | `minimoe.parallel_linear` with expert LoRA | Part F: the QLoRA MoE layer, forward and backward |
+# | `my_scatter2scatter`, `my_parallel_linear` | 08, 09 | `minimoe.ops.scatter2scatter`, `minimoe.parallel_linear` without LoRA | Part F: the same layer with float experts, forward and backward |
+# | `my_dequantize_nf4` | 03 | `miniquant.triton_dequantize_nf4` | Part F: one attention projection's NF4 weight |
+#
+# On a CPU the training below runs the MoE layers on the PyTorch backend, so the kernels are
+# loaded there but not called: the list printed after the run says so, and Part F runs them.
 #
 # The run: your `qlora_moe` on the pretrained MoE, then `STEPS` steps of supervised
 # fine-tuning on gold `rev` answers, exact match on 50 held-out `rev` prompts before and after.
@@ -525,8 +561,10 @@ with use("mine") as choices:
     mine_model, mine_losses, mine_before, mine_after = qlora_run()
 ref_model, ref_losses, ref_before, ref_after = qlora_run()
 yours = [c.piece for c in choices if c.yours]
-print(f"\n{len(yours)} of {len(choices)} pieces were yours | rev exact match: yours "
-      f"{mine_before:.2f} -> {mine_after:.2f}, reference {ref_before:.2f} -> {ref_after:.2f}")
+trained_on = [piece for piece, calls in ran(choices).items() if calls]
+print(f"\n{len(yours)} of {len(choices)} pieces were yours, {len(trained_on)} of them ran in "
+      f"training | rev exact match: yours {mine_before:.2f} -> {mine_after:.2f}, reference "
+      f"{ref_before:.2f} -> {ref_after:.2f}")
 
 # %% [markdown]
 # ## Exercise 3: do the two runs agree?
@@ -618,10 +656,12 @@ def _check_compare(mine, ref, window, what):
             math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
             for a, b in zip(got[key], want[key], strict=True)), \
             f"{what}: smoothed {key!r} with window={window}: expected " \
-            f"{[round(v, 4) for v in want[key]]}, got {[round(v, 4) for v in got[key]]}"
+            f"{[round(v, 4) for v in want[key]]}, got {[round(v, 4) for v in got[key]]} (a " \
+            f"trailing mean: step t averages steps max(0, t-window+1) … t)"
     assert type(got["max_gap"]) is float and math.isclose(got["max_gap"], want["max_gap"],
                                                           rel_tol=1e-9, abs_tol=1e-12), \
-        f"{what}: expected max_gap {want['max_gap']:.6g}, got {got['max_gap']!r}"
+        f"{what}: expected max_gap {want['max_gap']:.6g}, got {got['max_gap']!r} (the gap " \
+        f"relative to the reference's smoothed loss: |m_t - r_t| / |r_t|)"
     assert got["step"] == want["step"], \
         f"{what}: the largest gap is at step {want['step']} (the first on a tie), got " \
         f"{got['step']!r}"
@@ -632,6 +672,8 @@ def _rejects(call, what):
         call()
     except ValueError:
         return
+    except Exception as e:
+        raise AssertionError(f"{what}: expected ValueError, got {type(e).__name__}: {e}") from e
     raise AssertionError(f"{what}: expected ValueError")
 
 
@@ -669,16 +711,36 @@ _rejects(lambda: compare_curves([1.0], [1.0], True), "hidden: window=True")
 # stay within `CURVE_TOL` of each other at every step. Your pieces compute the same functions
 # as the reference, but not always in the same order of float32 operations, and forty steps of
 # AdamW amplify a last-bit difference a little; a real bug (a wrong scale, a missing term in
-# the backward) moves the curve by far more than that.
+# the backward, a gradient changed in place) moves the curve by far more than that.
+#
+# When the curves part, the cell finds the piece: `blame` repeats a `SHORT_STEPS`-step version
+# of the run (same seed and data) with the pieces of yours that ran swapped back to the
+# reference one at a time, and names the first whose swap brings every step's loss within
+# `SHORT_TOL` of the reference's short run. With the course's solutions as your pieces the two
+# runs are equal bit for bit.
 
 # %%
 CURVE_TOL = 0.05
+SHORT_STEPS, SHORT_TOL = 5, 1e-3      # the search for the piece: per-step losses, no smoothing
 curves = compare_curves(mine_losses, ref_losses, window=5)
 print(f"largest smoothed gap {curves['max_gap']:.2e} at step {curves['step']} "
       f"(tolerance {CURVE_TOL:.0%}); loss {curves['ref'][0]:.2f} -> {curves['ref'][-1]:.2f}")
-assert curves["max_gap"] <= CURVE_TOL, \
-    f"your pieces' run left the reference's by {curves['max_gap']:.1%} at step " \
-    f"{curves['step']}: run the piece list above against your labs' checks"
+
+
+def short_losses():
+    """The per-step losses of a SHORT_STEPS-step version of Part C's run, same seed and data."""
+    torch.manual_seed(0)
+    model = load_moe()
+    qlora_moe(model, r=8, alpha=16.0)
+    return train(model, TRAIN, dataclasses.replace(CONFIG, steps=SHORT_STEPS)).losses
+
+
+if curves["max_gap"] > CURVE_TOL:
+    ref_short = short_losses()
+    culprit = blame(short_losses, lambda losses: max(
+        abs(a - b) / abs(b) for a, b in zip(losses, ref_short, strict=True)) <= SHORT_TOL)
+    raise AssertionError(f"your pieces' run left the reference's by {curves['max_gap']:.1%} "
+                         f"at step {curves['step']}; {culprit}")
 fig, ax = plt.subplots(figsize=(6, 2.6))
 ax.plot(mine_losses, color="C0", alpha=0.3)
 ax.plot(ref_losses, color="C1", alpha=0.3)
@@ -811,11 +873,22 @@ def _norms(values_by_layer):
             for j, p in enumerate(EXPERT_PROJECTIONS)}
 
 
+_check_learned(_norms([[[1.0, 2.0, 3.0]] * 3]), torch.tensor([[0.3, 0.3, 0.4]]), 0.5,
+               "corr is Pearson's: u and the share each centred on their mean")
+_flat = torch.tensor([[0.5, 0.5]])
+_check_learned(_norms([[[3.0, 2.0], [0.0, 2.0], [0.0, 2.0]]]), _flat, 0.6,
+               "the three projections combine as u_e = √(g_e² + up_e² + d_e²) (not a sum)")
+_check_learned(_norms([[[1.0, 2.0]] * 3]), _flat, 0.5,
+               "an expert exactly at frac · max is learned (u_e >= frac · max)")
+_check_learned(_norms([[[2.0, 1.0, 2.0]] * 3]), torch.tensor([[0.4, 0.2, 0.4]]), 0.9,
+               "a tie of update sizes: the lower expert id first")
+_check_learned(_norms([[[0.0] * 3] * 3]), torch.tensor([[0.5, 0.25, 0.25]]), 0.5,
+               "an untouched layer: nothing learned (every u_e is 0), corr 0.0")
 _toy = _norms([[[3.0, 0.0, 1.0, 0.0], [4.0, 0.0, 1.0, 2.0], [0.0, 0.0, 1.0, 0.0]]])
 _check_learned(_toy, torch.tensor([[0.4, 0.0, 0.3, 0.3]]), 0.5, "one layer, four experts")
 _check_learned(_norms([[[0.0] * 3] * 3, [[1.0, 2.0, 2.0]] * 3]),
                torch.tensor([[0.5, 0.25, 0.25], [0.2, 0.4, 0.4]]), 0.5,
-               "an untouched layer (nothing learned, corr 0.0), and a tie")
+               "an untouched layer, and a tie")
 _ref = load_moe()
 wrap_minigpt_qlora(_ref)           # the reference's model: this test grades the reading alone
 randomize_lora(_ref, seed=4)
@@ -934,23 +1007,29 @@ print(f"LLaMA-65B, the QLoRA paper's setting: {paper.total / GB:.1f} GB = "
 # %% [markdown]
 # ## Part F — Your kernels, on one MoE layer
 #
-# The training above ran the MoE layers on the PyTorch backend. On the Triton backend the
-# packages launch kernels — the selective NF4 dequantization (your Lab 03), the
-# scatter2scatter forward (Lab 08), and the expert linear's backward with and without LoRA
-# (Labs 09–10) — and `use("mine")` puts yours there. On a CPU they run in Triton's
-# interpreter, seconds per MoE layer, so here they run the forward and backward of one layer
-# of the small MoE (width 32, 4 experts, top-2) with your `qlora_moe` and random adapters,
-# against the PyTorch path. On a GPU, set every `MoEMLP.backend = "triton"` before
-# `qlora_moe` and Part C trains on your kernels end to end.
+# The training above ran the MoE layers on the PyTorch backend, where no kernel launches. On
+# the Triton backend the packages launch them, and `use("mine")` puts yours there: a QLoRA
+# expert layer dequantizes its active experts with your selective kernel (Lab 03) and runs
+# base + LoRA forward and backward through your fused kernels (Lab 10); an expert layer
+# without LoRA runs through your `my_parallel_linear` (Lab 09), whose forward and input
+# gradient are your scatter2scatter (Lab 08); and `miniquant.triton_dequantize_nf4`, which no
+# layer calls, is your whole-tensor dequantization kernel (Lab 03). On a CPU they run in
+# Triton's interpreter, seconds per MoE layer, so here they run on one layer of the small MoE
+# (width 32, 4 experts, top-2), against the PyTorch path: its QLoRA form from your
+# `qlora_moe` with random adapters, the same layer with its float experts, and one attention
+# projection's NF4 weight. The list printed comes from the calls counted while the block ran.
+# On a GPU, set every `MoEMLP.backend = "triton"` before `qlora_moe` and Part C trains on your
+# Lab 03 and Lab 10 kernels end to end (QLoRA has no expert layer without LoRA).
 
 # %%
-from miniquant.triton_env import TRITON_MISSING, triton_installed  # noqa: E402
+KERNEL_LABS = ("03", "08", "09", "10")
 
 
 def layer_grads(mlp, h, backend):
-    """(output, dL/dh, dL/d every LoRA factor) of one MoEMLP on hidden states h."""
+    """(output, dL/dh, dL/d every trainable parameter) of one MoEMLP on hidden states h."""
     for m in (mlp, *(getattr(mlp, p) for p in EXPERT_PROJECTIONS)):
-        m.backend = backend
+        if isinstance(m, nn.Module):      # float experts are parameters, with no backend
+            m.backend = backend
     h = h.detach().clone().requires_grad_(True)
     out = mlp.eval()(h)
     out.square().mean().backward()
@@ -959,23 +1038,40 @@ def layer_grads(mlp, h, backend):
     return [out.detach(), h.grad, *grads]
 
 
+def largest_gap(got, want):
+    """The largest relative difference over two lists of tensors."""
+    return max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want, strict=True))
+
+
 if not triton_installed():        # macOS, Windows: no triton wheel; the PyTorch path above ran
     print(f"Part F skipped: {TRITON_MISSING}")
 else:
-    tiny = small_moe(seed=1)
+    tiny, tiny_float = small_moe(seed=1), small_moe(seed=1)        # the same base weights
     qlora_moe(tiny, r=4, alpha=8.0, blocksize=32)
     randomize_lora(tiny, seed=2, std=0.2)
     h_tiny = torch.randn(2, 5, tiny.config.n_embd, generator=torch.Generator().manual_seed(3))
-    want = layer_grads(tiny.blocks[0].mlp, h_tiny, "torch")
+    q_attn = tiny.blocks[0].attn.q_proj.base.weight_nf4               # [32, 32] NF4
+    checks = ("QLoRA layer (NF4 experts + LoRA): output, dX, LoRA gradients",
+              "float layer (no LoRA): output, dX, expert and router gradients",
+              "NF4 dequantization of blocks.0.attn.q_proj")
+    want = [layer_grads(tiny.blocks[0].mlp, h_tiny, "torch"),
+            layer_grads(tiny_float.blocks[0].mlp, h_tiny, "torch"), [dequantize_nf4(q_attn)]]
     with use("mine", quiet=True) as kernel_choices:
-        got = layer_grads(tiny.blocks[0].mlp, h_tiny, "triton")
-    worst = max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want, strict=True))
-    kernels = [c.piece for c in kernel_choices
-               if c.yours and c.lab.startswith(("03", "08", "09", "10"))]
-    print(f"kernels of yours on the Triton path: {kernels or 'none yet (reference kernels ran)'}")
-    print(f"largest relative difference to the PyTorch path (output, dX, every LoRA gradient): "
-          f"{worst:.1e}")
-    assert worst < 1e-4, "the Triton path disagrees with the PyTorch path"
+        got = [layer_grads(tiny.blocks[0].mlp, h_tiny, "triton"),
+               layer_grads(tiny_float.blocks[0].mlp, h_tiny, "triton"),
+               [miniquant.triton_dequantize_nf4(q_attn)]]
+    gaps = [largest_gap(g, w) for g, w in zip(got, want, strict=True)]
+    print("largest relative difference of the Triton path to the PyTorch path:")
+    for what, gap in zip(checks, gaps, strict=True):
+        print(f"  {what}: {gap:.1e}")
+    calls, trained = ran(kernel_choices), ran(choices)          # {piece: calls}: here, Part C
+    kernels = [c.piece for c in kernel_choices if c.yours and c.lab.startswith(KERNEL_LABS)]
+    print("kernels of yours on the Triton path (calls): " + (", ".join(
+        f"{p} {calls[p]}" if calls[p] else f"{p} loaded, never called" for p in kernels)
+        or "none yet (the reference kernels ran)"))
+    never = [p for p, n in calls.items() if n == 0 and not trained.get(p)]
+    print(f"pieces of yours never called in this notebook: {', '.join(never) or 'none'}")
+    assert max(gaps) < 1e-4, "the Triton path disagrees with the PyTorch path"
 
 # %% [markdown]
 # ## Part G — Your adapter, out of the course

@@ -147,8 +147,9 @@ print("tokens [P·G, L]:", tuple(_s.tokens.shape), "| target_mask marks the comp
 # **A group of equal rewards must give exactly 0**, for `eps = 0` too (where `0 / (0 + 0)`
 # would be NaN). The formula alone does not guarantee it: the float mean of equal values can
 # differ from them in the last bit, the std is then `1e-17` instead of 0, and that rounding
-# error divided by `std + eps` is a spurious advantage (with `eps = 0`, a huge one). The cell
-# below shows it happen.
+# error divided by `std + eps` is a spurious advantage: already `0.06` in float32 with the
+# default `eps`, and with `eps = 0` about `±0.8`, as large as a real one (rounding noise
+# divided by rounding noise is of order 1). The cell below shows it happen.
 #
 # Off-limits: `minirl.group_advantages` (switched off while the tests run your function).
 #
@@ -238,15 +239,29 @@ def _check_advantages(rewards, eps=None, what=""):
     where = f"group_advantages of {what or 'rewards'} {list(rewards.shape)} {rewards.dtype}" \
             + ("" if eps is None else f", eps={eps}")
     assert torch.equal(rewards, before), f"{where} modified its input"
-    want = _loop_advantages(rewards.tolist(), **kw)
-    harness.assert_close(got, want, where)
     for p, row in enumerate(rewards.tolist()):
         if all(x == row[0] for x in row):
             assert torch.equal(got[p], torch.zeros_like(got[p])), \
                 f"{where}: group {p} has equal rewards {row}, so its advantages must be exactly " \
                 f"0; got {got[p].tolist()} (the float mean of equal values is not always " \
-                "equal to them: see the cell above the exercise)"
+                "equal to them: see the cell above the exercise" \
+                + ("; with eps = 0, keep 0 / 0 out)" if eps == 0 else ")")
+    want = _loop_advantages(rewards.tolist(), **kw)
+    harness.assert_close(got, want, where)
     return got
+
+
+def _check_by_hand(rewards, want, rule, eps=None):
+    """A case worked by hand; the message says which rule gives `want`."""
+    kw = {} if eps is None else {"eps": eps}
+    with _no_reference():
+        got = group_advantages(torch.tensor(rewards), **kw)
+    call = f"group_advantages({rewards}" + ("" if eps is None else f", eps={eps}") + ")"
+    assert isinstance(got, torch.Tensor) and got.shape == (len(rewards), len(rewards[0])), \
+        f"{call}: expected a tensor of shape [{len(rewards)}, {len(rewards[0])}], got " \
+        f"{type(got).__name__} {list(getattr(got, 'shape', []))}"
+    assert (got.double() - torch.tensor(want, dtype=torch.float64)).abs().max() < 1e-4, \
+        f"{call}: expected about {want} ({rule}), got {got.tolist()}"
 
 
 def _raises(what, call):
@@ -263,10 +278,16 @@ def _raises(what, call):
     raise AssertionError(f"{what}: expected ValueError, nothing was raised")
 
 
-# worked by hand: one right answer of four. mean 0.25, std = sqrt(0.75 / 3) = 0.5
-_A = _check_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), what="one right answer of four")
-assert abs(_A[0, 0].item() - 1.5) < 1e-4 and abs(_A[0, 1].item() + 0.5) < 1e-4, \
-    f"[[1, 0, 0, 0]]: expected about [[1.5, -0.5, -0.5, -0.5]] (Bessel std 0.5), got {_A.tolist()}"
+# worked by hand, first: one right answer of four. mean 0.25, std = sqrt(0.75 / 3) = 0.5
+_check_by_hand([[1.0, 0.0, 0.0, 0.0]], [[1.5, -0.5, -0.5, -0.5]],
+               "mean 0.25, sample std sqrt(0.75 / 3) = 0.5: Bessel's correction, divide by G - 1")
+_check_by_hand([[1.0, 0.0, 0.0, 0.0]], [[0.75, -0.25, -0.25, -0.25]],
+               "std 0.5 + eps 0.5 = 1: the division uses the eps argument", eps=0.5)
+_check_by_hand([[1.0, 0.0, 0.0, 0.0], [0.5, 0.0, 0.0, 0.0]],
+               [[1.5, -0.5, -0.5, -0.5], [1.5, -0.5, -0.5, -0.5]],
+               "mean and std per group, along dim 1, not over the whole batch: a group and the "
+               "same group scaled by 0.5 get the same advantages")
+_check_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), what="one right answer of four")
 _check_advantages(torch.tensor([[1.0, 0.0], [0.25, 0.75]]), what="G = 2")
 _check_advantages(torch.tensor([[0.1, 0.1, 0.1]], dtype=torch.float64), what="an equal group")
 _check_advantages(torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.0, 0.9]]), what="an equal group")
@@ -348,14 +369,20 @@ def partial_credit(example: tasks.Example, completion: str) -> float:
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_partial_credit", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
-def _check_credit(answer, completion, want):
-    with _no_reference():
-        got = partial_credit(tasks.Example("t", "p=", answer), completion)
+def _check_credit(answer, completion, want, rule=""):
+    call = f"partial_credit(answer {answer!r}, completion {completion!r})"
+    why = f" ({rule})" if rule else ""
+    try:
+        with _no_reference():
+            got = partial_credit(tasks.Example("t", "p=", answer), completion)
+    except (NotImplementedError, AssertionError):
+        raise
+    except Exception as err:
+        raise AssertionError(f"{call}: expected {want:.6g}{why}, got {type(err).__name__}: "
+                             f"{err}") from err
     assert isinstance(got, float), \
         f"partial_credit must return a Python float, got {type(got).__name__} {got!r}"
-    assert abs(got - want) < 1e-12, \
-        f"partial_credit(answer {answer!r}, completion {completion!r}): expected {want:.6g}, " \
-        f"got {got:.6g}"
+    assert abs(got - want) < 1e-12, f"{call}: expected {want:.6g}{why}, got {got:.6g}"
 
 
 def _loop_credit(answer, completion):
@@ -366,9 +393,19 @@ def _loop_credit(answer, completion):
     return 1.0 if n == 0 else hits / n
 
 
-for _ans, _comp, _want in (("abc", "abc", 1.0), ("abc", "ab", 2 / 3), ("abc", "abcd", 3 / 4),
-                           ("abc", "xbc", 2 / 3), ("42", "24", 0.0), ("42", "", 0.0)):
-    _check_credit(_ans, _comp, _want)
+_LONGER = "divide by the longer of the two lengths"
+for _ans, _comp, _want, _rule in (
+        ("abc", "abc", 1.0, "the exact answer"),
+        ("abc", "ab", 2 / 3, f"a missing character costs as much as a wrong one: {_LONGER}"),
+        ("abc", "abcd", 3 / 4, f"an extra character costs as much as a wrong one: {_LONGER}"),
+        ("abc", "xbc", 2 / 3, "every position where both agree counts, not only a common prefix"),
+        ("42", "24", 0.0, "characters are compared position by position: none of '24' is at "
+                          "its place in '42'"),
+        ("42", "", 0.0, "an empty completion agrees nowhere"),
+        ("", "", 1.0, "both empty: 1.0, with no division by the length 0")):
+    _check_credit(_ans, _comp, _want, _rule)
+
+
 def _random_string(g, alphabet, shortest, longest):
     n = int(torch.randint(shortest, longest + 1, (1,), generator=g))
     return "".join(alphabet[int(i)] for i in torch.randint(0, len(alphabet), (n,), generator=g))
@@ -430,10 +467,17 @@ harness.assert_close(_sc, torch.tensor([2 / 3, 0.5, 1.0]), "score(partial_credit
 # $$\ell = -\min\big(\rho A,\ \operatorname{clip}(\rho, 1-\varepsilon, 1+\varepsilon)\,A\big)
 #   + \beta\,\big(e^{\,\mathrm{ref} - \mathrm{logp}} - (\mathrm{ref} - \mathrm{logp}) - 1\big)$$
 #
-# The KL term is the **k3** estimator of KL(policy ‖ reference): never negative, 0 when the
-# two agree, and its gradient pulls `logp` towards `ref`. **Averaging**: each sequence's token
-# losses are averaged over *its own* completion tokens, then the `B` sequence losses are
-# averaged (the GRPO paper's $\frac1G\sum_i \frac1{|o_i|}\sum_t$). Return the scalar loss.
+# The KL term is the **k3** estimator: its *value*, averaged over tokens sampled from the
+# policy, estimates KL(policy ‖ reference); it is never negative and 0 when the two agree.
+# Used as a loss and differentiated through `logp` (as here, and in TRL), its expected
+# *gradient* is that of the reverse KL(reference ‖ policy), not of KL(policy ‖ reference);
+# both vanish when the two agree and pull `logp` towards `ref`, which is the term's job.
+# **Averaging**: each sequence's token losses are averaged over *its own* completion tokens,
+# then the `B` sequence losses are averaged (the GRPO paper's
+# $\frac1G\sum_i \frac1{|o_i|}\sum_t$). TRL's `GRPOTrainer` defaults to another one
+# (`loss_type="dapo"` in TRL 1.16): the sum of all token losses divided by the number of
+# completion tokens in the whole batch (across devices and accumulation steps), so a long
+# completion weighs more; its `loss_type="grpo"` is the one here. Return the scalar loss.
 # Treat `old_logp`, `ref_logp` and `advantages` as constants (`.detach()`); only `logp` gets
 # a gradient. Add the KL term only when `kl_coef > 0`; raise `ValueError` when `kl_coef > 0`
 # and `ref_logp` is `None`, and when a sequence has no completion token (its mean would be
@@ -551,6 +595,9 @@ def _check_loss(B, T, seed=0, eps=0.2, beta=0.0, with_ref=True, spread=0.4, garb
     assert isinstance(got, torch.Tensor) and got.dim() == 0, \
         f"{where}: expected a scalar tensor, got {type(got).__name__} " \
         f"{list(getattr(got, 'shape', []))}"
+    assert torch.isfinite(got), \
+        f"{where}: the loss is {got.item()}: a value off the mask reached it (inf · 0 = NaN: " \
+        "select with torch.where, do not multiply by the mask)"
     harness.assert_close(got.detach(), want.detach(), f"{where}: loss")
     got.backward()
     assert lg.grad is not None, f"{where}: no gradient reached logp"
@@ -573,19 +620,55 @@ def _one_token(logp, old, a, eps=0.2, ref=None, beta=0.0):
     return loss.item(), lp.grad.item()
 
 
+def _fresh_hint(got, adv, mask):
+    """What a wrong loss on fresh samples most likely did (every token's loss is -A there)."""
+    n = mask.sum(dim=1).to(adv.dtype)                                     # [B] lengths
+    for wrong, why in (((adv * n).sum() / n.sum(), "the mean over all completion tokens of "
+                        "the batch (DAPO's aggregation): average each sequence over its own "
+                        "completion tokens, then over the sequences"),
+                       ((adv * n / mask.shape[1]).mean(), "each sequence divided by T, padding "
+                        "included: divide by its own number of completion tokens"),
+                       (adv.sum(), "the sum over the sequences: take their mean")):
+        if abs(got + wrong.item()) < 1e-6:
+            return f"that is {why}"
+    return ("every ratio rho = exp(logp - old_logp) is exactly 1 here, inside the clip range "
+            "[1 - eps, 1 + eps], so each token's loss is -A: check the ratio and the clamp")
+
+
 # fresh samples: old = logp, ratio 1, the loss is -mean(A)
 _lp, _old, _adv, _mask, _ = _batch(6, 7, seed=1, garbage=0.0)
 with _no_reference():
-    _fresh_loss = grpo_loss(_lp, _lp.clone(), _adv, _mask)
-assert abs(_fresh_loss.item() + _adv.mean().item()) < 1e-6, \
+    _fresh_loss = grpo_loss(_lp, _lp.clone(), _adv, _mask).item()
+assert abs(_fresh_loss + _adv.mean().item()) < 1e-6, \
     f"on fresh samples (old_logp = logp) the loss is -mean(advantages) = " \
-    f"{-_adv.mean().item():.6f}, got {_fresh_loss.item():.6f}"
+    f"{-_adv.mean().item():.6f}, got {_fresh_loss:.6f} ({_fresh_hint(_fresh_loss, _adv, _mask)})"
 # one token, rho = 1.5 > 1 + eps: A > 0 is clipped (gradient 0), A < 0 is not (-A·rho)
 _, _g = _one_token(math.log(1.5), 0.0, 1.0)
-assert abs(_g) < 1e-7, f"rho = 1.5, A = +1, eps = 0.2: clipped, gradient 0 expected, got {_g}"
+assert abs(_g) < 1e-7, \
+    f"rho = 1.5, A = +1, eps = 0.2: clipped, gradient 0 expected, got {_g} (-min(rho·A, " \
+    "clip(rho, 0.8, 1.2)·A) takes the clipped 1.2·A, a constant: the min, not the max)"
 _, _g = _one_token(math.log(1.5), 0.0, -1.0)
-assert abs(_g - 1.5) < 1e-5, f"rho = 1.5, A = -1: gradient -A·rho = 1.5 expected, got {_g}"
+assert abs(_g - 1.5) < 1e-5, \
+    f"rho = 1.5, A = -1: gradient -A·rho = 1.5 expected, got {_g} (-min(rho·A, " \
+    "clip(rho, 0.8, 1.2)·A) takes rho·A = -1.5 here: the min, not the max)"
+# one token with the KL term only (A = 0, fresh): k3 of d = ref - logp = -log 1.5
+_l, _g = _one_token(math.log(1.5), math.log(1.5), 0.0, ref=0.0, beta=0.1)
+_kl, _dkl = 0.1 * (1 / 1.5 + math.log(1.5) - 1), 0.1 * (1 - 1 / 1.5)
+if _l < 0:
+    _why = "the KL term is added with a + sign: beta·k3 is never negative"
+elif abs(_l - 0.1 * (1.5 - math.log(1.5) - 1)) < 1e-6:
+    _why = "that is k3 of logp - ref; the estimator takes d = ref - logp"
+elif abs(_g - _dkl) < 1e-6:
+    _why = "the gradient is right, the value is not: mind the constant - 1 of k3, which " \
+           "makes it 0 where the policy equals the reference"
+else:
+    _why = "see the formula in the specification"
+assert abs(_l - _kl) < 1e-6 and abs(_g - _dkl) < 1e-6, \
+    f"the KL term, one token: logp = log 1.5, ref_logp = 0, kl_coef = beta = 0.1, A = 0: " \
+    f"expected the loss beta·k3 = {_kl:.6f} with k3 = e^d - d - 1 and d = ref - logp, and " \
+    f"the gradient beta·(1 - e^(ref - logp)) = {_dkl:.6f}; got {_l:.6f} and {_g:.6f} ({_why})"
 _check_loss(6, 7)                                   # off-mask garbage 100: exp(100) = inf
+_check_loss(3, 5, seed=9, beta=0.1, garbage=float("inf"))    # off-mask inf: inf · 0 = NaN
 _check_loss(8, 9, seed=2, beta=0.1)                 # with the k3 KL
 # constants: old_logp, advantages and ref_logp get no gradient
 _lp, _old, _adv, _mask, _ref = _batch(4, 6, seed=12, garbage=0.0)
@@ -872,7 +955,7 @@ def _strided(x, layout):
     return buf[:N, :V]
 
 
-def _launch_fwd(N, V, BLOCK_R, BLOCK_V, seed=0, layout="padded", **kind):
+def _launch_fwd(N, V, BLOCK_R, BLOCK_V, seed=0, layout="padded", why="", **kind):
     x, ids = _logits(N, V, seed, **kind)
     want = _torch_stats(x, ids)
     x, ids = _strided(x.to(DEVICE), layout), ids.to(DEVICE)
@@ -885,7 +968,8 @@ def _launch_fwd(N, V, BLOCK_R, BLOCK_V, seed=0, layout="padded", **kind):
                                     BLOCK_R=BLOCK_R, BLOCK_V=BLOCK_V)
     outs = [b[:N] for b in bufs]
     where = (f"logsoftmax_fwd_kernel[{grid}], N={N}, V={V}, BLOCK_R={BLOCK_R}, "
-             f"BLOCK_V={BLOCK_V}, {layout} logits" + (f", {kind}" if kind else ""))
+             f"BLOCK_V={BLOCK_V}, {layout} logits" + (f", {kind}" if kind else "")
+             + (f" ({why})" if why else ""))
     for name, b in zip(("logp", "row_max", "log_sum"), bufs, strict=True):
         assert (b[N:] == SENTINEL).all(), \
             f"{where}: wrote {name} past row N-1 (mask the stores with r < N)"
@@ -894,11 +978,19 @@ def _launch_fwd(N, V, BLOCK_R, BLOCK_V, seed=0, layout="padded", **kind):
     _assert_same(outs[2], want[2], f"{where}: log_sum — expected log Σ exp(logits - row_max)")
 
 
-_launch_fwd(13, 45, 4, 16)                 # 3 chunks, the last part-filled; 4 programs
-_launch_fwd(5, 37, 8, 64)                  # V smaller than the block, one part-filled program
-_launch_fwd(6, 100, 2, 32, seed=1, layout="transposed")
-_launch_fwd(4, 45, 4, 16, seed=2, neg_inf=True)       # -inf: a whole first chunk, at an id
-_launch_fwd(5, 45, 4, 16, seed=12, offset=1e4)        # logits near 1e4: subtract m first
+_COLUMNS = "load only the columns v < V: mask=v < V, other=-inf"
+_launch_fwd(13, 45, 4, 16, why="3 chunks, the last part-filled, in a buffer of NaN: "
+            f"{_COLUMNS}, and address them through the strides s_n, s_v")
+_launch_fwd(5, 37, 8, 64, why=f"V smaller than the block, one part-filled chunk: {_COLUMNS}")
+_launch_fwd(6, 100, 2, 32, seed=1, layout="transposed",
+            why="transposed logits: address them through the strides s_n, s_v")
+_launch_fwd(4, 45, 4, 16, seed=2, neg_inf=True,       # -inf: a whole first chunk, at an id
+            why="-inf logits, a first chunk all -inf: shift by c = where(m_new > -inf, m_new, "
+                "0), never by -inf, since -inf - (-inf) is NaN")
+_launch_fwd(5, 45, 4, 16, seed=12, offset=1e4,
+            why="logits near 1e4: subtract the running max m before the exp, since exp(z) "
+                "overflows float32 without it, and logp = (z_id - m) - log s, not "
+                "z_id - (m + log s), which rounds by up to 5e-4")
 print("logsoftmax_fwd_kernel matches log_softmax + gather, the row max and the log-sum")
 
 ### BEGIN HIDDEN TESTS
@@ -946,7 +1038,7 @@ def _launches(run, kernel):
 _LAUNCH_PROBE = "the test switched it off to see that your code launches it"
 
 
-def _check_stats(N, V, seed=0, layout=None, **kw):
+def _check_stats(N, V, seed=0, layout=None, why="", **kw):
     x, ids = _logits(N, V, seed)
     want = _torch_stats(x, ids)
     x, ids = x.to(DEVICE), ids.to(DEVICE)
@@ -955,7 +1047,7 @@ def _check_stats(N, V, seed=0, layout=None, **kw):
     with _no_reference():
         got = my_logsoftmax_stats(x, ids, **kw)
     where = f"my_logsoftmax_stats, N={N}, V={V}" + (f", {layout} logits" if layout else "") \
-            + (f", {kw}" if kw else "")
+            + (f", {kw}" if kw else "") + (f" ({why})" if why else "")
     assert _launches(lambda: my_logsoftmax_stats(x, ids, **kw), logsoftmax_fwd_kernel), \
         f"{where}: logsoftmax_fwd_kernel was not launched"
     assert isinstance(got, tuple) and len(got) == 3, \
@@ -965,8 +1057,10 @@ def _check_stats(N, V, seed=0, layout=None, **kw):
         _assert_same(gt, wt, f"{where}: {name}")
 
 
-_check_stats(13, 45)
+_check_stats(13, 45, why="13 rows, block_r=16: the grid is cdiv(N, block_r), not N // block_r")
 _check_stats(20, 45, seed=1, block_r=4, block_v=16)
+_check_stats(6, 100, seed=6, layout="transposed",
+             why="pass the strides of the logits, logits.stride(0) and logits.stride(1)")
 _xv, _iv = _logits(4, 45, seed=13)
 harness.assert_rejects("my_logsoftmax_stats", [
     ("ids past the vocabulary (45 … 89 for V = 45)",
@@ -1137,7 +1231,21 @@ def _torch_grad(x, ids, g):
     return xr.grad
 
 
-def _launch_bwd(N, V, BLOCK_R, BLOCK_V, seed=0, layout="padded", **kind):
+def _bwd_hint(got, x, ids, g):
+    """What a wrong dlogits most likely is, from the usual slips (or "")."""
+    p = torch.softmax(x, dim=1)
+    onehot = torch.nn.functional.one_hot(ids, x.shape[1]).float()
+    for wrong, why in ((g[:, None] * onehot, "the softmax term - p is missing: "
+                        "d log p_id / d z_v = 1[v = id] - p_v"),
+                       (-g[:, None] * p, "the one-hot term 1[v = id] is missing"),
+                       (onehot - p, "it is not multiplied by the upstream gradient g"),
+                       (g[:, None] * (p - onehot), "the sign is flipped: g · (1[v = id] - p)")):
+        if torch.allclose(got.detach().float().cpu(), wrong, rtol=1e-4, atol=1e-6):
+            return f" ({why})"
+    return ""
+
+
+def _launch_bwd(N, V, BLOCK_R, BLOCK_V, seed=0, layout="padded", why="", **kind):
     x, ids = _logits(N, V, seed, **kind)
     g = torch.randn(N, generator=torch.Generator().manual_seed(seed + 50))
     want = _torch_grad(x, ids, g)
@@ -1154,19 +1262,24 @@ def _launch_bwd(N, V, BLOCK_R, BLOCK_V, seed=0, layout="padded", **kind):
                                     BLOCK_V=BLOCK_V)
     d = dbuf[:N, :V]
     where = (f"logsoftmax_bwd_kernel[{grid}], N={N}, V={V}, BLOCK_R={BLOCK_R}, "
-             f"BLOCK_V={BLOCK_V}, {layout} logits" + (f", {kind}" if kind else ""))
+             f"BLOCK_V={BLOCK_V}, {layout} logits" + (f", {kind}" if kind else "")
+             + (f" ({why})" if why else ""))
     outside = dbuf.clone()
     outside[:N, :V] = float("nan")
     assert outside.isnan().all(), \
         f"{where}: wrote outside dlogits[:N, :V] (mask the stores with r < N and v < V)"
-    _assert_same(d, want, f"{where}: dlogits — expected autograd of log_softmax + gather")
+    _assert_same(d, want, f"{where}: dlogits — expected autograd of log_softmax + gather"
+                 + _bwd_hint(d, x, ids, g))
 
 
 _launch_bwd(13, 45, 4, 16)
 _launch_bwd(5, 37, 8, 64, seed=1)
-_launch_bwd(6, 100, 2, 32, seed=2, layout="transposed")
+_launch_bwd(6, 100, 2, 32, seed=2, layout="transposed",
+            why="transposed logits: address them through the strides s_n, s_v")
 _launch_bwd(4, 45, 4, 16, seed=3, neg_inf=True)
-_launch_bwd(5, 45, 4, 16, seed=12, offset=1e4)        # logits near 1e4: (z − m) − log s
+_launch_bwd(5, 45, 4, 16, seed=12, offset=1e4,
+            why="logits near 1e4: p = exp((z - m) - log s), subtracting m first; "
+                "exp(z - (m + log s)) is off by up to 5e-4")
 print("logsoftmax_bwd_kernel matches autograd of log_softmax + gather, writes all of dlogits "
       "and nothing else")
 
@@ -1209,7 +1322,8 @@ def _check_function(N, V, seed=0, layout=None, upstream="random", **kind):
     with _no_reference():
         logp = forward_backward()
     where = f"my_selective_log_softmax, N={N}, V={V}" + (f", {layout} logits" if layout else "") \
-            + (", upstream gradient of logp.sum()" if upstream == "sum" else "") \
+            + (", upstream gradient of logp.sum() (g arrives expanded, with stride 0: make it "
+               "contiguous before the launch)" if upstream == "sum" else "") \
             + (f", {kind}" if kind else "")
     fwd = _launches(lambda: forward_backward(harness.leaf(x)), logsoftmax_fwd_kernel)
     bwd = _launches(lambda: forward_backward(harness.leaf(x)), logsoftmax_bwd_kernel)

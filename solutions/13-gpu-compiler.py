@@ -25,7 +25,7 @@
 # | # | you write | checked against |
 # |---|---|---|
 # | 1 | `read_sass(sass)`: global loads and stores by width, spill instructions, tensor-core instructions | the SASS of real cubins, instruction by instruction |
-# | 2 | `read_usage(text)` and `my_occupancy(registers, shared_bytes, num_warps, arch)` | `cuobjdump --dump-resource-usage`; the occupancy rules |
+# | 2 | `read_usage(text)` and `my_occupancy(registers, shared_bytes, num_warps, arch)` | `cuobjdump --dump-resource-usage`; NVIDIA's occupancy calculator, on five GPUs |
 # | 3 | `largest_tile_without_spills(dtype, arch, candidates)` | the compiler, at other dtypes and GPUs |
 # | 4 | `dot_instruction(dtype, precision, arch)`: HGMMA, HMMA or FFMA? | the compiler |
 # | 5 | `transpose_kernel`: correct, **and** every global load and store 128 bits wide on an H100 | the interpreter, then the compiler |
@@ -218,8 +218,9 @@ print(cuobjdump(compiled.asm["cubin"], "--dump-resource-usage").strip())
 #   arguments live): neither is global memory.
 # * `LDL`/`STL` move data between registers and **local** memory: a per-thread stack in DRAM
 #   (cached). In Triton code they mean that `ptxas` ran out of registers and **spilled**.
-# * `HMMA` (mma.sync, sm_80 and later) and `HGMMA` (the warpgroup `wgmma` of sm_90) are the
-#   **tensor cores**; `FFMA` is one fused float32 multiply-add on the ordinary cores.
+# * `HMMA` (the warp-wide `mma.sync`, which tensor cores have run since sm_70, Volta) and
+#   `HGMMA` (the warpgroup `wgmma` of sm_90) are the **tensor cores**; `FFMA` is one fused
+#   float32 multiply-add on the ordinary cores.
 #
 # Each thread of the `n = 4096` kernel above does two 128-bit loads and two 128-bit stores:
 # 1 024 elements per program over 4 warps × 32 threads = 8 floats a thread, 32 bytes, loaded
@@ -474,6 +475,7 @@ _SNIPPET = """
         /*0020*/              @!P0 LDG.E.128 R4, desc[UR4][R2.64] ;
         /*0030*/                   LDG.E R8, desc[UR4][R2.64+0x800] ;
         /*0040*/               @P1 LDG.E.U8 R9, desc[UR4][R6.64] ;
+        /*0044*/                   LDG.E.S16 R11, desc[UR4][R6.64+0x2] ;
         /*0048*/              @!P2 LDG.E.64.STRONG.GPU R14, desc[UR4][R6.64+0x40] ;
         /*0050*/                   LDGSTS.E.BYPASS.LTC128B.128 [R10], desc[UR4][R12.64] ;
         /*0060*/                   LDGDEPBAR ;
@@ -489,10 +491,46 @@ _SNIPPET = """
         /*0100*/                   STG.E desc[UR4][R2.64+0x10], R8 ;
         /*0110*/                   EXIT ;
 """
+# One instruction at a time first, each with the rule it checks.
+_RULES = [   # (instruction, what it adds to the reading, the rule)
+    ("LDG.E R8, desc[UR4][R2.64+0x800]", {"loads": {32: 1}},
+     "an instruction without a width modifier is 32 bits wide"),
+    ("LDG.E.U8 R9, desc[UR4][R6.64]", {"loads": {8: 1}}, "U8 is an 8-bit load"),
+    ("LDG.E.S8 R9, desc[UR4][R6.64]", {"loads": {8: 1}},
+     "S8 is an 8-bit load too: signed (sign-extended) loads S8 and S16 are as wide as U8 and U16"),
+    ("LDG.E.U16 R9, desc[UR4][R6.64]", {"loads": {16: 1}}, "U16 is a 16-bit load"),
+    ("LDG.E.S16 R9, desc[UR4][R6.64]", {"loads": {16: 1}},
+     "S16 is a 16-bit load too: signed (sign-extended) loads S8 and S16 are as wide as U8 and U16"),
+    ("@!P0 LDG.E.128 R4, desc[UR4][R2.64]", {"loads": {128: 1}},
+     "a guarded instruction (@P0, @!P0, @!PT, @UP0) counts like any other"),
+    ("LDG.E.64.STRONG.GPU R14, desc[UR4][R6.64+0x40]", {"loads": {64: 1}},
+     "the width is the first width modifier, not the last modifier"),
+    ("LDGSTS.E.BYPASS.LTC128B.128 [R10], desc[UR4][R12.64]", {"loads": {128: 1}},
+     "LDGSTS, the asynchronous copy from global to shared memory, counts as a global load "
+     "(LTC128B is a cache hint, not a width)"),
+    ("LDGDEPBAR", {}, "compare the opcode whole: LDGDEPBAR only waits for LDGSTS copies"),
+    ("ULDC.64 UR4, c[0x0][0x208]", {}, "compare the opcode whole: ULDC.64 reads the constant "
+     "bank"),
+    ("STG.E.U16 desc[UR4][R2.64], R0", {"stores": {16: 1}}, "U16 is a 16-bit store"),
+    ("STL.64 [R1+0x8], R12", {"local": 1}, "STL and LDL, spill traffic, count in local"),
+    ("LDL.LU R13, [R1+0x8]", {"local": 1}, "STL and LDL, spill traffic, count in local"),
+    ("HMMA.16816.F32.BF16 R16, R12, R14, R16", {"tensor_core": 1},
+     "HMMA is a tensor-core instruction"),
+    ("HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8].tnspB, R24", {"tensor_core": 1},
+     "HGMMA, the warpgroup MMA of sm_90, is a tensor-core instruction too"),
+]
+for _code, _adds, _rule in _RULES:
+    _want = {"loads": {}, "stores": {}, "local": 0, "tensor_core": 0, **_adds}
+    with _no_reader():
+        _got = _normalised(read_sass(f"        /*0040*/ {_code} ;\n"), f"`{_code}`")
+    assert {k: _got[k] for k in _want} == _want, \
+        f"read_sass of the one instruction `{_code}`: expected {_want}, got " \
+        f"{ {k: _got[k] for k in _want} }: {_rule}"
 _got = _check_sass(_SNIPPET, "the snippet in this cell")
-# by hand: LDG.E.128, LDG.E, LDG.E.U8, LDG.E.64.STRONG.GPU, LDGSTS...128 (not LDGDEPBAR)
-assert _got["loads"] == {128: 2, 64: 1, 32: 1, 8: 1}, \
-    f"read_sass of the snippet: loads by hand are {{128: 2, 64: 1, 32: 1, 8: 1}}, got " \
+# by hand: LDG.E.128, LDG.E, LDG.E.U8, LDG.E.S16, LDG.E.64.STRONG.GPU, LDGSTS...128 (not
+# LDGDEPBAR)
+assert _got["loads"] == {128: 2, 64: 1, 32: 1, 16: 1, 8: 1}, \
+    f"read_sass of the snippet: loads by hand are {{128: 2, 64: 1, 32: 1, 16: 1, 8: 1}}, got " \
     f"{_got['loads']}"
 assert _got["stores"] == {16: 1, 128: 1, 32: 1} and _got["local"] == 2, _got
 _check_sass(sass_of(scale_kernel, (F32, F32, 2.0, 4096), dict(BLOCK=1024)),
@@ -501,8 +539,8 @@ _check_sass(sass_of(scale_kernel, (F32, F32, 2.0, 1000), dict(BLOCK=1024)),
             "scale_kernel, float32, n = 1000, sm_90")
 _check_sass(sass_of(matmul_kernel, *matmul_launch(torch.float16, (64, 64, 32, 4)), "sm_80"),
             "matmul_kernel, float16, 64×64×32, sm_80 (LDGSTS, LDGDEPBAR, HMMA)")
-print("read_sass reads the snippet, scale_kernel's and matmul_kernel's SASS instruction by "
-      "instruction")
+print("read_sass reads each rule's instruction, the snippet, scale_kernel's and "
+      "matmul_kernel's SASS instruction by instruction")
 
 ### BEGIN HIDDEN TESTS
 # case: scale_kernel in several dtypes and blocks, sm_90
@@ -529,34 +567,49 @@ _got = _check_sass(sass_of(matmul_kernel, *matmul_launch(torch.float32, (128, 12
 #
 # A streaming multiprocessor (SM) runs many warps at once and switches to another whenever
 # one waits for memory: that is how a GPU hides DRAM latency. How many can be resident at
-# once is limited by what each block takes of the SM's fixed budget (the same on sm_80 and
-# sm_90, apart from shared memory):
+# once is limited by what each block takes of the SM's fixed budget:
 #
-# | per SM | sm_80 (A100) | sm_90 (H100) |
-# |---|---|---|
-# | 32-bit registers | 65 536 | 65 536 |
-# | resident warps | 64 | 64 |
-# | resident blocks | 32 | 32 |
-# | shared memory for blocks | 164 KiB | 228 KiB |
-# | shared memory the driver reserves per block | 1 KiB | 1 KiB |
+# | per SM | sm_75 (T4) | sm_80 (A100) | sm_86 (A10) | sm_89 (L4) | sm_90 (H100) |
+# |---|---|---|---|---|---|
+# | 32-bit registers | 65 536 | 65 536 | 65 536 | 65 536 | 65 536 |
+# | resident warps | 32 | 64 | 48 | 48 | 64 |
+# | resident blocks | 16 | 32 | 16 | 24 | 32 |
+# | shared memory for blocks | 64 KiB | 164 KiB | 100 KiB | 100 KiB | 228 KiB |
+# | shared memory the driver reserves per block | 0 | 1 KiB | 1 KiB | 1 KiB | 1 KiB |
+# | shared memory allocation unit | 256 B | 128 B | 128 B | 128 B | 128 B |
 #
-# (CUDA C++ Programming Guide, "Compute Capabilities" table.) Registers are handed out per
-# warp in units of 256: a thread asking for `r` registers makes its warp take `r·32` rounded up
-# to a multiple of 256. A thread may use at most 255 registers; when `ptxas` needs more it
+# (CUDA C++ Programming Guide, "Compute Capabilities" table; the allocation rules below are
+# those of NVIDIA's own occupancy calculator, `cuda_occupancy.h`, which the triton wheel
+# ships in `triton/backends/nvidia/include/`.)
+#
+# **Registers.** A thread may use at most 255 registers; when `ptxas` needs more it
 # **spills**: it stores values to the thread's stack in local memory (`STL`) and loads them back
-# (`LDL`). `cuobjdump --dump-resource-usage` prints `REG` (registers per thread) and `STACK`
+# (`LDL`). Registers are handed out per warp in units of 256: a thread asking for `r` registers
+# makes its warp take `r·32` rounded up to a multiple of 256. And an SM is four
+# **sub-partitions**, each with its own warp scheduler and a quarter of the register file,
+# 16 384 registers; a warp runs on one of them and takes its registers there. So the registers
+# allow a whole number of warps *per sub-partition*, `16384 // regs_per_warp`, four times that
+# per SM. Dividing the whole file, `65536 // regs_per_warp`, counts warps that straddle two
+# sub-partitions and can be up to 3 too many: at 97 registers (3 328 a warp) it says 19, and
+# 16 fit.
+#
+# `cuobjdump --dump-resource-usage` prints `REG` (registers per thread) and `STACK`
 # (bytes of stack per thread, which in Triton code is spill space; `LOCAL` counts too, but
 # Triton leaves it 0). Triton's shared memory is not in the cubin: the launch asks for it,
 # `compiled.metadata.shared` bytes per block.
 #
-# **Occupancy** is the share of the SM's 64 warp slots the kernel can fill:
+# **Occupancy** is the share of the SM's warp slots the kernel can fill. With `lim =
+# SM_LIMITS[arch]`, the table above:
 #
 # ```
-# blocks per SM = min(32,                                   # block slots
-#                     64 // num_warps,                      # warp slots
-#                     (65536 // regs_per_warp) // num_warps,  # registers, whole warps
-#                     shared_per_SM // (shared_bytes + 1024))  # shared memory (if it uses any)
-# occupancy     = blocks per SM · num_warps / 64
+# regs_per_warp    = ceil(registers · 32 / 256) · 256          # units of 256
+# warps_by_regs    = 4 · (16384 // regs_per_warp)              # whole warps per sub-partition
+# shared_per_block = ceil((shared_bytes + reserved) / unit) · unit
+# blocks per SM    = min(lim.blocks,                            # block slots
+#                        lim.warps // num_warps,                # warp slots
+#                        warps_by_regs // num_warps,            # registers, whole blocks
+#                        lim.shared // shared_per_block)        # shared memory (if any)
+# occupancy        = blocks per SM · num_warps / lim.warps
 # ```
 #
 # ## Exercise 2 — read the resource usage, compute the occupancy
@@ -567,10 +620,14 @@ _got = _check_sass(sass_of(matmul_kernel, *matmul_launch(torch.float32, (128, 12
 #   `{"registers": REG, "spill_bytes": STACK + LOCAL}` as ints.
 # * `my_occupancy(registers, shared_bytes, num_warps, arch="sm_90")`: the formula above with the
 #   limits of `SM_LIMITS[arch]` (below), a float in `[0, 1]`; 0 when one block does not fit.
-#   The rules that matter: registers go to a warp in units of 256; every division is a whole
-#   number of warps or blocks; an SM holds at most 32 blocks, however small; shared memory
-#   limits only a kernel that uses some, and then each block costs its `shared_bytes` plus the
-#   1 KiB the driver reserves.
+#   `registers` is 1 to 255, `num_warps` 1 to 32 (a block has at most 1 024 threads).
+#   The rules that matter: registers go to a warp in units of 256, and to one of the 4
+#   sub-partitions of 16 384 registers, each holding a whole number of warps; every division
+#   is a whole number of warps or blocks; an SM holds at most `lim["blocks"]` blocks,
+#   however small; each block's shared memory is its `shared_bytes` plus what the driver
+#   reserves, rounded up to the allocation unit, and a block that takes none (on sm_75, with
+#   no reserve) is not limited by it. Take every limit from `SM_LIMITS[arch]`: they differ
+#   between GPUs.
 #
 # Off-limits: `gpucompile.occupancy` and `read_cubin` (they raise while the tests run
 # your code): do the arithmetic yourself.
@@ -580,9 +637,10 @@ _got = _check_sass(sass_of(matmul_kernel, *matmul_launch(torch.float32, (128, 12
 # The fields of the resource usage are `NAME:number` pairs on one line; one regular expression
 # finds them all, and a field that is absent counts as 0. For the occupancy, compute the four
 # limits on blocks per SM separately, take the smallest, and only then turn blocks into warps.
-# The usual slip is the register rounding: round `registers · 32` up to a multiple of 256
-# *before* dividing 65 536 by it (18 registers: 576 rounds up to 768, and 65 536 // 768 = 85
-# warps). The comments in the test cell work each of its cases this way.
+# The usual slips are the roundings, each done *before* the division it feeds: `registers ·
+# 32` up to a multiple of 256 (18 registers: 576 rounds up to 768), then warps per
+# sub-partition (16 384 // 768 = 21, so 84 warps), and the shared bytes plus the reserve up to
+# the allocation unit. The comments in the test cell work each of its cases this way.
 #
 # </details>
 #
@@ -593,19 +651,28 @@ _got = _check_sass(sass_of(matmul_kernel, *matmul_launch(torch.float32, (128, 12
 #               return {"registers": fields[REG], "spill_bytes": STACK + LOCAL (0 if absent)}
 # my_occupancy: lim = SM_LIMITS[arch]
 #               regs_per_warp = ceil(registers * 32 / 256) * 256
-#               blocks = min(lim.blocks, lim.warps // num_warps,
-#                            (lim.registers // regs_per_warp) // num_warps)
-#               if shared_bytes > 0:
-#                   blocks = min(blocks, lim.shared // (shared_bytes + lim.reserved))
+#               warps_by_regs = 4 * ((lim.registers // 4) // regs_per_warp)
+#               blocks = min(lim.blocks, lim.warps // num_warps, warps_by_regs // num_warps)
+#               shared = ceil((shared_bytes + lim.reserved) / lim.shared_unit) * lim.shared_unit
+#               if shared > 0:
+#                   blocks = min(blocks, lim.shared // shared)
 #               return blocks * num_warps / lim.warps
 # ```
 #
 # </details>
 
 # %%
-SM_LIMITS = {   # per SM; shared memory in bytes usable by blocks, and the driver's per block
-    "sm_80": dict(registers=65536, warps=64, blocks=32, shared=164 * 1024, reserved=1024),
-    "sm_90": dict(registers=65536, warps=64, blocks=32, shared=228 * 1024, reserved=1024),
+SM_LIMITS = {   # per SM; shared memory in bytes: usable by blocks, reserved per block, unit
+    "sm_75": dict(registers=65536, warps=32, blocks=16, shared=64 * 1024, reserved=0,
+                  shared_unit=256),
+    "sm_80": dict(registers=65536, warps=64, blocks=32, shared=164 * 1024, reserved=1024,
+                  shared_unit=128),
+    "sm_86": dict(registers=65536, warps=48, blocks=16, shared=100 * 1024, reserved=1024,
+                  shared_unit=128),
+    "sm_89": dict(registers=65536, warps=48, blocks=24, shared=100 * 1024, reserved=1024,
+                  shared_unit=128),
+    "sm_90": dict(registers=65536, warps=64, blocks=32, shared=228 * 1024, reserved=1024,
+                  shared_unit=128),
 }
 print(cuobjdump(compiled.asm["cubin"], "--dump-resource-usage"))
 
@@ -622,14 +689,17 @@ def read_usage(text: str) -> dict:
 
 def my_occupancy(registers: int, shared_bytes: int, num_warps: int, arch: str = "sm_90"
                  ) -> float:
-    """Resident warps per SM / 64, limited by blocks, warps, registers and shared memory."""
+    """Resident warps per SM / SM_LIMITS[arch]["warps"], limited by blocks, warps, registers
+    (in 4 sub-partitions) and shared memory."""
     ### BEGIN SOLUTION
     lim = SM_LIMITS[arch]
-    regs_per_warp = -(-registers * 32 // 256) * 256
-    blocks = min(lim["blocks"], lim["warps"] // num_warps,
-                 lim["registers"] // regs_per_warp // num_warps)
-    if shared_bytes:
-        blocks = min(blocks, lim["shared"] // (shared_bytes + lim["reserved"]))
+    regs_per_warp = -(-registers * 32 // 256) * 256                    # units of 256
+    warps_by_registers = 4 * (lim["registers"] // 4 // regs_per_warp)  # per sub-partition
+    blocks = min(lim["blocks"], lim["warps"] // num_warps, warps_by_registers // num_warps)
+    unit = lim["shared_unit"]
+    shared_per_block = -(-(shared_bytes + lim["reserved"]) // unit) * unit
+    if shared_per_block:
+        blocks = min(blocks, lim["shared"] // shared_per_block)
     return blocks * num_warps / lim["warps"]
     ### END SOLUTION
 
@@ -648,34 +718,71 @@ def _check_usage(kernel, args, kwargs, arch, what):
             f"read_usage of {what}: {key} expected {want[key]}, got {got.get(key)}"
 
 
-def _check_occupancy(registers, shared, warps, arch, want=None):
+def _check_occupancy(registers, shared, warps, arch, want=None, rule=""):
     if want is None:
         want = gpucompile.occupancy(arch, registers, shared, warps)
-    with _no_reader():
-        got = my_occupancy(registers, shared, warps, arch)
+    call = f"my_occupancy(registers={registers}, shared_bytes={shared}, num_warps={warps}, " \
+           f"arch={arch!r})"
+    try:
+        with _no_reader():
+            got = my_occupancy(registers, shared, warps, arch)
+    except ZeroDivisionError as e:
+        raise AssertionError(f"{call}: ZeroDivisionError ({e}); {rule}") from None
     assert isinstance(got, float | int) and abs(got - want) < 1e-9, \
-        f"my_occupancy(registers={registers}, shared_bytes={shared}, num_warps={warps}, " \
-        f"arch={arch!r}): expected {want}, got {got}"
+        f"{call}: expected {want}, got {got}" + (f": {rule}" if rule else "")
 
 
 with _no_reader():
     _u = read_usage("Resource usage:\n Common:\n  GLOBAL:0\n Function k:\n  REG:255 STACK:528 "
                     "SHARED:0 LOCAL:8 CONSTANT[0]:416 TEXTURE:0 SURFACE:0 SAMPLER:0\n")
 assert _u == {"registers": 255, "spill_bytes": 536}, \
-    f"read_usage of 'REG:255 STACK:528 ... LOCAL:8': expected registers 255, spill_bytes 536, got {_u}"
+    f"read_usage of 'REG:255 STACK:528 ... LOCAL:8': expected registers 255, spill_bytes 536, " \
+    f"got {_u} (spill_bytes is STACK + LOCAL)"
 _check_usage(scale_kernel, (F32, F32, 2.0, 4096), dict(BLOCK=1024), "sm_90", "scale_kernel")
-# worked by hand: 18 registers -> 768 per warp -> 85 warps -> 21 blocks of 4; warp slots: 16
-_check_occupancy(18, 0, 4, "sm_90", want=1.0)
-# 96 registers: 3072 per warp -> 21 warps -> 5 blocks; shared 16 KiB: 167936 // 17408 = 9
-_check_occupancy(96, 16384, 4, "sm_80", want=0.3125)
-# 255 registers: 8160 -> 8192 per warp -> 8 warps -> 2 blocks of 4 warps
+# worked by hand: 18 registers -> 768 per warp -> 16384 // 768 = 21 a sub-partition, 84 warps
+# -> 21 blocks of 4; the warp slots allow 16
+_check_occupancy(18, 0, 4, "sm_90", want=1.0, rule="the warp slots: 64 // 4 = 16 blocks")
+# the rounding: 97 registers, 3104 -> 3328 per warp -> 4 a sub-partition -> 4 blocks of 4
+_check_occupancy(97, 0, 4, "sm_90", want=0.25,
+                 rule="registers go to a warp in units of 256: 97 · 32 = 3 104 rounds up to "
+                      "3 328, 4 warps a sub-partition, 16 an SM (3 104 would allow 5, 20)")
+# the sub-partitions: 16 warps of 1, not 65536 // 3328 = 19
+_check_occupancy(97, 0, 1, "sm_90", want=0.25,
+                 rule="each of the 4 sub-partitions holds 16 384 registers and a whole number "
+                      "of warps: 16 384 // 3 328 = 4 warps, 16 an SM, where 65 536 // 3 328 = "
+                      "19 counts warps split between sub-partitions")
+_check_occupancy(80, 0, 1, "sm_90", want=0.375,
+                 rule="each of the 4 sub-partitions holds 16 384 registers and a whole number "
+                      "of warps: 2 560 a warp, 16 384 // 2 560 = 6, 24 an SM (not 25)")
+# 255 registers: 8160 -> 8192 per warp -> 2 a sub-partition, 8 warps -> 2 blocks of 4 warps
 _check_occupancy(255, 0, 4, "sm_90", want=0.125)
-# the rounding: 97 registers, 3104 -> 3328 per warp -> 19 warps -> 4 blocks (5 unrounded)
-_check_occupancy(97, 0, 4, "sm_90", want=0.25)
-# the block-slot limit: 1-warp blocks of 24 registers would fit 64 a SM, but 32 is the most
-_check_occupancy(24, 0, 1, "sm_80", want=0.5)
+# the block slots: 1-warp blocks of 24 registers would fit 64 an SM, but 32 is the most
+_check_occupancy(24, 0, 1, "sm_80", want=0.5,
+                 rule="the block slots: an SM holds at most SM_LIMITS[arch]['blocks'] blocks, "
+                      "32 on sm_80, however small")
+# 96 registers: 3072 per warp -> 5 a sub-partition, 20 warps -> 5 blocks; shared 16 KiB + 1 KiB:
+# 167936 // 17408 = 9
+_check_occupancy(96, 16384, 4, "sm_80", want=0.3125)
 # the reserved KiB: 41984 + 1024 B a block -> 167936 // 43008 = 3 blocks (4 without it)
-_check_occupancy(32, 41984, 4, "sm_80", want=0.1875)
+_check_occupancy(32, 41984, 4, "sm_80", want=0.1875,
+                 rule="each block also takes the 1 KiB the driver reserves (SM_LIMITS[arch]"
+                      "['reserved']): 41 984 + 1 024 = 43 008 B, 3 blocks in 164 KiB")
+# the allocation unit: 54926 + 1024 = 55950 -> 56064 (128-byte units) -> 2 blocks (3 unrounded)
+_check_occupancy(32, 54926, 4, "sm_80", want=0.125,
+                 rule="shared memory goes to a block in units of SM_LIMITS[arch]['shared_unit'] "
+                      "(128 bytes on sm_80): 55 950 B round up to 56 064, 2 blocks in 164 KiB")
+# another GPU: sm_86 has 48 warp slots and 16 block slots
+_check_occupancy(16, 0, 1, "sm_86", want=1 / 3,
+                 rule="take every limit from SM_LIMITS[arch]: sm_86 holds 16 blocks and 48 "
+                      "warps, so 16 one-warp blocks are 1/3 of it")
+# sm_75: 256-byte units, no reserve: 9300 -> 9472 B a block, 6 blocks (7 in 128-byte units)
+_check_occupancy(32, 9300, 1, "sm_75", want=6 / 32,
+                 rule="take every limit from SM_LIMITS[arch]: sm_75 reserves nothing and "
+                      "allocates shared memory in units of 256 bytes: 9 300 B take 9 472, 6 "
+                      "blocks in 64 KiB")
+_check_occupancy(64, 0, 8, "sm_75", want=1.0,
+                 rule="on sm_75 a block without shared memory takes none (no reserve): shared "
+                      "memory does not limit it")
 print("read_usage reads REG and STACK; my_occupancy agrees with the hand-worked cases")
 
 ### BEGIN HIDDEN TESTS
@@ -685,13 +792,13 @@ _check_occupancy(16, 0, 1, "sm_90", want=0.5)               # the 32-block limit
 _check_occupancy(58, 148480, 8, "sm_90", want=0.125)        # shared memory: one block
 # case: more shared memory than an A100 has
 _check_occupancy(40, 200_000, 4, "sm_80", want=0.0)         # does not fit in 164 KiB
-# case: a grid of registers, warps and shared memory on both GPUs
-_occ_cases = [(_regs, _shared, _warps, _arch) for _arch in ("sm_80", "sm_90")
-              for _regs in (16, 24, 32, 40, 56, 64, 72, 96, 128, 168, 200, 232, 255)
-              for _warps in (1, 2, 4, 8, 16)
-              for _shared in (0, 1000, 16384, 50176, 99328, 148480)]
+# case: a grid of registers, warps and shared memory on five GPUs
+_occ_cases = [(_regs, _shared, _warps, _arch) for _arch in SM_LIMITS
+              for _regs in (*range(16, 256, 7), 80, 97, 255)
+              for _warps in (1, 2, 3, 4, 6, 8, 16, 32)
+              for _shared in (0, 1000, 9300, 16384, 41984, 50176, 54926, 99328, 148480)]
 _wants = [gpucompile.occupancy(_a, _r, _s, _w) for _r, _s, _w, _a in _occ_cases]
-with _no_reader():                  # one switch-off for all 780 cases, not one per case
+with _no_reader():                  # one switch-off for all the cases, not one per case
     _gots = [my_occupancy(*_case) for _case in _occ_cases]
 for _case, _want, _got in zip(_occ_cases, _wants, _gots, strict=True):
     assert isinstance(_got, float | int) and abs(_got - _want) < 1e-9, \
@@ -735,11 +842,15 @@ for _tile in FP32_TILES:
 #   registers a thread for the accumulator alone, and the operands, addresses and loop state
 #   come on top. With 8 warps the same tile is spread over twice the threads, and each needs
 #   far fewer registers.
-# * Double the tile to `128 × 64` with 4 warps and the accumulator alone takes 64 registers a
-#   thread; at `128 × 128` it takes 128, and with the operands on top the thread reaches the
-#   limit of 255 registers and spills: a stack of values behind them, with `LDL`/`STL`
-#   instructions inside the `K` loop. A spill costs a round trip through the L1 cache (DRAM if
-#   it misses) for a value that a register would hold for free, and inside the loop it costs
+# * Double the tile to `128 × 64` with 4 warps and the accumulator takes 64 registers a
+#   thread (8 192 values over 128 threads): it fits, with room to spare. At `128 × 128` it
+#   takes 128, still well under the limit of 255. What pushes that thread to 255 and into
+#   spills is everything else the `FFMA` loop keeps live next to the accumulator: the strips
+#   of `A` and `B` each thread multiplies (the FMA operands), and the 64-bit addresses and
+#   masks of its loads, kept for the stages of the software-pipelined loop (`num_stages=3`).
+#   `ptxas` then keeps a stack of values behind them, with `LDL`/`STL` instructions in and
+#   around the `K` loop. A spill costs a round trip through the L1 cache (DRAM if it
+#   misses) for a value that a register would hold for free, and inside the loop it costs
 #   that at every iteration. (Which tiles spill, and by how much, is the compiler's call: with
 #   the triton this course installs, 3.7.1, `128 × 64` fits in 168 registers and `128 × 128`
 #   spills 64 bytes; other versions draw the line elsewhere. The table above is the truth.)
@@ -811,15 +922,28 @@ def _check_tile(dtype, arch, candidates):
     got = largest_tile_without_spills(dtype, arch, list(candidates))
     got = None if got is None else tuple(got)
     spills = ", ".join(f"{t}: {spill[t]} B" for t in candidates)
+    area = {t: t[0] * t[1] for t in candidates}
+    why = ""
+    if got != want and want is None:
+        why = "every candidate spills, so return None"
+    elif got != want and got in spill and spill[got]:
+        why = f"{got} spills {spill[got]} B: only candidates that spill 0 bytes count"
+    elif got != want and got in area and want is not None and area[got] == area[want]:
+        why = f"a tie: {got} and {want} have the same area BLOCK_M · BLOCK_N, and the " \
+              "earlier candidate in the list wins"
+    elif got != want and got in area and want is not None and area[got] < area[want]:
+        why = f"{want} has the larger area BLOCK_M · BLOCK_N ({area[want]} against " \
+              f"{area[got]}), and it does not spill"
     assert got == want, \
         f"largest_tile_without_spills({dtype}, {arch!r}, {list(candidates)}): expected " \
-        f"{want}, got {got} (the compiler's spills: {spills})"
+        f"{want}, got {got} (the compiler's spills: {spills})" + (f": {why}" if why else "")
 
 
 _check_tile(torch.float32, "sm_80", [(64, 64, 32, 4), (128, 64, 32, 4), (128, 128, 32, 4),
                                      (128, 128, 32, 8)])
 _check_tile(torch.float32, "sm_80", [(64, 64, 32, 8), (64, 64, 32, 4)])      # a tie: the first
-_check_tile(torch.float32, "sm_80", [(128, 128, 32, 4), (128, 64, 32, 4)])   # all spill: None
+_check_tile(torch.float32, "sm_80", [(128, 128, 32, 4)])                     # all spill: None
+_check_tile(torch.float32, "sm_80", [(128, 128, 32, 4), (128, 64, 32, 4)])   # the first spills
 print("largest_tile_without_spills picks what the compiler allows")
 
 ### BEGIN HIDDEN TESTS
@@ -830,10 +954,11 @@ _check_tile(torch.float16, "sm_90", [(128, 128, 32, 4), (128, 256, 32, 4), (256,
 # %% [markdown]
 # ## Part C — tensor cores
 #
-# A tensor core multiplies small matrix tiles in one instruction: on an A100 an `HMMA.16816`
-# is a `16 × 8 × 16` product-accumulate per warp; on an H100 an `HGMMA.64x64x16` is a
-# `64 × 64 × 16` one per **warpgroup** of 4 warps, reading its operands straight from shared
-# memory. That is where the datasheets' large numbers come from: an H100 SXM does about 989
+# A tensor core multiplies small matrix tiles in one instruction. `HMMA` (`mma.sync`, on
+# every GPU since Volta, sm_70) works per warp, with both operands in registers: on an A100
+# an `HMMA.16816` is a `16 × 8 × 16` product-accumulate. On an H100 an `HGMMA.64x64x16`
+# (`wgmma`) is a `64 × 64 × 16` one per **warpgroup** of 4 warps, reading `B` from shared
+# memory and `A` from shared memory or from registers. That is where the datasheets' large numbers come from: an H100 SXM does about 989
 # TFLOP/s of dense bfloat16 on its tensor cores and 67 TFLOP/s of float32 on its ordinary
 # cores. Whether your `tl.dot` gets them is decided at compile time, by the operand types
 # and `input_precision`, and the SASS says which it got.
@@ -897,21 +1022,37 @@ def _check_dot(dtype, precision, arch, tile=(64, 64, 32, 4)):
     want = "HGMMA" if "HGMMA" in opcodes else "HMMA" if "HMMA" in opcodes else "FFMA"
     assert want != "FFMA" or "FFMA" in opcodes, "the matmul has neither tensor cores nor FFMA?"
     got = dot_instruction(dtype, precision, arch, tile)
+    why = ""
+    if got == "FFMA" and dtype == torch.float32 and precision == "tf32":
+        why = "input_precision 'tf32' takes float32 to the tensor cores: compile with the " \
+              "precision given"
+    elif got == "HGMMA" and arch == "sm_80":
+        why = "sm_80 has no HGMMA: compile for the arch given"
+    elif got == "HGMMA" and want == "HMMA":
+        why = "the tile decides too: with fewer than 4 warps or 64 rows for a warpgroup the " \
+              "H100 code falls back to HMMA, so compile the tile given"
+    elif got == "HMMA" and want == "HGMMA":
+        why = "HGMMA (sm_90's warpgroup MMA) must be told apart from HMMA: look for each " \
+              "opcode, not for a tensor-core count"
     assert got == want, \
         f"dot_instruction({dtype}, {precision!r}, {arch!r}, tile={tile}): the compiled SASS " \
         f"has {'an ' + want if want != 'FFMA' else 'no tensor-core'} instruction, so expected " \
-        f"{want!r}; got {got!r}"
+        f"{want!r}; got {got!r}" + (f": {why}" if why else "")
 
 
 for _dtype, _prec in DOT_CASES:
     _check_dot(_dtype, _prec, "sm_90")
 _check_dot(torch.float16, "ieee", "sm_80")
-print("dot_instruction reads the four cases on sm_90 and float16 on sm_80 right")
+_check_dot(torch.float16, "ieee", "sm_90", tile=(32, 32, 32, 4))     # too few rows for HGMMA
+print("dot_instruction reads the four cases on sm_90, float16 on sm_80 and a 32-row tile "
+      "right")
 
 ### BEGIN HIDDEN TESTS
 # case: the other dtypes on sm_80
 for _dtype, _prec in DOT_CASES[1:]:
     _check_dot(_dtype, _prec, "sm_80")
+# case: one warp on sm_90, no warpgroup
+_check_dot(torch.bfloat16, "ieee", "sm_90", tile=(64, 64, 32, 1))
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -919,7 +1060,9 @@ for _dtype, _prec in DOT_CASES[1:]:
 #
 # * Half-precision operands (`float16`, `bfloat16`) always go to the tensor cores, and the
 #   instruction depends on the GPU: `HMMA` on an A100, `HGMMA` on an H100. The same Triton
-#   source gets the better instruction on the newer GPU without a change.
+#   source gets the better instruction on the newer GPU without a change, as long as the
+#   launch gives a warpgroup something to share: with fewer than 4 warps, or a 32-row tile
+#   (`tile=(32, 32, 32, 4)`), the H100 code falls back to `HMMA`.
 # * `float32` with `"ieee"` gets **no** tensor cores: every multiply-add is an `FFMA`, and
 #   the ceiling is the float32 one (67 TFLOP/s on an H100, 19.5 on an A100).
 # * `float32` with `"tf32"` does reach the tensor cores (at TF32's rounding). `minimoe`'s
@@ -1030,9 +1173,10 @@ def transpose_kernel(x_ptr, out_ptr, M, N, stride_xm, stride_om,
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_transpose_correct", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-def _launch_transpose(M, N, block_m, block_n, pad_x=0, pad_out=0, seed=0):
+def _launch_transpose(M, N, block_m, block_n, pad_x=0, pad_out=0, seed=0, hint=""):
     """Launch transpose_kernel on x [M, N] (row stride N + pad_x) into out [N, M] (row stride
-    M + pad_out) inside a buffer of sentinels; return where it went wrong, if it did."""
+    M + pad_out) inside a buffer of sentinels; say where it went wrong, if it did, and `hint`
+    (the rule the case is there for) when elements of out are wrong."""
     x = harness.randn(M, N + pad_x, seed=seed).to(DEVICE)[:, :N]
     # out is buf[1:N + 1, :M], a view with a row of sentinels before it and one after, so
     # that a store before out's first row, past its last row or past its columns shows
@@ -1044,10 +1188,15 @@ def _launch_transpose(M, N, block_m, block_n, pad_x=0, pad_out=0, seed=0):
     where = (f"transpose_kernel[{grid}], x [{M}, {N}] (row stride {x.stride(0)}), out [{N}, "
              f"{M}] (row stride {out.stride(0)}), BLOCK_M={block_m}, BLOCK_N={block_n}")
     bad = (out != x.T).nonzero()
+    unwritten = int((out == -7.5).sum())
+    if unwritten:
+        hint = f"{unwritten} of them never written: program (i, j) of the grid (cdiv(M, " \
+               "BLOCK_M), cdiv(N, BLOCK_N)) owns rows i·BLOCK_M... of x and columns " \
+               "j·BLOCK_N..." + (f"; {hint}" if hint else "")
     assert bad.numel() == 0, \
         f"{where}: {len(bad)} of {M * N} elements wrong, first out[{bad[0, 0]}, {bad[0, 1]}] = " \
         f"{out[bad[0, 0], bad[0, 1]].item():.4g}, expected x[{bad[0, 1]}, {bad[0, 0]}] = " \
-        f"{x[bad[0, 1], bad[0, 0]].item():.4g}"
+        f"{x[bad[0, 1], bad[0, 0]].item():.4g}" + (f" ({hint})" if hint else "")
     outside = buf.clone()
     outside[1:N + 1, :M] = -7.5
     spill = (outside != -7.5).nonzero()
@@ -1060,7 +1209,9 @@ def _launch_transpose(M, N, block_m, block_n, pad_x=0, pad_out=0, seed=0):
 
 
 _launch_transpose(37, 53, 16, 16)
-_launch_transpose(64, 32, 32, 16, pad_x=5, pad_out=3, seed=1)
+_launch_transpose(64, 32, 32, 16, pad_x=5, pad_out=3, seed=1,
+                  hint="here the rows are padded: x's rows are stride_xm apart and out's "
+                       "stride_om apart, and the sizes N and M are not the strides")
 print("transpose_kernel transposes, masks its edges and follows the strides")
 
 ### BEGIN HIDDEN TESTS
@@ -1218,18 +1369,34 @@ def roofline_time(flops: float, bytes_moved: float, gpu: str = "H100 SXM", math:
 
 # %% nbgrader={"grade": true, "grade_id": "test_roofline", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 def _check_cost(args, want):
-    got = matmul_cost(*args)
-    assert tuple(got) == want and all(isinstance(v, int) for v in got), \
-        f"matmul_cost{args}: expected {want} (ints), got {got}"
+    M, N, K, in_bytes, out_bytes = (*args, 2, 2)[:5]
+    got = tuple(matmul_cost(*args))
+    why = {M * N * K: "one multiply and one add per term: 2·M·N·K FLOPs",
+           (M * K + K * N + M * N) * in_bytes: "C is written at out_bytes per element, A and B "
+                                              "read at in_bytes",
+           (M * K + K * N) * in_bytes + 2 * M * N * out_bytes: "C is written once, not read"}
+    hint = next((why[v] for v, w in zip(got, want, strict=False) if v != w and v in why), "")
+    assert got == want and all(isinstance(v, int) for v in got), \
+        f"matmul_cost{args}: expected {want} (ints), got {got}" + (f": {hint}" if hint else "")
 
 
 def _check_time(flops, nbytes, gpu, math, want_s, want_bound):
     got = roofline_time(flops, nbytes, gpu, math)
     assert isinstance(got, tuple) and len(got) == 2, \
         f"roofline_time must return (seconds, bound), got {got!r}"
+    t_memory, t_compute = nbytes / PEAKS[gpu]["bandwidth"], flops / PEAKS[gpu][math]
+    hint = ""
+    if t_memory == t_compute and got[1] != "compute":
+        hint = "a tie: both times are equal here (the ridge point), and the specification " \
+               "calls a tie 'compute'"
+    elif math != "bf16" and abs(got[0] - flops / PEAKS[gpu]["bf16"]) <= 1e-9 * got[0]:
+        hint = f"use the peak of math, PEAKS[gpu][{math!r}], not the bf16 tensor cores'"
+    elif got[0] and abs(got[0] - min(t_memory, t_compute)) <= 1e-9 * got[0]:
+        hint = "the bound is the larger of the two times, not the smaller"
     assert abs(got[0] - want_s) <= 1e-9 * want_s and got[1] == want_bound, \
         f"roofline_time({flops:.4g} FLOPs, {nbytes:.4g} bytes, {gpu!r}, {math!r}): expected " \
-        f"({want_s:.6g} s, {want_bound!r}), got ({got[0]:.6g} s, {got[1]!r})"
+        f"({want_s:.6g} s, {want_bound!r}), got ({got[0]:.6g} s, {got[1]!r})" + \
+        (f": {hint}" if hint else "")
 
 
 # 4096³ in bfloat16: 2·4096³ FLOPs; 3 matrices of 4096² · 2 bytes
@@ -1241,6 +1408,8 @@ _check_time(117_440_512, 117_506_048, "A100 SXM", "bf16", 117_506_048 / 2.039e12
 # the peak of `math`: float32 without tensor cores is bounded by 67 TFLOP/s, not 989
 _check_time(137_438_953_472, 201_326_592, "H100 SXM", "fp32", 137_438_953_472 / 67e12,
             "compute")                                              # 2051 µs
+# on the ridge point both times are 2 s: a tie, which is "compute"
+_check_time(2 * 989e12, 2 * 3.35e12, "H100 SXM", "bf16", 2.0, "compute")
 print("matmul_cost and roofline_time agree with the hand-computed cases")
 
 ### BEGIN HIDDEN TESTS
@@ -1254,8 +1423,8 @@ _check_time(137_438_953_472, 201_326_592, "A100 SXM", "tf32", 137_438_953_472 / 
 _check_time(1e9, 1e9, "H100 SXM", "fp32", 1e9 / 3.35e12, "memory")
 # case: H100, bf16, few bytes
 _check_time(3.35e12 * 2, 2.0, "H100 SXM", "bf16", 3.35e12 * 2 / 989e12, "compute")
-# case: H100, bf16, on the ridge point
-_check_time(2 * 989e12, 2 * 3.35e12, "H100 SXM", "bf16", 2.0, "compute")   # the ridge: a tie
+# case: A100, tf32, on the ridge point
+_check_time(3 * 156e12, 3 * 2.039e12, "A100 SXM", "tf32", 3.0, "compute")  # the ridge: a tie
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -1406,15 +1575,16 @@ print(f"\nthis notebook ran in {time.perf_counter() - STARTED:.0f} s (kernel sta
 #    the weight, so a 512 × 512 weight (131 072 packed bytes) gets 64 programs instead of 128:
 #    fewer than the H100's 132 SMs, which leaves half of them idle on a kernel that is only
 #    memory-bound if it keeps every SM busy.
-# 2. With 4 warps the tile takes 255 registers: 255 · 32 rounds up to 8 192 per warp, so the
-#    registers allow 65 536 / 8 192 = 8 warps, 2 blocks, and its 65 536 B of shared memory
-#    (plus 1 KiB) also allow 2 blocks on an A100: 2 · 4 = 8 warps, 0.125. With 8 warps the
-#    registers per thread drop to 166 (the accumulator is spread over twice the threads):
-#    5 312 round up to 5 376 per warp, 12 warps' worth, and 12 // 8 = 1 block of 8 warps, again
-#    0.125. What changed are the registers per thread and the warps per block; the register
-#    term stays the limit, because a block of 8 warps at 166 registers (43 008) still needs
-#    more than half the register file. (Figures of triton 3.7.1, the version the course
-#    installs; the reasoning holds for whatever your table shows.)
+# 2. With 4 warps the tile takes 255 registers: 255 · 32 rounds up to 8 192 per warp, so
+#    each sub-partition's 16 384 registers hold 2 warps, 8 an SM, 2 blocks; and its 65 536 B
+#    of shared memory (plus 1 KiB) also allow 2 blocks on an A100: 2 · 4 = 8 warps, 0.125.
+#    With 8 warps the registers per thread drop to 166 (the accumulator, the operand strips
+#    and the addresses are spread over twice the threads): 5 312 round up to 5 376 per warp,
+#    3 warps a sub-partition, 12 an SM, and 12 // 8 = 1 block of 8 warps, again 0.125. What
+#    changed are the registers per thread and the warps per block; the register term stays
+#    the limit, because a block of 8 warps at 166 registers (43 008) still needs more than half
+#    the register file. (Figures of triton 3.7.1, the version the course installs; the
+#    reasoning holds for whatever your table shows.)
 # 3. In the SASS of the `128 × 128 × 32`, 4-warp tile on sm_80 (triton 3.7.1), the `K` loop is
 #    the code between the backward branch at `0x13cb0` and its target `0x1ad0`. Its 16 local
 #    instructions split in two: 8 `STL.64` before the loop store eight 64-bit values (register
