@@ -209,3 +209,12 @@ def test_the_command_refuses_an_unknown_lab(toy):
     with pytest.raises(InputError, match=r"unknown lab\(s\) \['00-nope'\]; available: "
                        r"\['99-toy'\]"):
         mistakes.check_mistakes(toy, ["00-nope"])
+
+
+def test_first_runs_one_mistake_per_exercise_and_records_nothing(toy, capsys):
+    with pytest.raises(InputError, match="cannot --write"):
+        mistakes.check_mistakes(toy, ["99-toy"], write=True, first=True)
+    assert mistakes.check_mistakes(toy, ["99-toy"], first=True) is True     # only 'mean''s first
+    out = capsys.readouterr().out
+    assert "divides by one less" in out and "ignores eps" not in out
+    assert not mistakes.table_path(toy, "99-toy").exists()

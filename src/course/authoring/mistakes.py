@@ -224,9 +224,12 @@ def _judge(args: tuple[Path, Mistake, int]) -> Result:
 
 
 def check_mistakes(root: Path, labs: list[str] | None = None, jobs: int = 1,
-                   write: bool = False, timeout: int = 300) -> bool:
+                   write: bool = False, timeout: int = 300, first: bool = False) -> bool:
     """Print a row per mistake; True when every one is caught by a visible test that names
-    its rule. With `write`, record the verdicts and refill the guides' blocks."""
+    its rule. With `write`, record the verdicts and refill the guides' blocks; with `first`,
+    run only the first mistake of each exercise (CI's sample; nothing is recorded)."""
+    if write and first:
+        raise InputError("--first runs a sample: it cannot --write a lab's record")
     from tqdm import tqdm
 
     root = root.resolve()
@@ -237,6 +240,14 @@ def check_mistakes(root: Path, labs: list[str] | None = None, jobs: int = 1,
     if bad := [p for lab in labs for p in problems(root, lab)]:
         raise InputError("the mistakes catalogue does not apply:\n  " + "\n  ".join(bad))
     todo = [(root, m, timeout) for lab in labs for m in load(root, lab)]
+    if first:                       # the first mistake of each exercise, in order
+        exercises_seen: set[tuple[str, str]] = set()
+        sample = []
+        for job in todo:
+            if (key := (job[1].lab, job[1].exercise)) not in exercises_seen:
+                exercises_seen.add(key)
+                sample.append(job)
+        todo = sample
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
         results = list(tqdm(pool.map(_judge, todo), total=len(todo), desc="mistakes",
                             unit="mistake", leave=False))
@@ -248,7 +259,7 @@ def check_mistakes(root: Path, labs: list[str] | None = None, jobs: int = 1,
     for lab in labs:
         counts = {v: sum(r.lab == lab and r.verdict == v for r in results) for v in VERDICTS}
         print(f"{lab}: " + ", ".join(f"{n} {v}" for v, n in counts.items()))
-    short = [s for lab in labs for s in shortfall(root, lab)]
+    short = [] if first else [s for lab in labs for s in shortfall(root, lab)]
     print("".join(f"{s}\n" for s in short), end="")
     if write:
         record(root, results)
