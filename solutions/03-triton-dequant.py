@@ -749,7 +749,7 @@ for _dq in (False, True):
 #
 # Both give the same bits as the PyTorch reference, and as yours.
 
-# %%
+# %% tags=["jupyter-only"]
 _w = torch.randn(64, 96).to(DEVICE)
 for _dq in (False, True):
     _q = quantize_nf4(_w, blocksize=64, double_quant=_dq)
@@ -1063,7 +1063,7 @@ _expect_value_error("not an NF4Weight", torch.randn(2, 4, 16), torch.tensor([0])
 # needed. It poisons the other experts' bytes and codes, and sets the group scales of groups
 # 2 and 3 (experts 8-15) to NaN.
 
-# %%
+# %% tags=["jupyter-only"]
 _q16 = quantize_nf4(torch.randn(16, 16, 128).to(DEVICE), blocksize=32, double_quant=True)
 _a16 = torch.tensor([1, 6], device=DEVICE)
 _want16 = dequantize_nf4(_q16, torch.float32)[_a16]
@@ -1245,7 +1245,7 @@ print(f"on a small [8, 16, 64] weight: selective {_part.nbytes} bytes vs full {_
 # Python and NumPy; the numbers below time the interpreter, not the kernel, and only show
 # that the formula and the timing code work. Do not compare them with anything.
 
-# %%
+# %% tags=["jupyter-only"]
 _q = quantize_nf4(torch.randn(256, 256).to(DEVICE), blocksize=64)
 _read, _written = dequant_traffic((256, 256), 64, torch.float32)
 for name, fn in (("my_dequantize_nf4", lambda: my_dequantize_nf4(_q)),

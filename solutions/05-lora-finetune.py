@@ -39,7 +39,7 @@
 # folded **hints** go from the idea to pseudocode, for when you want them. Grading runs more
 # (hidden) checks of the same specification — other shapes, weights, schedules and models,
 # and checks that your code does not call the reference to do the work. No GPU is needed: the
-# whole notebook runs in <!-- runtime:05-lora-finetune -->about 26 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
+# whole notebook runs in <!-- runtime:05-lora-finetune -->about 25 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 
 # %%
 # Colab only (anywhere else this cell does nothing): fetch the course, install what Colab
@@ -125,12 +125,15 @@ def lora_base(seed=0, dropout=0.0) -> MiniGPT:
 # %%
 base = minigpt.load_base("dense").eval()
 EVAL_N = 100
+
+# %% tags=["jupyter-only"]
 before = {t: minigpt.evaluate(base, t, n=EVAL_N, seed=0) for t in tasks.TASKS}
 print("exact match of the base model:", {t: round(v, 2) for t, v in before.items()})
 demo = tasks.make_examples(tasks.HELD_OUT, 6, seed=0, split="eval")
 for ex, got in zip(demo, minigpt.answers(base, [ex.prompt for ex in demo]), strict=True):
     print(f"  {ex.prompt:<12} expected {ex.answer!r:<9} the base says {got!r}")
 
+# %%
 model = lora_base()
 trainable, total = minituner.trainable_summary(model)
 print(f"LoRA r=8 on {BLOCK_LINEARS!r}: {trainable:,d} trainable of {total:,d} parameters "
@@ -516,10 +519,10 @@ assert _z.item() == 0.0, f"hidden: a batch without any scored token should give 
 # Suppose 30 % of the `rev` training answers came out wrong — the annotator copied the word
 # instead of reversing it — and a verifier (here: `answer == prompt word reversed`) gives each
 # example a reward of 1 or 0. Plain SFT learns from everything; reward-weighted SFT gives the
-# wrong examples weight 0 and the right ones weight 1/0.7 ≈ 1.43. 100 LoRA steps of 16 each, with
+# wrong examples weight 0 and the right ones weight 1/0.7 ≈ 1.43. 80 LoRA steps of 16 each, with
 # the course's loop; the validation loss is on clean `rev` prompts of the eval split:
 
-# %%
+# %% tags=["jupyter-only"]
 def noisy_rev(n, seed=0, wrong=0.3):
     """rev examples whose answer is, for a fraction `wrong` of them, the word itself."""
     exs = tasks.make_examples(tasks.HELD_OUT, n, seed=seed)
@@ -536,7 +539,7 @@ print(f"{sum(r == 0 for r in rewards)} of {len(rewards)} answers are wrong; weig
       sorted(set(normalize_rewards(rewards).tolist())))
 rev_eval = tasks.make_examples(tasks.HELD_OUT, EVAL_N, seed=0, split="eval")
 rev_val = make_data(rev_eval)
-NOISY_CFG = TrainConfig(steps=100, batch_size=16, lr=8e-3, warmup_steps=5, min_lr_ratio=0.5,
+NOISY_CFG = TrainConfig(steps=80, batch_size=16, lr=8e-3, warmup_steps=5, min_lr_ratio=0.5,
                         log_every=10, progress=False)
 for label, data in (("plain SFT", make_data(noisy)),
                     ("reward-weighted SFT", make_data(noisy, rewards=rewards))):
@@ -752,10 +755,12 @@ def _check_clip(shapes, max_value, max_norm, seed=0, scale=1.0, none_at=(), what
         if q.grad is None:
             assert p.grad is None, f"{where}: parameter {i} had no grad; leave it None"
             continue
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m, i=i: (
-            f"{where}: the clipped gradient of parameter {i} differs from "
-            f"minituner.trainer.clip_gradients' (clamp first, then scale by "
-            f"max_norm / (norm + 1e-6) when that is < 1)\n{m}"))
+        # atol scales with the gradients: at 1e-4 the 1e-6 of the rule moves them by 1e-8
+        torch.testing.assert_close(
+            p.grad, q.grad, rtol=1e-5, atol=1e-7 * scale, msg=lambda m, i=i: (
+                f"{where}: the clipped gradient of parameter {i} differs from "
+                f"minituner.trainer.clip_gradients' (clamp first, then scale by "
+                f"max_norm / (norm + 1e-6) when that is < 1)\n{m}"))
 
 
 _check_clip([(3, 4), (5,)], 0.0, 1.0)              # global norm only (norm about 4)
@@ -1291,7 +1296,7 @@ else:
 # gradients) and an `eval_fn` whose results are logged beside it. First, one check that the
 # two agree on the real model (10 steps):
 
-# %%
+# %% tags=["jupyter-only"]
 rev_train = tasks.make_examples(tasks.HELD_OUT, 2000, seed=0)
 check_cfg = TrainConfig(steps=10, batch_size=8, lr=5e-3, warmup_steps=5, log_every=1,
                         progress=False)
@@ -1316,7 +1321,7 @@ print(f"your loop, 10 steps in {time.perf_counter() - t0:.1f} s (both runs); "
 # `kv`): a longer answer is wrong anyway, so the scores are those of `max_new_tokens=10`, and
 # a model that has forgotten a task and never emits `<eos>` costs fewer forward passes.
 
-# %%
+# %% tags=["jupyter-only"]
 old_val = make_data(tasks.make_mixture(tasks.PRETRAIN_TASKS, 20, seed=0, split="eval"))
 rev_em_examples = rev_eval[:50]
 
@@ -1351,7 +1356,7 @@ for name, examples in RUNS.items():
           f"train loss {results[name].losses[0]:.2f} -> {results[name].final_loss:.3f}")
 print(f"the adapter on disk (PEFT format): {kb:.0f} KB")
 
-# %%
+# %% tags=["jupyter-only"]
 fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
 for (name, res), color in zip(results.items(), ("C0", "C1"), strict=True):
     steps = [RUN_CFG.log_every * (i + 1) for i in range(len(res.losses))]
@@ -1374,7 +1379,7 @@ for ax in axes:
 plt.tight_layout()
 plt.show()
 
-# %%
+# %% tags=["jupyter-only"]
 print(f"{'task':<16} {'base':>6} " + " ".join(f"{n:>13}" for n in after))
 for t in tasks.TASKS:
     label = f"{t} (held out)" if t == tasks.HELD_OUT else t
@@ -1415,7 +1420,7 @@ plt.show()
 # checkpoint is at step 10, so steps 11–12 are lost and redone), and resumed on a **fresh
 # model with other random LoRA factors**. LoRA dropout is on, so the RNG state matters too.
 
-# %%
+# %% tags=["jupyter-only"]
 small_rev = make_data(rev_train[:256])
 with tempfile.TemporaryDirectory() as d:
     cfg_a = TrainConfig(steps=20, batch_size=4, lr=5e-3, warmup_steps=4, log_every=5,
@@ -1442,7 +1447,7 @@ print("losses identical:", res_whole.losses == res_resumed.losses, [round(v, 4)
 # forward leaves allocated for the backward (a ledger of storages, not a noisy RSS sample):
 
 # %%
-x_act = make_data(rev_train[:16]).batch(torch.arange(16))[0]
+x_act = make_data(tasks.make_examples(tasks.HELD_OUT, 2000, seed=0)[:16]).batch(torch.arange(16))[0]
 act_model = lora_base().train()
 saved = {}
 for every in (0, 1, 2, 4):

@@ -47,7 +47,7 @@
 # one off while your code runs. Each exercise states its **specification** first (inputs,
 # outputs, the rules that matter, what is off-limits), which is enough to solve it; below it,
 # folded **hints** go from the idea to pseudocode, for when you want them. No GPU is needed:
-# the whole notebook runs in <!-- runtime:06-qlora-preview -->about 19 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
+# the whole notebook runs in <!-- runtime:06-qlora-preview -->about 18 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 
 # %%
 # Colab only (anywhere else this cell does nothing): fetch the course, install what Colab

@@ -127,6 +127,8 @@ moe_model = minigpt.load_base("moe").eval()
 layer0 = moe_model.blocks[0].mlp
 print(layer0)
 print({n: tuple(p.shape) for n, p in layer0.named_parameters()})
+
+# %% tags=["jupyter-only"]
 prompt = tasks.make_examples("add", 1, seed=0, split="eval")[0].prompt
 with torch.no_grad():
     moe_model(torch.tensor([tok.encode(prompt)]))
@@ -1175,7 +1177,7 @@ torch.testing.assert_close(_got[0], _want[0], rtol=1e-4, atol=1e-4)
 # slots that each expert receives, per block. `rev` was held out of pretraining: the router
 # has never seen it.
 
-# %%
+# %% tags=["jupyter-only"]
 metrics = json.loads((ROOT / "experiments" / "00-pretrain-base" / "metrics.json").read_text())
 stored = metrics["moe"]["expert_load"]
 n_layer, n_exp = moe_model.config.n_layer, moe_model.config.n_experts
@@ -1213,7 +1215,7 @@ plt.show()
 # expert receives in each block. The balancing loss (coefficient 0.01 in pretraining) keeps
 # no expert empty, but it does not make them equal — and it does not need to.
 
-# %%
+# %% tags=["jupyter-only"]
 fig, ax = plt.subplots(figsize=(9, 3.4))
 total = sum(counts[t] for t in tasks.PRETRAIN_TASKS)                 # [layers, experts]
 width = 0.8 / n_layer
@@ -1238,7 +1240,7 @@ for i in range(n_layer):
 # balancing loss, with the pretraining coefficient 0.01, and with 0.1. Plotted: the Switch
 # loss itself (mean over blocks, 1 = balanced) and the busiest expert's share, step by step.
 
-# %%
+# %% tags=["jupyter-only"]
 examples = tasks.make_mixture(tasks.PRETRAIN_TASKS, 200, seed=0)
 data = SequenceData.from_pairs([(tok.encode(e.prompt), tok.encode(e.answer) + [tok.eos_id])
                                 for e in examples], pad_id=tok.pad_id)

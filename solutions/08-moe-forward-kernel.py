@@ -1054,7 +1054,7 @@ _expect_value_error("gates [T, k+1]", ["gates"],
 # order, where the gates mix each token's `k` outputs. No sorted copy of `x` is ever made.
 # The cell compares this with `reference.moe_loop`, the token-by-token loop.
 
-# %%
+# %% tags=["jupyter-only"]
 def my_moe_swiglu(x, weights, experts, w_gate, w_up, w_down):
     T, k = experts.shape
     sei, ssi, _ = flatten_sort_count(experts, w_gate.shape[0])

@@ -134,6 +134,7 @@ def _loop_grads(x, W, idx, gates, dout):
     return xr.grad, Wr.grad, None if gr is None else gr.grad
 
 
+# %% tags=["jupyter-only"]
 _g = torch.Generator().manual_seed(0)
 _x, _W = torch.randn(3, 4, generator=_g), torch.randn(3, 4, 2, generator=_g)
 _idx = torch.tensor([[0, 2], [2, 0], [0, 2]])             # expert 1 gets no token
@@ -156,7 +157,7 @@ print("dW[1] (expert without tokens):", _dW[1].abs().max().item())
 # about 7 significant digits; sums of a few dozen products lose one or two of them). The loop
 # itself can be gradchecked in float64, which is what makes it a trustworthy reference:
 
-# %%
+# %% tags=["jupyter-only"]
 _x64 = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
 _W64 = torch.randn(3, 3, 2, dtype=torch.float64, requires_grad=True)
 _g64 = torch.rand(2, 2, dtype=torch.float64, requires_grad=True)
@@ -1140,7 +1141,7 @@ _ = _moe_step(40, 40, 1, 1, 3, seed=4)
 # `1e-7` are float32 rounding (the sums run in a different order); a missing gate, a missing
 # sum over `k` or a garbage `dW` block would show as `1e-1` or more.
 
-# %%
+# %% tags=["jupyter-only"]
 _shapes = [(7, 24, 40, 4, 2), (9, 40, 24, 4, 3), (33, 40, 40, 8, 2), (1, 24, 24, 4, 2),
            (13, 24, 40, 8, 1)]
 _errs = {"yours": [], "torch backend": []}
@@ -1182,7 +1183,7 @@ except NotImplementedError:
 # The backward costs about twice the forward (two GEMM-sized kernels, `dX` and `dW`, for one
 # in the forward), which is where the `×3` of its fwd+bwd TFLOP/s count comes from.
 
-# %%
+# %% tags=["jupyter-only"]
 _x, _W, _idx, _gates, _dout = _problem(33, 40, 40, 8, 2, seed=60)
 _ss = flatten_sort_count(_idx, 8)
 try:

@@ -48,7 +48,7 @@
 # `miniquant` selective dequantizers and, in Exercise 1 only, `parallel_linear_from_indices`
 # **without** LoRA. Each exercise states its specification first; below it, two collapsed hints (the idea,
 # then pseudocode) are there when you want them. The whole notebook
-# runs in <!-- runtime:10-moe-lora -->about 12 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
+# runs in <!-- runtime:10-moe-lora -->about 14 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 
 # %%
 # Colab only (anywhere else this cell does nothing): fetch the course, install what Colab
@@ -142,7 +142,7 @@ INTERPRET, DEVICE = harness.triton_setup()   # one CPU thread, seed 0, and where
 # program owns one expert's `r` columns of one tile of `P` rows: **no atomics**, and an expert
 # without rows stores exact zeros. A worked case: one token, `E = 1`, `r = 1`:
 
-# %%
+# %% tags=["jupyter-only"]
 _x = torch.tensor([[1.0, 2.0]])                   # [T=1, K=2]
 _W = torch.zeros(1, 2, 3)                         # the base does not matter for dA, dB
 _A = torch.tensor([[0.5, -1.0]])                  # [r·E=1, K]
@@ -1234,14 +1234,15 @@ else:
 # timings below only count Python work, not memory traffic.
 
 # %%
-_x, _W, _idx, _g, _dout, _A, _B = _problem(33, 40, 40, 8, 2, 4, seed=60)
+_x, _W, _idx, _g, _dout, _A, _B = harness.expert_problem(33, 40, 40, 8, 2, seed=60, r=4,
+                                                          device=DEVICE)
 _ss = flatten_sort_count(_idx, 8)
 try:
     _res = {}
     for _name, _fn in (("split (Ex. 1)", split_lora_linear), ("fused (Ex. 4)", my_lora_parallel_linear)):
         _xr, _Ar, _Br = harness.leaf(_x), harness.leaf(_A), harness.leaf(_B)
         _t0 = time.perf_counter()
-        _o = _fn(_xr, _W, 2, *_ss, _Ar, _Br, SCALING, gates=_g)
+        _o = _fn(_xr, _W, 2, *_ss, _Ar, _Br, 0.5, gates=_g)
         _t1 = time.perf_counter()
         _o.backward(_dout)
         _t2 = time.perf_counter()

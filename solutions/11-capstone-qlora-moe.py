@@ -51,7 +51,7 @@
 # specification, always on the course's reference pieces (a graded notebook never reads your
 # other labs). The MoE layers run on their PyTorch backend (`backend="torch"`): on a CPU the
 # Triton kernels would run in the interpreter, far too slowly for training. No GPU is needed;
-# the notebook runs in <!-- runtime:11-capstone-qlora-moe -->about 23 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
+# the notebook runs in <!-- runtime:11-capstone-qlora-moe -->about 20 s (the solution, measured on a 2-core CPU)<!-- /runtime -->.
 
 # %%
 # Colab only (anywhere else this cell does nothing): fetch the course, install what Colab

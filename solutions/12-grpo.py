@@ -1368,7 +1368,7 @@ _check_function(6, 300, seed=5, layout="padded", upstream="sum")
 # reference, and with zero gradients AdamW takes no step). Partial credit rewards a first
 # `"4"`, so the answers of a group differ from the first steps, and the mean reward climbs.
 
-# %%
+# %% tags=["jupyter-only"]
 def run_grpo(reward, steps=40, P=8, G=8, seed=0):
     """Mean reward, exact-match rate and share of groups with reward variance, per step."""
     prompts = [tasks.Example("answer", ex.prompt, "42") for ex in tasks.make_examples("copy", 32)]
@@ -1440,7 +1440,7 @@ except NotImplementedError:
 # Registered under a new name, it computes a GRPO batch's token log-probabilities and the
 # gradient of the loss, and gives what the PyTorch backend gives:
 
-# %%
+# %% tags=["jupyter-only"]
 try:
     minirl.IMPLEMENTATIONS["yours"] = my_selective_log_softmax
     torch.manual_seed(1)

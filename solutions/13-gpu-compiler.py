@@ -662,18 +662,10 @@ _got = _check_sass(sass_of(matmul_kernel, *matmul_launch(torch.float32, (128, 12
 # </details>
 
 # %%
-SM_LIMITS = {   # per SM; shared memory in bytes: usable by blocks, reserved per block, unit
-    "sm_75": dict(registers=65536, warps=32, blocks=16, shared=64 * 1024, reserved=0,
-                  shared_unit=256),
-    "sm_80": dict(registers=65536, warps=64, blocks=32, shared=164 * 1024, reserved=1024,
-                  shared_unit=128),
-    "sm_86": dict(registers=65536, warps=48, blocks=16, shared=100 * 1024, reserved=1024,
-                  shared_unit=128),
-    "sm_89": dict(registers=65536, warps=48, blocks=24, shared=100 * 1024, reserved=1024,
-                  shared_unit=128),
-    "sm_90": dict(registers=65536, warps=64, blocks=32, shared=228 * 1024, reserved=1024,
-                  shared_unit=128),
-}
+SM_LIMITS = gpucompile.SM_LIMITS   # per SM; shared memory in bytes: usable, reserved per block
+print(f"{'arch':<6}" + "".join(f"{k:>12}" for k in SM_LIMITS["sm_90"]))
+for arch, lim in SM_LIMITS.items():
+    print(f"{arch:<6}" + "".join(f"{v:>12,}" for v in lim.values()))
 print(cuobjdump(compiled.asm["cubin"], "--dump-resource-usage"))
 
 
@@ -822,7 +814,7 @@ _check_usage(matmul_kernel, *matmul_launch(torch.float32, (128, 128, 32, 4)), "s
 # tool too. The last column is each compile's time: Triton keeps what it compiled in its cache
 # (`~/.triton/cache`), so run the cell a second time and watch that column drop.
 
-# %%
+# %% tags=["jupyter-only"]
 FP32_TILES = [(64, 64, 32, 4), (64, 64, 32, 8), (128, 64, 32, 4), (128, 128, 32, 4),
               (128, 128, 32, 8)]
 sweep = {}
@@ -1506,7 +1498,7 @@ except NotImplementedError:
 # compiled as a bfloat16 launch on the Mixtral shapes would compile it on an H100, read with
 # your `read_sass`.
 
-# %%
+# %% tags=["jupyter-only"]
 import minimoe.kernels  # noqa: E402
 
 S2S = harness.reference("08-moe-forward-kernel")["scatter2scatter_kernel"]

@@ -6,7 +6,8 @@ reported. grades.csv: no cell a spreadsheet evaluates, and merging reads back wh
 Statuses echo nothing of a file. Outputs: only text, PNG and JPEG are kept, capped per cell
 and per submission. Cleanup removes any tree, however deep or locked, and never raises. The
 sandbox: a size-limited /tmp, no nested user namespaces, a fresh uid per submission (root).
-Feedback: a hidden failure shows nothing of its error.
+Feedback: a hidden failure shows nothing of its error. The journal key: what in the source
+decides a grade (tests, their setup, jupyter-only tags), not the solutions.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from course.authoring.build import source_notebook
 from course.grader import grading, journal, jupyter_kernel, sandbox
-from course.grader.autograde import Cell, Test
+from course.grader.autograde import Cell, Test, plan
 from course.grader.feedback import render
 from labkit.errors import InputError
 
@@ -158,6 +159,18 @@ def test_a_hidden_failure_shows_its_case_label_and_nothing_of_its_error():
     assert "failed a hidden test: a tie" in page and "LEAK" not in page and "f(2)" not in page
 
 
+def test_a_jupyter_only_cell_says_it_was_not_run_while_graded():
+    source = source_notebook(ROOT / "solutions" / f"{LAB}.py")
+    source.cells.append(nbformat.v4.new_code_cell("compare()", id="demo",
+                                                  metadata={"tags": ["jupyter-only"]}))
+    student = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("compare()",
+                                                                        id="demo")])
+    demo = [c for c in plan(student, source)[0] if c.kind == "code"]
+    assert [c.status for c in demo] == ["jupyter-only"]
+    page = render("ann", LAB, 0, 2, "graded", demo)
+    assert "Not run when graded: the lab runs this cell in Jupyter only" in page
+
+
 def test_a_hidden_chunk_splits_at_its_case_labels():
     from course.grader.tests_setup import cases
 
@@ -189,3 +202,23 @@ def test_a_test_that_kills_the_learners_kernel_keeps_its_helpers():
     out = grade_notebook(nb, nb, sandbox.Sandbox(ROOT, unsafe=True), timeout=30)
     status = {c.test.grade_id: (c.status, c.earned) for c in out.cells if c.kind == "test"}
     assert status == {"t1": ("dead", 0), "t2": ("ok", 1)}, (status, out.notes)
+
+
+def test_the_journal_key_covers_the_tests_setup_and_tags_not_the_solutions():
+    """A row is reused only while what decides it is unchanged: the test cells, the ordinary
+    cells the trusted kernel may run as their setup, and which cells are jupyter-only."""
+    source = source_notebook(ROOT / "solutions" / f"{LAB}.py")
+    digest = grading.tests_digest(source)
+    kinds = {"solution": [], "test": [], "other": []}
+    for cell in (c for c in source.cells if c.cell_type == "code"):
+        nbg = cell.metadata.get("nbgrader", {})
+        kinds["solution" if nbg.get("solution") else "test" if nbg.get("grade")
+              else "other"].append(cell)
+    for kind, changed in [("solution", False), ("test", True), ("other", True)]:
+        cell = kinds[kind][-1]
+        saved = cell.source
+        cell.source += "\n# edited"
+        assert (grading.tests_digest(source) != digest) is changed, kind
+        cell.source = saved
+    kinds["other"][-1].metadata["tags"] = ["jupyter-only"]
+    assert grading.tests_digest(source) != digest, "a jupyter-only tag changes the key"

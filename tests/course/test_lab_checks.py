@@ -5,7 +5,11 @@
       a lab's points (docs/ARCHITECTURE.md, Tests apart from the learner's code);
     - labs/INSTRUCTORS.md lists exactly those test cells, with their points;
     - no code of a hidden chunk comes before its first `# case:` label, so a hidden failure's
-      feedback names its case and nothing else.
+      feedback names its case and nothing else;
+    - each cell reads only names made where it runs: the learner's cells (ordinary and
+      solution) run in one process and the tests in another, so a learner's cell cannot read
+      a test's helper, and neither a learner's cell nor a test reads what only a cell tagged
+      jupyter-only makes (it never runs while graded).
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from course.authoring.build import lab_names, source_notebook
-from course.grader.tests_setup import CASE, HIDDEN, meta
+from course.authoring.build import jupyter_only, lab_names, source_notebook
+from course.grader.tests_setup import CASE, HIDDEN, _names, meta
 
 ROOT = Path(__file__).resolve().parents[2]
 LABS = lab_names(ROOT)
@@ -70,3 +74,31 @@ def test_every_hidden_case_has_a_label(lab):
                     and not line.lstrip().startswith("#")]
             assert not code, (f"{lab} {meta(cell)['grade_id']}: a hidden chunk runs "
                               f"{code[0].strip()[:60]!r} before any '# case:' label")
+
+
+def misplaced_reads(nb) -> list[str]:
+    """Cells that read a name made only where they do not run (see the module docstring)."""
+    made = {"learner": set(), "test": set(), "jupyter-only": set()}
+    out = []
+    for i, cell in enumerate(c for c in nb.cells if c.cell_type in ("code", "markdown")):
+        if cell.cell_type != "code":
+            continue
+        kind = ("jupyter-only" if jupyter_only(cell) else "test"
+                if meta(cell).get("grade") and not meta(cell).get("solution") else "learner")
+        bound, read = _names(cell.source)
+        if kind != "jupyter-only":         # in Jupyter every cell ran before it
+            shared = made["learner"] | (made["test"] if kind == "test" else set())
+            elsewhere = (made["test"] if kind == "learner" else set()) | made["jupyter-only"]
+            for name in sorted((read & elsewhere) - shared):
+                where = ("a test cell (its process is not the learner's)"
+                         if name in made["test"] else "a jupyter-only cell (never run)")
+                out.append(f"cell {i + 1} ({cell.source.strip().splitlines()[0][:40]!r}) "
+                           f"reads {name!r}, which only {where} above it makes")
+        made[kind] |= bound
+    return out
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_cells_read_names_made_where_they_run(lab):
+    problems = misplaced_reads(source_notebook(ROOT / "solutions" / f"{lab}.py"))
+    assert not problems, f"{lab}:\n" + "\n".join(problems)

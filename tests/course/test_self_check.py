@@ -11,7 +11,7 @@ import nbformat
 import pytest
 
 from course.authoring import exercises
-from course.authoring.build import graded_test_cells, source_notebook
+from course.authoring.build import graded_test_cells, lab_names, source_notebook
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = "00-setup-minigpt"
@@ -102,3 +102,50 @@ def test_a_crash_and_a_failing_cell_are_named_and_cost_only_themselves(tmp_path,
     assert "3 restarts used up" in out, out
     assert "your own cell failed\n        AssertionError: your run left the reference " \
            "by 14.3 %; expected 0, got 0.143" in out, out
+
+
+def test_a_jupyter_only_cell_is_not_run_while_graded(tmp_path, checkout):
+    """A cell the release tags jupyter-only (it calls what is a stub while graded) is left
+    out, matched by id or by its code; the same failure in a cell of the learner's fails."""
+    release_path = checkout / "labs" / LAB / f"{LAB}.ipynb"
+    release = nbformat.read(release_path, as_version=4)
+    demo = nbformat.v4.new_code_cell("raise RuntimeError('the library is a stub here')",
+                                     metadata={"tags": ["jupyter-only"]}, id="demo")
+    release.cells.append(demo)
+    nbformat.write(release, release_path)
+    nb = source_notebook(ROOT / "solutions" / f"{LAB}.py")
+    nb.cells += [nbformat.v4.new_code_cell("raise RuntimeError('edited')", id="demo"),
+                 nbformat.v4.new_code_cell(demo.source, id="pasted"),
+                 nbformat.v4.new_code_cell("raise RuntimeError('mine')")]
+    notebook = tmp_path / "mine.ipynb"
+    nbformat.write(nb, notebook)
+    proc = check(LAB, "--notebook", str(notebook), "--root", str(checkout))
+    n = len([c for c in nb.cells if c.cell_type in ("code", "markdown")])
+    out = proc.stdout
+    assert proc.returncode == 1, out[-3000:] + proc.stderr[-2000:]
+    assert f"note: cells {n - 2}, {n - 1} run in Jupyter only, not here" in out, out
+    assert f"FAIL  cell {n} (raise RuntimeError('mine')): your own cell failed\n" \
+           "        RuntimeError: mine" in out, out
+    assert "RuntimeError: edited" not in out and "stub here" not in out, out
+
+
+KERNEL_LABS = [lab for lab in lab_names(ROOT)
+               if "require_triton(" in (ROOT / "solutions" / f"{lab}.py").read_text()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lab", KERNEL_LABS)
+def test_a_kernel_labs_solution_checks_clean(lab, tmp_path):
+    """Every visible test passes and none of the lab's own cells fails while graded: a cell
+    that needs what is a stub there is tagged jupyter-only (the labs without kernels are
+    checked so, without triton, in tests/test_without_triton.py)."""
+    (tmp_path / "labs" / lab).mkdir(parents=True)
+    release = ROOT / "labs" / lab / f"{lab}.ipynb"
+    (tmp_path / "labs" / lab / release.name).write_bytes(release.read_bytes())
+    notebook = tmp_path / "mine.ipynb"
+    nbformat.write(source_notebook(ROOT / "solutions" / f"{lab}.py"), notebook)
+    proc = check(lab, "--notebook", str(notebook), "--root", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    nb = nbformat.read(release, as_version=4)
+    for grade_id in [c.metadata.nbgrader.grade_id for c in graded_test_cells(nb)]:
+        assert f"PASS  {grade_id} " in proc.stdout, proc.stdout[-3000:]

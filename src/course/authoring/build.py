@@ -37,6 +37,10 @@ CELL_TIMEOUT_S = 300
 # A cell tagged so (`# %% [markdown] tags=["instructor"]` in solutions/) is for instructors
 # only: sample answers to the reflection questions. It never reaches nbgrader or labs/.
 INSTRUCTOR_TAG = "instructor"
+# A cell tagged so runs in Jupyter only, never while graded (`make check`, `make grade`): it
+# calls the library's version of what the lab asks for, which is a stub there (a comparison,
+# a benchmark), or reads what such a cell made.
+JUPYTER_ONLY_TAG = "jupyter-only"
 # What nbgrader puts in place of a solution region in the release (and check-exercises too).
 CODE_STUB = "raise NotImplementedError()"
 NBGRADER_CONFIG = '''\
@@ -89,6 +93,10 @@ def source_notebook(solution: Path) -> nbformat.NotebookNode:
         grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
         cell.id = f"c{i:02d}-{grade_id}" if grade_id else f"c{i:02d}"
     return nb
+
+
+def jupyter_only(cell) -> bool:
+    return JUPYTER_ONLY_TAG in cell.get("metadata", {}).get("tags", [])
 
 
 def graded_test_cells(nb) -> list:

@@ -43,7 +43,7 @@ import nbformat
 from labkit.atomic import atomic_write_text
 from labkit.errors import InputError
 
-from .build import lab_names, source_notebook
+from .build import jupyter_only, lab_names, source_notebook
 from .exercises import REGION, error_of
 
 CATALOGUE = Path("solutions") / "mistakes"
@@ -145,7 +145,7 @@ def run_through(nb: nbformat.NotebookNode, last: int, cwd: Path, hidden: bool,
     from ..quiet import client_options
 
     nb = nbformat.from_dict(nb)
-    nb.cells = nb.cells[:last + 1]
+    nb.cells = [c for c in nb.cells[:last + 1] if not jupyter_only(c)]   # as when graded
     tests = [i for i, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("grade")]
     if not hidden:
         for i in tests:
@@ -289,10 +289,13 @@ def record(root: Path, results: list[Result]) -> None:
 
 
 def sources_sha256(root: Path, lab: str) -> str:
-    """What the verdicts depend on: the solution and the catalogue."""
-    h = hashlib.sha256()
-    for path in (root / "solutions" / f"{lab}.py", root / CATALOGUE / f"{lab}.toml"):
-        h.update(path.read_bytes())
+    """What the verdicts depend on: the code cells a run goes through (with their metadata;
+    not the text, which `make times` refills, nor the jupyter-only cells) and the catalogue."""
+    nb = source_notebook(root / "solutions" / f"{lab}.py")
+    code = [(c.metadata, c.source) for c in nb.cells
+            if c.cell_type == "code" and not jupyter_only(c)]
+    h = hashlib.sha256(repr(code).encode())
+    h.update((root / CATALOGUE / f"{lab}.toml").read_bytes())
     return h.hexdigest()
 
 

@@ -5,7 +5,8 @@ trusted_side.py, learner_side.py, wire.py).
     plan(student notebook, instructor notebook) -> cells to run, in the student's order,
         every test cell taken from the instructor's source (hidden part included), a missing
         one put back after the cell it followed; grade_ids that are not this lab's tests
-        are ordinary code
+        are ordinary code; a cell the source tags jupyter-only (same id or same code) is
+        left out: it needs what the learner's kernel does not have
     run_plan(cells, sandbox):
         the learner's kernel (sandboxed; what the lab asks them to write is a stub there,
         stubs.py) and the trusted kernel (the grader's own Python, connected to it)
@@ -28,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..authoring.build import graded_test_cells
+from ..authoring.build import graded_test_cells, jupyter_only
 from .jupyter_kernel import MAX_SUBMISSION_BYTES, Kernel
 from .sandbox import Sandbox
 from .tests_setup import HIDDEN, cases, definitions, learner_names, meta, setup_cells
@@ -77,7 +78,7 @@ class Cell:
     source: str
     test: Test | None = None
     outputs: list = field(default_factory=list)
-    status: str = "not run"        # "ok", "error", "timeout", "killed", "dead"
+    status: str = "not run"        # "ok", "error", "timeout", "killed", "dead", "jupyter-only"
     error: str = ""
     hidden_failed: bool = False
     hidden_case: str = ""          # the label of the hidden case that failed
@@ -115,6 +116,9 @@ def plan(student_nb, source_nb) -> tuple[list[Cell], list[str]]:
         or float(meta(cells[i]).get("points", tests[g].points)) != tests[g].points
         or not meta(cells[i]).get("grade"))]
     missing = [g for g in tests if g not in last]
+    only = [c for c in source_nb.cells if c.cell_type == "code" and jupyter_only(c)]
+    only_ids = {c.get("id") for c in only} - {None}
+    only_code = {c.source.strip() for c in only}
     inserts: dict[int, list[Test]] = {}
     for g in missing:
         inserts.setdefault(_anchor(source_nb, g, cells), []).append(tests[g])
@@ -127,6 +131,8 @@ def plan(student_nb, source_nb) -> tuple[list[Cell], list[str]]:
             planned.append(Cell("test", tests[g].visible, tests[g]))
         else:
             planned.append(Cell("code", c.source, exercise=g if g in known else ""))
+            if not g and (c.get("id") in only_ids or c.source.strip() in only_code):
+                planned[-1].status = "jupyter-only"
         planned += [Cell("test", t.visible, t) for t in inserts.get(i, [])]
     notes = []
     if edited or missing:
@@ -285,11 +291,18 @@ def _restart(run: Run, cells: list[Cell], upto: int) -> None:
             _run_test(run, Cell("test", cell.source, cell.test), replay=True)
 
 
-def cell_name(i: int, cell: Cell) -> str:
-    """How a note names a cell: its number, and the exercise or test it is."""
-    what = (f" (test {cell.test.grade_id})" if cell.kind == "test"
-            else f" (exercise {cell.exercise})" if cell.exercise else "")
-    return f"cell {i + 1}{what}"
+def cell_name(i: int, cell: Cell, quote: bool = False) -> str:
+    """How a note names a cell: its number (from 1, text cells counted), and the exercise or
+    test it is; with `quote`, an ordinary cell by how its code starts, too (for `make check`
+    only: a grading status echoes nothing of a submission)."""
+    if cell.kind == "test":
+        return f"cell {i + 1} (test {cell.test.grade_id})"
+    if cell.exercise:
+        return f"cell {i + 1} (exercise {cell.exercise})"
+    first = next((line.strip() for line in cell.source.splitlines()
+                  if line.strip() and not line.lstrip().startswith("#")), "") if quote else ""
+    return f"cell {i + 1}" + (f" ({first[:40]}{'…' if len(first) > 40 else ''})" if first
+                              else "")
 
 
 def run_plan(cells: list[Cell], notes: list[str], sandbox: Sandbox, source_nb, slot: int = 0,
@@ -303,6 +316,8 @@ def run_plan(cells: list[Cell], notes: list[str], sandbox: Sandbox, source_nb, s
         run.start()
         for i, cell in enumerate(cells):
             if cell.kind == "markdown":
+                continue
+            if cell.status == "jupyter-only":
                 continue
             if time.monotonic() > deadline:
                 outcome.timed_out = (f"the submission ran longer than {total_timeout:g} s in "

@@ -24,15 +24,13 @@ from .sandbox import Sandbox
 
 
 def _setup_failure(cells) -> tuple[int, str] | None:
-    """(code cell number from 1, error) of the first learner cell that failed above every
-    test (an import error, triton missing): the tests below it cannot run. None otherwise."""
-    number = 0
-    for cell in cells:
+    """(index, error) of the first learner cell that failed above every test (an import
+    error, triton missing): the tests below it cannot run. None otherwise."""
+    for i, cell in enumerate(cells):
         if cell.kind == "test":
             return None
-        number += cell.kind == "code"
-        if cell.kind == "code" and cell.status not in ("ok", "not run"):
-            return number, " ".join(cell.error.split())
+        if cell.kind == "code" and cell.status not in ("ok", "not run", "jupyter-only"):
+            return i, " ".join(cell.error.split())
     return None
 
 
@@ -49,9 +47,16 @@ def self_check(root: Path, lab: str, notebook: Path | None = None,
                              lab=lab)
     print(f"{lab}: visible tests of {path}")
     if setup := _setup_failure(outcome.cells):
-        print(f"  setup cell {setup[0]} failed: {setup[1]}; the tests below it cannot run")
+        named = cell_name(setup[0], outcome.cells[setup[0]], quote=True)
+        print(f"  setup {named} failed: {setup[1]}; the tests below it cannot run")
     for note in outcome.notes:
         print(f"  note: {note}")
+    if only := [i + 1 for i, c in enumerate(outcome.cells) if c.status == "jupyter-only"]:
+        many = len(only) > 1
+        print(f"  note: cell{'s' * many} {', '.join(map(str, only))} run{'s' * (not many)} in "
+              f"Jupyter only, not here: {'they need' if many else 'it needs'} the library's "
+              "version of what this lab asks you to write (or what such a cell made), a stub "
+              "while the notebook is graded")
     passed: dict[str, bool] = {}
     earned = total = 0.0
     for cell in (c for c in outcome.cells if c.kind == "test"):
@@ -63,13 +68,18 @@ def self_check(root: Path, lab: str, notebook: Path | None = None,
         if not passed[grade_id]:
             message = cell.error if cell.status != "not run" else "not run"
             if setup:
-                message = f"cannot run: setup cell {setup[0]} failed"
+                message = f"cannot run: setup cell {setup[0] + 1} failed"
             print(_indented(message), end="")
     broken = [(i, c) for i, c in enumerate(outcome.cells) if c.kind == "code"
-              and c.status not in ("ok", "not run")]
-    for i, cell in broken[1:] if setup else broken:      # a failed setup cell is named above
-        print(f"  FAIL  {cell_name(i, cell)}: your own cell failed\n"
-              f"{_indented(cell.error or cell.status)}", end="")
+              and c.status not in ("ok", "not run", "jupyter-only")]
+    if setup:               # named above; the cells after it failed for want of what it made
+        if after := [i + 1 for i, _ in broken[1:]]:
+            print(f"  FAIL  cell{'s' * (len(after) > 1)} {', '.join(map(str, after))} failed "
+                  f"too (after setup cell {setup[0] + 1})")
+    else:
+        for i, cell in broken:
+            print(f"  FAIL  {cell_name(i, cell, quote=True)}: your own cell failed\n"
+                  f"{_indented(cell.error or cell.status)}", end="")
     print(f"{earned:g} / {total:g} points from the visible tests "
           "(the grader also runs hidden tests)")
     if path != release_notebook_path(root, lab).resolve() and any(passed.values()):

@@ -76,6 +76,9 @@ def _cell(cell: Cell) -> str:
         return f'<pre class="md">{_text(cell.source)}</pre>'
     head = _test_header(cell) if cell.kind == "test" else ""
     body = f"<pre>{_text(cell.source)}</pre>" + "".join(_output(o) for o in cell.outputs)
+    if cell.status == "jupyter-only":
+        body += ("<p><em>Not run when graded: the lab runs this cell in Jupyter only (it calls "
+                 "the library's version of what you write here).</em></p>")
     if cell.kind == "test" and any(hidden for hidden, _ in cell.test.chunks):
         body += "<p><em>This test cell also runs hidden tests; they are not shown.</em></p>"
     return f'<section class="{"test" if head else "cell"}">{head}{body}</section>'

@@ -125,10 +125,15 @@ def find_submissions(submissions: Path, labs: list[str]
 
 
 def tests_digest(source_nb) -> str:
-    """sha256 of what decides a grade: each test cell's id, points and source."""
+    """sha256 of what in the source decides a grade: each test cell's id, points and source,
+    and every other code cell but the solutions, with its tags (the trusted kernel runs some
+    as the tests' setup; a jupyter-only one is left out of the learner's run)."""
     tests = [(c.metadata.nbgrader.grade_id, c.metadata.nbgrader.get("points"), c.source)
              for c in graded_test_cells(source_nb)]
-    return sha256(repr(tests).encode()).hexdigest()
+    others = [(c.get("id"), c.metadata.get("tags", []), c.source) for c in source_nb.cells
+              if c.cell_type == "code" and not c.metadata.get("nbgrader", {}).get("grade")
+              and not c.metadata.get("nbgrader", {}).get("solution")]
+    return sha256(repr((tests, others)).encode()).hexdigest()
 
 
 def max_points(source_nb) -> float:

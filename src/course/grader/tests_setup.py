@@ -5,7 +5,8 @@
     setup_cells(source)    the ordinary code cells the trusted process runs before the tests
                            that follow them: each cell that names nothing of the learner's
                            (imports, helpers, constants), and a cell that does (a demo that
-                           calls the learner's code) only when a test reads a name it defines
+                           calls the learner's code) only when a test reads a name it
+                           defines; never a cell tagged jupyter-only
     cases(code)            a hidden chunk split at its `# case: <label>` lines, for feedback
                            that names the case that failed and nothing else of it
     definitions(code)      what a test cell binds without running anything: re-run after
@@ -17,6 +18,8 @@ from __future__ import annotations
 import ast
 import builtins
 import re
+
+from ..authoring.build import jupyter_only
 
 HIDDEN = re.compile(r"^[ \t]*### BEGIN HIDDEN TESTS[ \t]*\n(.*?)"
                     r"^[ \t]*### END HIDDEN TESTS[ \t]*$\n?", re.MULTILINE | re.DOTALL)
@@ -76,7 +79,7 @@ def setup_cells(source_nb) -> list[int]:
     learner = set(learner_names(source_nb))
     code = [(i, c) for i, c in enumerate(source_nb.cells) if c.cell_type == "code"]
     kinds = {i: "solution" if meta(c).get("solution") else "test" if meta(c).get("grade")
-             else "code" for i, c in code}
+             else "jupyter-only" if jupyter_only(c) else "code" for i, c in code}
     names = {i: _names(c.source) for i, c in code}
     chosen = {i for i, _ in code if kinds[i] == "code" and not names[i][1] & learner}
     readers = [i for i, _ in code if kinds[i] == "test"]
