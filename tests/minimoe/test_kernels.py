@@ -24,6 +24,7 @@ from minimoe import (
     group,
     group_bwd_lora,
     group_bwd_W,
+    ops,
     parallel_linear,
     parallel_linear_from_indices,
     reference,
@@ -175,9 +176,9 @@ def test_parallel_linear_expert_lora_matches_loop(case, path):
         assert max(errs.values()) <= RTOL, (gated, errs)
 
 
-@pytest.mark.parametrize("r", [1, 16, 20])
+@pytest.mark.parametrize("r", [1, 16, 17, 20])
 def test_lora_ranks_not_a_power_of_two(r):
-    """The rank block pads r to a power of two >= 16: r = 1, exactly 16, and 20 (-> 32)."""
+    """The rank block pads r to a power of two >= 16: r = 1, exactly 16, 17 and 20 (-> 32)."""
     errs = _linear_errors((7, 40, 24, 4, 2, "zero"), "triton", True, lora_path="fused", r=r)
     assert errs.pop("unused_zero") and max(errs.values()) <= RTOL, errs
 
@@ -396,6 +397,48 @@ def test_bad_inputs_raise_clear_errors():
         group_bwd_lora(torch.zeros(14, 40), x[ssi // 2], A, B, offs - 1, 1.0)
     with pytest.raises(ValueError, match="same rows"):
         group_bwd_lora(torch.zeros(13, 40), x[ssi // 2], A, B, offs, 1.0)
+
+
+def test_rank_block_is_the_next_power_of_two_from_16():
+    assert {r: ops._rank_block(r) for r in (1, 15, 16, 17, 31, 32, 33, 64, 65)} == {
+        1: 16, 15: 16, 16: 16, 17: 32, 31: 32, 32: 32, 33: 64, 64: 64, 65: 128}
+
+
+def test_shape_edges_of_the_launchers():
+    """What scripts/mutate.py found unguarded in ops.py: a K that differs between X and W
+    (`or` -> `and`), an empty routing (M = 0 is valid), a LoRA of rank 0 (refused) and of
+    rank 1 on one expert (valid), ids that go down after the first row, and in `group` and
+    `group_bwd_W` a slot past M, a short coeff and DY and X of other rows."""
+    x, W, experts, (sei, ssi, offs) = _good()
+    with pytest.raises(ValueError, match="the same K"):
+        scatter2scatter(x, W[:, :20], sei, ssi, 2)
+    empty = torch.zeros(0, dtype=torch.long)
+    assert scatter2scatter(x[:0], W, empty, empty, 2).shape == (0, 40)
+    with pytest.raises(ValueError, match="lora_A must be"):
+        ops.check_expert_lora(torch.zeros(0, 24), torch.zeros(40, 0), 4, 24, 40)
+    assert ops.check_expert_lora(torch.zeros(1, 24), torch.zeros(40, 1), 1, 24, 40) == 1
+    down, perm = sei.clone(), torch.arange(len(sei))
+    i, j = 2, int((sei > sei[2]).nonzero()[0])          # a later, larger id moved up
+    perm[[i, j]] = perm[[j, i]]
+    assert down[perm][1:].ge(down[0]).all()              # every id >= the first: not enough
+    with pytest.raises(ValueError, match="sorted_expert_idxs must be non-decreasing"):
+        scatter2scatter(x, W, sei[perm], ssi[perm], 2)
+    with pytest.raises(ValueError, match="sorted_scattered_idxs must lie in 0..13"):
+        group(x, ssi + 1, 2)                             # a slot past M: read past X
+    with pytest.raises(ValueError, match="coeff must be a floating tensor of 14 elements"):
+        group(x, ssi, 2, coeff=torch.ones(13))
+    with pytest.raises(ValueError, match="must have the same rows"):
+        group_bwd_W(torch.zeros(14, 40), torch.zeros(13, 24), offs, 4)
+
+
+def test_group_bwd_lora_on_one_expert():
+    """E = 1 is valid (`E < 1` -> `E <= 1` went unnoticed): the formulas, by hand."""
+    gen = torch.Generator().manual_seed(3)
+    X, DY = torch.randn(5, 24, generator=gen), torch.randn(5, 40, generator=gen)
+    A, B = torch.randn(2, 24, generator=gen), torch.randn(40, 2, generator=gen)
+    dA, dB = group_bwd_lora(DY, X, A, B, torch.tensor([5]), 0.5)
+    torch.testing.assert_close(dA, 0.5 * (DY @ B).T @ X, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dB, 0.5 * DY.T @ (X @ A.T), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("edit, match", [
