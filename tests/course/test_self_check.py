@@ -35,6 +35,8 @@ def test_the_release_fails_every_test(checkout):
     for grade_id in release_test_ids():
         assert f"FAIL  {grade_id} " in proc.stdout, proc.stdout
     assert "PASS" not in proc.stdout
+    assert "it calls an exercise you have not finished\n        NotImplementedError" \
+        in proc.stdout and "your own cell failed" not in proc.stdout, proc.stdout
     assert not (checkout / "work" / "mine").exists()      # nothing of the blank release saved
 
 

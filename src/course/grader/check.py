@@ -78,7 +78,9 @@ def self_check(root: Path, lab: str, notebook: Path | None = None,
                   f"too (after setup cell {setup[0] + 1})")
     else:
         for i, cell in broken:
-            print(f"  FAIL  {cell_name(i, cell, quote=True)}: your own cell failed\n"
+            why = ("it calls an exercise you have not finished" if cell.error.startswith(
+                "NotImplementedError") else "your own cell failed")
+            print(f"  FAIL  {cell_name(i, cell, quote=True)}: {why}\n"
                   f"{_indented(cell.error or cell.status)}", end="")
     print(f"{earned:g} / {total:g} points from the visible tests "
           "(the grader also runs hidden tests)")
