@@ -778,7 +778,11 @@ assert list(_p) == [7, 8] and list(_a) == [9], \
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_make_training_pair_keeps_inputs", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
-# The caller's lists come back unchanged.
+# The caller's lists come back unchanged, from a function that also gives the right pair (a
+# function that ignores its inputs keeps them too).
+_check_pair([4, 6], [8], 1, [4, 6, 8], [6, 8, 1], [False, True, True])
+
+
 # in-process check: make_training_pair leaves the lists it is given unchanged
 def _lists_after_call():
     prompt, answer = [4, 6], [8]
