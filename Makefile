@@ -19,6 +19,8 @@ export PATH := $(abspath $(BIN)):$(PATH)
 EXP ?= experiments/00-pretrain-base
 SUBMISSIONS ?= submissions
 LAB ?=
+# pytest processes `make test` runs the suite on (pytest-xdist; each test module stays on one).
+WORKERS ?= 2
 # Extra `jupyter lab` arguments, e.g. LAB_ARGS="--no-browser --port 8890" (as root,
 # --allow-root is added for you).
 LAB_ARGS ?=
@@ -26,7 +28,7 @@ LAB_ARGS ?=
 # learners do not see them.
 MODE ?= learner
 
-.PHONY: venv lab test test-fast course grade reproduce run readme times bench-gpu device-check compile-report check-exercises check-mistakes check mine lint lock clean
+.PHONY: venv lab test test-fast course grade reproduce run readme times bench-cpu bench-gpu device-check device-wheels compile-report check-exercises check-mistakes check mine lint lock clean
 
 venv: $(STAMP)
 
@@ -36,9 +38,9 @@ $(STAMP): pyproject.toml uv.lock constraints.txt scripts/venv.py
 lab: $(STAMP)  ## copy each lab to work/ (once; never overwritten), serve JupyterLab [MODE=instructor]
 	$(PY) -m course lab --mode $(MODE) $(LAB_ARGS)
 
-test: $(STAMP)  ## everything CI runs: lint, unit tests, notebooks pipeline, experiments
+test: $(STAMP)  ## everything CI runs: lint, unit tests, notebooks pipeline, experiments [WORKERS=2]
 	$(PY) -m ruff check src tests solutions experiments benchmarks
-	$(PY) -m pytest --durations=15
+	$(PY) -m pytest -n $(WORKERS) --dist loadscope --durations=15
 
 test-fast: $(STAMP)  ## unit tests only (no notebooks, no experiment re-runs)
 	$(PY) -m pytest -m "not notebooks and not slow"
@@ -61,8 +63,11 @@ readme: $(STAMP)  ## RESULTS.md's numbers and experiments/README.md's reproduce 
 times: $(STAMP)  ## (course developers) run every solution notebook -> labs/runtimes.json + the runtime markers
 	$(PY) -m course times $(LAB)
 
-compile-report: $(STAMP)  ## compile every Triton kernel for sm_80/sm_90 (no GPU) -> benchmarks/results/compile_report.json
+compile-report: $(STAMP)  ## compile every Triton kernel for sm_75/80/86/89/90 (no GPU) -> benchmarks/results/compile_report.json
 	$(PY) benchmarks/compile_report.py
+
+bench-cpu: $(STAMP)  ## CPU hot paths vs bitsandbytes, PEFT, transformers, log_softmax: ratios, one run -> benchmarks/results/cpu.json
+	$(PY) benchmarks/bench_cpu.py $(BENCH_ARGS)
 
 bench-gpu: $(STAMP)  ## GPU tests + both kernel benchmarks, one run -> benchmarks/results/gpu/<device>.json [BENCH_ARGS=--tiny on a CPU]
 	$(PY) benchmarks/bench_gpu.py $(BENCH_ARGS)
@@ -71,6 +76,9 @@ bench-gpu: $(STAMP)  ## GPU tests + both kernel benchmarks, one run -> benchmark
 device-check: PY := python3
 device-check:  ## (lent GPU machine) GPU tests + dequant, MoE, log-prob benchmarks, one bounded run -> benchmarks/results/gpu/<device>.json and $$OUT [PY=python3 COMMIT=hash DEVICE_ARGS=--tiny]
 	PYTHONUNBUFFERED=1 PYTHONPATH=src$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) benchmarks/device_check.py $(if $(COMMIT),--commit $(COMMIT)) $(DEVICE_ARGS)
+
+device-wheels: $(STAMP)  ## (here, before a device call) the wheels a lent GPU machine lacks (bitsandbytes) -> build/device-wheels, to carry
+	$(PY) benchmarks/carried_wheels.py
 
 check-exercises: $(STAMP)  ## blank each solution region alone; some test must fail (slow)
 	$(PY) -m course check-exercises $(LAB)

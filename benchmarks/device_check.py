@@ -6,8 +6,10 @@
 
 Made for a machine that is lent for minutes, with no network and no install step: it needs
 the system Python with torch, triton, numpy, pytest and psutil, and nothing of the course's
-virtual environment (no bitsandbytes, nbgrader, jupyter or ruff). It runs, each step in a
-child process with its own time limit, in this order:
+virtual environment (no nbgrader, jupyter or ruff). bitsandbytes comes as a carried wheel when
+`make device-wheels` fetched it here first (carried_wheels.py; installed with pip --no-index
+into build/device-site). It runs, each step in a child process with its own time limit, in
+this order:
 
 1. `gpu_tests`: `pytest -m gpu -p no:cacheprovider --continue-on-collection-errors` over the
    test modules that mark a test `gpu` (found by their text), so that modules needing the
@@ -62,6 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]
 
 import bench_gpu  # noqa: E402
+import carried_wheels  # noqa: E402
 import torch  # noqa: E402
 from bench_gpu import StepFailed  # noqa: E402
 from bench_logprobs import SHAPES as LOGPROB_SHAPES  # noqa: E402
@@ -382,6 +385,8 @@ def check(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"device_check: refused: {e}", file=sys.stderr)
         return 2
     header(cuda)
+    for line in carried_wheels.install(ROOT):
+        print(f"device-check: {line}", flush=True)
     git, t0 = git_state(ROOT), time.perf_counter()          # the code, before the run writes
     if args.commit:         # the copied tree's .git, if any, may be a stale one
         git = {"commit": args.commit, "dirty": False}

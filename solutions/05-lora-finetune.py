@@ -86,7 +86,7 @@ from minituner.data import BatchOrder  # noqa: E402
 from minituner.qlora import BLOCK_LINEARS  # noqa: E402
 from minituner.trainer import clip_gradients, lr_at, sequence_loss  # noqa: E402
 
-torch.set_num_threads(2)   # the fine-tunes gain about 1.2x from a second core; same numbers as 1
+torch.set_num_threads(1)   # small matrices: one thread is faster than several on a busy CPU
 torch.manual_seed(0)
 print("torch", torch.__version__, "| threads:", torch.get_num_threads())
 

@@ -1077,8 +1077,9 @@ else:
 _xr = harness.leaf(_xx)
 with _no_reference():
     my_parallel_linear(_xr, _WW, 2, *_ss, gates=_gg).sum().backward()
-harness.assert_close(_xr.grad, _loop_grads(_xx, _WW, _ii, _gg, torch.ones(4, 24))[0],
-       "my_parallel_linear: dx when W and gates do not require gradients")
+harness.assert_close(_xr.grad,
+                     _loop_grads(_xx, _WW, _ii, _gg, torch.ones(4, 24, device=DEVICE))[0],
+                     "my_parallel_linear: dx when W and gates do not require gradients")
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_moe_step", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}

@@ -1452,7 +1452,7 @@ try:
     for _backend in ("torch", "yours"):
         _model.zero_grad()
         _lp = token_logprobs(_model, _s, backend=_backend)
-        _loss = grpo_loss(_lp, _lp.detach(), _adv, _s.target_mask)
+        _loss = grpo_loss(_lp, _lp.detach(), _adv.to(DEVICE), _s.target_mask.to(DEVICE))
         _loss.backward()
         _grads[_backend] = (_lp.detach(), torch.cat([p.grad.flatten() for p in _model.parameters()]))
     _dl = (_grads["torch"][0] - _grads["yours"][0]).abs().max().item()

@@ -13,14 +13,15 @@
 # %% [markdown]
 # # Lab 13 — What the GPU compiler made of your kernel
 #
-# In Labs 03, 08, 09 and 12 you wrote Triton kernels and ran them in the interpreter: that
-# proves they compute the right numbers, and says nothing about how fast they would be. Speed
-# is decided by what the compiler makes of the kernel for one particular GPU: how many
-# **registers** each thread needs (and whether some had to **spill** to memory), how **wide**
-# each load and store is, whether the matrix products run on the **tensor cores**. You can read
-# all of that without a GPU. The `triton` wheel carries NVIDIA's own back end (`ptxas`, which
-# turns PTX into machine code, and `cuobjdump`, which prints it), so your laptop can compile a
-# kernel for an H100 exactly as a launch on an H100 would, and show you the machine code.
+# In Labs 03, 08, 09 and 12 you wrote Triton kernels and ran them, most likely in the
+# interpreter: that proves they compute the right numbers, and says nothing about how fast they
+# would be on a GPU. Speed is decided by what the compiler makes of the kernel for one
+# particular GPU: how many **registers** each thread needs (and whether some had to **spill**
+# to memory), how **wide** each load and store is, whether the matrix products run on the
+# **tensor cores**. You can read all of that without a GPU. The `triton` wheel carries
+# NVIDIA's own back end (`ptxas`, which turns PTX into machine code, and `cuobjdump`, which
+# prints it), so your laptop can compile a kernel for an H100 exactly as a launch on an H100
+# would, and show you the machine code.
 #
 # | # | you write | checked against |
 # |---|---|---|
@@ -32,11 +33,12 @@
 # | 6 | `matmul_cost(...)` and `roofline_time(...)`: the time a kernel cannot beat | hand-computed answers from the datasheets |
 #
 # **No GPU needed.** As in the other kernel labs, the setup cell sets `TRITON_INTERPRET=1`
-# before `import triton` when there is no CUDA GPU, so your kernels *run* in the interpreter.
-# `gpucompile` *compiles* them as well: `compile_kernel(kernel, args, kwargs, arch)`
-# does what `kernel[grid](*args, **kwargs)` does on a GPU of architecture `arch`, `"sm_90"`
-# (Hopper: H100) or `"sm_80"` (Ampere: A100), and returns Triton's compiled kernel with its
-# PTX and its cubin. The tile sweep of Part B prints how long each compile took.
+# before `import triton` when there is no CUDA GPU, so your kernels *run* in the interpreter
+# (on a GPU they run compiled). `gpucompile` *compiles* them as well, for a GPU you need not
+# have: `compile_kernel(kernel, args, kwargs, arch)` does what `kernel[grid](*args, **kwargs)`
+# does on a GPU of architecture `arch`, one of `gpucompile.ARCHS` (from `"sm_75"`, a T4, to
+# `"sm_90"`, an H100: Part A says which is which), and returns Triton's compiled kernel with
+# its PTX and its cubin. The tile sweep of Part B prints how long each compile took.
 #
 # **How to work.** Run the cells from top to bottom; replace each `raise NotImplementedError()`
 # with your code; run the test cell below it and read its message if it fails: it says what
@@ -116,8 +118,39 @@ STARTED = time.perf_counter()
 # and each integer's value class — equal to 1 (then a constant), a multiple of 16, or
 # anything else. So a stand-in `like(torch.float32)` can play a 64 MiB tensor.
 #
-# Here is the simplest kernel there is, `out = alpha · x`, run in the interpreter to check it,
-# then compiled for an H100 as it would be launched on 4 096 elements.
+# ### Which GPU: `ARCH`
+#
+# The machine code is made for one architecture, which NVIDIA names `sm_XY` after the GPU's
+# compute capability. These are the five `gpucompile` targets, the GPUs you are likely to
+# meet:
+#
+# | `arch` | GPUs | what its code can use |
+# |---|---|---|
+# | `sm_75` (Turing) | T4 (Colab's free GPU), RTX 20 | no bfloat16 in hardware; tensor cores for float16, but Triton gives `tl.dot` none here (Part C) |
+# | `sm_80` (Ampere) | A100 | tensor cores for float16, bfloat16 and TF32 (`HMMA`); asynchronous copies into shared memory (`LDGSTS`) |
+# | `sm_86` (Ampere) | A10G, RTX 30 | the same instructions as `sm_80`, on a smaller SM |
+# | `sm_89` (Ada) | L4, RTX 40 | as `sm_86`, plus float8 tensor cores |
+# | `sm_90` (Hopper) | H100, H200 | as `sm_80`, plus the warpgroup tensor cores (`wgmma`: `HGMMA`) |
+#
+# Every one of them has 65 536 registers per SM; how many warps an SM holds and how much shared
+# memory it gives its blocks differ (Part B's table, `gpucompile.SM_LIMITS`). The cell below
+# sets `ARCH` to the architecture of the GPU this notebook runs on, and where there is none to
+# `"sm_80"`, an A100, the GPU of most figures the text and the guide quote. The cells that
+# explore compile for `ARCH`: change it to look at another GPU. The graded tests name their
+# own architectures, and do not depend on it.
+
+# %%
+ARCH = harness.gpu_arch() or "sm_80"      # this machine's GPU, else an A100
+if ARCH not in gpucompile.ARCHS:          # a GPU older or newer than the five
+    print(f"gpucompile has no target {ARCH} (it has {', '.join(gpucompile.ARCHS)}): using sm_80")
+    ARCH = "sm_80"
+_lim = gpucompile.SM_LIMITS[ARCH]
+print(f"ARCH = {ARCH!r}: {_lim['warps']} resident warps and {_lim['shared'] // 1024} KiB of "
+      "shared memory per SM")
+
+# %% [markdown]
+# Here is the simplest kernel there is, `out = alpha · x`, run to check it (in the interpreter,
+# or compiled on your GPU), then compiled for `ARCH` as it would be launched on 4 096 elements.
 
 # %%
 @triton.jit
@@ -131,10 +164,10 @@ def scale_kernel(x_ptr, out_ptr, alpha, n, BLOCK: tl.constexpr):
 _x = torch.randn(3000, device=DEVICE)
 _out = torch.empty_like(_x)
 scale_kernel[(triton.cdiv(3000, 1024),)](_x, _out, 2.0, 3000, BLOCK=1024)
-print("interpreter: out == 2·x:", torch.equal(_out, 2.0 * _x))
+print(f"run on {DEVICE}: out == 2·x:", torch.equal(_out, 2.0 * _x))
 
 F32 = like(torch.float32)
-compiled = compile_kernel(scale_kernel, (F32, F32, 2.0, 4096), dict(BLOCK=1024), "sm_90")
+compiled = compile_kernel(scale_kernel, (F32, F32, 2.0, 4096), dict(BLOCK=1024), ARCH)
 print("what the compiler kept:", sorted(compiled.asm))
 print("\nthe PTX loads and stores:")
 for line in compiled.asm["ptx"].splitlines():
@@ -210,7 +243,8 @@ print(cuobjdump(compiled.asm["cubin"], "--dump-resource-usage").strip())
 # * The **opcode** comes first, its **modifiers** after dots. `LDG` loads from global memory,
 #   `STG` stores to it; the width is a modifier: none = 32 bits, `.64`, `.128`, and `.U8`,
 #   `.S8`, `.U16`, `.S16` for 8- and 16-bit values (unsigned or sign-extended). `.E` says the
-#   address is 64-bit, `.CONSTANT`, `.EF`, `.LTC128B`, ... are caching hints.
+#   address is 64-bit, `.CONSTANT`, `.EF`, `.LTC128B`, ... are caching hints, and `.SYS`
+#   (which `sm_75` code spells out) the scope of the access.
 # * `LDGSTS` (sm_80 and later) copies global memory straight into shared memory,
 #   asynchronously: a pipelined loop's loads (`num_stages`) become these; they count as global
 #   loads. `LDGDEPBAR` and `DEPBAR` only wait for them: **not** loads.
@@ -236,9 +270,9 @@ _cases = [("float32, n = 4096, BLOCK = 1024", F32, 4096, 1024),
            like(torch.float16, aligned=False), 4096, 1024),
           ("uint8,   n = 4096, BLOCK = 1024", U8, 4096, 1024),
           ("uint8,   n = 4096, BLOCK = 2048", U8, 4096, 2048)]
-print(f"{'scale_kernel on sm_90, 4 warps':<54} global loads, stores")
+print(f"{'scale_kernel on ' + ARCH + ', 4 warps':<54} global loads, stores")
 for _what, _t, _n, _block in _cases:
-    _sass = sass_of(scale_kernel, (_t, _t, 2.0, _n), dict(BLOCK=_block))
+    _sass = sass_of(scale_kernel, (_t, _t, 2.0, _n), dict(BLOCK=_block), ARCH)
     _counts = {**tally(_sass, "LDG"), **tally(_sass, "STG")}
     print(f"{_what:<54} " + ", ".join(f"{c} × {op}" for op, c in _counts.items()))
 
@@ -265,8 +299,8 @@ for _what, _t, _n, _block in _cases:
 # kernel without the gather and the scatter: each program accumulates a `BLOCK_M × BLOCK_N`
 # tile of `C` over a loop on `K`. `PRECISION` is `tl.dot`'s `input_precision`: `"ieee"`
 # multiplies float32 exactly, `"tf32"` lets the tensor cores round float32 inputs to TF32
-# (10 bits of mantissa). It runs in the interpreter, so check it first; then compile it in
-# float16 for an A100 and count its memory and math instructions.
+# (10 bits of mantissa). Run it to check it first; then compile it in float16 for an A100
+# (and for `ARCH`, if that is another GPU) and count its memory and math instructions.
 
 # %%
 @triton.jit
@@ -302,18 +336,27 @@ _a, _b = harness.randn(40, 56, seed=1).to(DEVICE), harness.randn(56, 48, seed=2)
 _c = torch.empty(40, 48, device=DEVICE)
 matmul_kernel[(3, 3)](_a, _b, _c, 40, 48, 56, 56, 48, 48, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16,
                       PRECISION="ieee")
-print("interpreter: max |C - A @ B| =", (_c - _a @ _b).abs().max().item())
+print(f"run on {DEVICE}: max |C - A @ B| =", (_c - _a @ _b).abs().max().item())
 
-_sass = sass_of(matmul_kernel, *matmul_launch(torch.float16, (64, 64, 32, 4)), "sm_80")
-print("matmul_kernel, float16, 64×64×32 tiles, 4 warps, sm_80:")
-print("   ", tally(_sass, "LDG", "LDGSTS", "LDGDEPBAR", "STG", "LDS", "LDSM", "STS", "HMMA"))
+for _arch in dict.fromkeys(("sm_80", ARCH)):           # sm_80, and ARCH if it is another
+    _sass = sass_of(matmul_kernel, *matmul_launch(torch.float16, (64, 64, 32, 4)), _arch)
+    print(f"matmul_kernel, float16, 64×64×32 tiles, 4 warps, {_arch}:")
+    print("   ", tally(_sass, "LDG", "LDGSTS", "LDGDEPBAR", "STG", "LDS", "LDSM", "STS", "HMMA",
+                       "HGMMA", "FFMA", "LDL", "STL"))
 
 # %% [markdown]
-# No `LDG` at all: with `num_stages=3` the loop is **pipelined**, its tiles of `A` and `B`
-# copied asynchronously into shared memory by `LDGSTS` while earlier tiles are multiplied;
-# `LDGDEPBAR` closes each batch of copies and `DEPBAR` waits for one. `LDSM` moves the tiles from
-# shared memory into registers for the `HMMA`s, the tensor-core instructions; the result
-# leaves in 128-bit `STG`s.
+# No `LDG` at all on `sm_80`: with `num_stages=3` the loop is **pipelined**, its tiles of `A`
+# and `B` copied asynchronously into shared memory by `LDGSTS` while earlier tiles are
+# multiplied; `LDGDEPBAR` closes each batch of copies and `DEPBAR` waits for one. `LDSM` moves
+# the tiles from shared memory into registers for the `HMMA`s, the tensor-core instructions;
+# the result leaves in 128-bit `STG`s.
+#
+# `sm_86` and `sm_89` get the same code. On `sm_90` the tiles arrive the same way and two
+# `HGMMA`s per iteration do the products (Part C). On `sm_75`, a T4, none of it is left: there
+# are no asynchronous copies before `sm_80`, so the tiles go through registers (`LDG`, then
+# `STS` into shared memory), and Triton gives `tl.dot` no tensor cores there: the float16
+# tiles are converted to float32 and multiplied by 1 024 `FFMA`s a thread, in so many
+# registers that `ptxas` spills (`LDL`, `STL`).
 #
 # ## Exercise 1 — read SASS: load and store widths, spills, tensor cores
 #
@@ -569,7 +612,7 @@ _got = _check_sass(sass_of(matmul_kernel, *matmul_launch(torch.float32, (128, 12
 # one waits for memory: that is how a GPU hides DRAM latency. How many can be resident at
 # once is limited by what each block takes of the SM's fixed budget:
 #
-# | per SM | sm_75 (T4) | sm_80 (A100) | sm_86 (A10) | sm_89 (L4) | sm_90 (H100) |
+# | per SM | sm_75 (T4) | sm_80 (A100) | sm_86 (A10G) | sm_89 (L4) | sm_90 (H100) |
 # |---|---|---|---|---|---|
 # | 32-bit registers | 65 536 | 65 536 | 65 536 | 65 536 | 65 536 |
 # | resident warps | 32 | 64 | 48 | 48 | 64 |
@@ -665,7 +708,8 @@ _got = _check_sass(sass_of(matmul_kernel, *matmul_launch(torch.float32, (128, 12
 SM_LIMITS = gpucompile.SM_LIMITS   # per SM; shared memory in bytes: usable, reserved per block
 print(f"{'arch':<6}" + "".join(f"{k:>12}" for k in SM_LIMITS["sm_90"]))
 for arch, lim in SM_LIMITS.items():
-    print(f"{arch:<6}" + "".join(f"{v:>12,}" for v in lim.values()))
+    print(f"{arch:<6}" + "".join(f"{v:>12,}" for v in lim.values())
+          + ("   <- ARCH" if arch == ARCH else ""))
 print(cuobjdump(compiled.asm["cubin"], "--dump-resource-usage"))
 
 
@@ -808,7 +852,7 @@ _check_usage(matmul_kernel, *matmul_launch(torch.float32, (128, 128, 32, 4)), "s
 # ### A tile's cost in registers
 #
 # Registers matter most in a matrix product: each program holds its `BLOCK_M × BLOCK_N`
-# accumulator in registers, spread over its threads. Here is `matmul_kernel` for an A100 in
+# accumulator in registers, spread over its threads. Here is `matmul_kernel` for `ARCH` in
 # float32 (`"ieee"`, no tensor cores), at growing tiles. `inspect_kernel` compiles and reads
 # in one call (the reading you just wrote, and a few more numbers); from here on it is your
 # tool too. The last column is each compile's time: Triton keeps what it compiled in its cache
@@ -819,9 +863,9 @@ FP32_TILES = [(64, 64, 32, 4), (64, 64, 32, 8), (128, 64, 32, 4), (128, 128, 32,
               (128, 128, 32, 8)]
 sweep = {}
 print(f"{'BLOCK_M×N×K, warps':<20}{'registers':>10}{'spill B':>9}{'LDL/STL':>9}"
-      f"{'shared B':>10}{'occupancy':>11}{'compile s':>11}")
+      f"{'shared B':>10}{'occupancy':>11}{'compile s':>11}   on {ARCH}")
 for _tile in FP32_TILES:
-    _r = inspect_kernel(matmul_kernel, *matmul_launch(torch.float32, _tile), "sm_80")
+    _r = inspect_kernel(matmul_kernel, *matmul_launch(torch.float32, _tile), ARCH)
     sweep[_tile] = _r
     print(f"{'{}×{}×{}, {}'.format(*_tile):<20}{_r.registers:>10}{_r.spill_bytes:>9}"
           f"{_r.local_instructions:>9}{_r.shared_bytes:>10}{_r.occupancy:>11.3f}"
@@ -835,30 +879,34 @@ for _tile in FP32_TILES:
 #   come on top. With 8 warps the same tile is spread over twice the threads, and each needs
 #   far fewer registers.
 # * Double the tile to `128 × 64` with 4 warps and the accumulator takes 64 registers a
-#   thread (8 192 values over 128 threads): it fits, with room to spare. At `128 × 128` it
-#   takes 128, still well under the limit of 255. What pushes that thread to 255 and into
-#   spills is everything else the `FFMA` loop keeps live next to the accumulator: the strips
-#   of `A` and `B` each thread multiplies (the FMA operands), and the 64-bit addresses and
-#   masks of its loads, kept for the stages of the software-pipelined loop (`num_stages=3`).
-#   `ptxas` then keeps a stack of values behind them, with `LDL`/`STL` instructions in and
-#   around the `K` loop. A spill costs a round trip through the L1 cache (DRAM if it
-#   misses) for a value that a register would hold for free, and inside the loop it costs
-#   that at every iteration. (Which tiles spill, and by how much, is the compiler's call: with
-#   the triton this course installs, 3.7.1, `128 × 64` fits in 168 registers and `128 × 128`
-#   spills 64 bytes; other versions draw the line elsewhere. The table above is the truth.)
-# * With 8 warps `128 × 128` fits again. Its occupancy is 0.125 either way (8 of the 64 warp
-#   slots; the smaller tiles keep more warps resident): big tiles buy data reuse — each element loaded from memory feeds `BLOCK_N` or
-#   `BLOCK_M` multiply-adds — and pay in resident warps.
+#   thread (8 192 values over 128 threads), 168 in all on each of the five GPUs: under the
+#   limit, and yet `ptxas` spills 8 bytes for `sm_86`, `sm_89` and `sm_90` (not for `sm_75`
+#   and `sm_80`). At `128 × 128` the accumulator takes 128 registers, still well under the
+#   limit of 255. What pushes that thread to 255 and into spills is everything else the
+#   `FFMA` loop keeps live next to the accumulator: the strips of `A` and `B` each thread
+#   multiplies (the FMA operands), and the 64-bit addresses and masks of its loads, kept for
+#   the stages of the software-pipelined loop (`num_stages=3`). `ptxas` then keeps a stack of
+#   values behind them, with `LDL`/`STL` instructions in and around the `K` loop. A spill
+#   costs a round trip through the L1 cache (DRAM if it misses) for a value that a register
+#   would hold for free, and inside the loop it costs that at every iteration. (Which tiles
+#   spill, and by how much, is the compiler's call: with the triton this course installs,
+#   3.7.1, `128 × 128` spills 64 bytes for `sm_80`, 72 for `sm_86`, `sm_89` and `sm_90`, 104
+#   for `sm_75`; other versions draw the line elsewhere. The table above is the truth.)
+# * With 8 warps `128 × 128` fits again, at one block of 8 warps per SM (0.125 of the 64 warp
+#   slots of `sm_80` and `sm_90`; the smaller tiles keep more warps resident): big tiles buy
+#   data reuse — each element loaded from memory feeds `BLOCK_N` or `BLOCK_M` multiply-adds —
+#   and pay in resident warps.
 #
 # ## Exercise 3 — the largest tile that does not spill
 #
 # **Specification.** `largest_tile_without_spills(dtype, arch, candidates)` takes a torch
-# dtype, `"sm_80"` or `"sm_90"`, and a list of candidates `(BLOCK_M, BLOCK_N, BLOCK_K,
-# num_warps)`. It compiles `matmul_kernel` for each candidate as `matmul_launch(dtype, tile)`
-# launches it, on `arch`, and returns the candidate with the largest tile area `BLOCK_M ·
-# BLOCK_N` among those whose spill (`STACK + LOCAL`) is 0 bytes; on a tie, the earlier in the
-# list; `None` when every candidate spills. The answer must come from the compiler, not from a
-# table of the sweep above: the tests ask about other dtypes, GPUs and lists.
+# dtype, an architecture (one of `gpucompile.ARCHS`) and a list of candidates `(BLOCK_M,
+# BLOCK_N, BLOCK_K, num_warps)`. It compiles `matmul_kernel` for each candidate as
+# `matmul_launch(dtype, tile)` launches it, on `arch`, and returns the candidate with the
+# largest tile area `BLOCK_M · BLOCK_N` among those whose spill (`STACK + LOCAL`) is 0 bytes;
+# on a tie, the earlier in the list; `None` when every candidate spills. The answer must come
+# from the compiler, not from a table of the sweep above: the tests ask about other dtypes,
+# GPUs and lists.
 #
 # <details><summary>Hint 1: the idea</summary>
 #
@@ -962,7 +1010,7 @@ _check_tile(torch.float16, "sm_90", [(128, 128, 32, 4), (128, 256, 32, 4), (256,
 # a string: `"HGMMA"` if its SASS has an `HGMMA` instruction, else `"HMMA"` if it has an
 # `HMMA`, else `"FFMA"` (the dot was done with float32 fused multiply-adds). The answer must
 # come from the compiled code, for any dtype, precision and GPU; the table below prints your
-# answers for the float types on both GPUs.
+# answers for the float types on an A100, an H100 and your `ARCH`.
 #
 # <details><summary>Hint 1: the idea</summary>
 #
@@ -997,11 +1045,12 @@ def dot_instruction(dtype: torch.dtype, precision: str, arch: str,
 # %%
 DOT_CASES = [(torch.float16, "ieee"), (torch.bfloat16, "ieee"), (torch.float32, "ieee"),
              (torch.float32, "tf32")]
+dot_archs = list(dict.fromkeys(("sm_80", "sm_90", ARCH)))     # ARCH too, if it is another
 try:
-    print(f"{'operands, input_precision':<28}{'sm_80 (A100)':>14}{'sm_90 (H100)':>14}")
+    print(f"{'operands, input_precision':<28}" + "".join(f"{_a:>8}" for _a in dot_archs))
     for _dtype, _prec in DOT_CASES:
         print(f"{str(_dtype)[6:] + ', ' + _prec:<28}"
-              + "".join(f"{dot_instruction(_dtype, _prec, _arch):>14}" for _arch in ("sm_80", "sm_90")))
+              + "".join(f"{dot_instruction(_dtype, _prec, _a):>8}" for _a in dot_archs))
 except NotImplementedError:
     print("(finish Exercise 4 to fill the table)")
 
@@ -1048,20 +1097,27 @@ _check_dot(torch.bfloat16, "ieee", "sm_90", tile=(64, 64, 32, 1))
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# Four things to take from the table:
+# Five things to take from the table:
 #
-# * Half-precision operands (`float16`, `bfloat16`) always go to the tensor cores, and the
-#   instruction depends on the GPU: `HMMA` on an A100, `HGMMA` on an H100. The same Triton
-#   source gets the better instruction on the newer GPU without a change, as long as the
-#   launch gives a warpgroup something to share: with fewer than 4 warps, or a 32-row tile
-#   (`tile=(32, 32, 32, 4)`), the H100 code falls back to `HMMA`.
+# * From `sm_80` on, half-precision operands (`float16`, `bfloat16`) always go to the tensor
+#   cores, and the instruction depends on the GPU: `HMMA` on an A100 (and on `sm_86` and
+#   `sm_89`), `HGMMA` on an H100. The same Triton source gets the better instruction on the
+#   newer GPU without a change, as long as the launch gives a warpgroup something to share:
+#   with fewer than 4 warps, or a 32-row tile (`tile=(32, 32, 32, 4)`), the H100 code falls
+#   back to `HMMA`.
 # * `float32` with `"ieee"` gets **no** tensor cores: every multiply-add is an `FFMA`, and
 #   the ceiling is the float32 one (67 TFLOP/s on an H100, 19.5 on an A100).
-# * `float32` with `"tf32"` does reach the tensor cores (at TF32's rounding). `minimoe`'s
-#   kernels take this as their `PRECISION` argument, and PyTorch's
+# * `float32` with `"tf32"` does reach the tensor cores from `sm_80` on (at TF32's
+#   rounding). `minimoe`'s kernels take this as their `PRECISION` argument, and PyTorch's
 #   `torch.backends.cuda.matmul.allow_tf32` is the same switch for `torch.matmul`.
 # * On an H100, the `HGMMA` count is small (a few per loop iteration) because each one is a
 #   `64 × N × 16` product; an `HMMA` is `16 × 8 × 16`, so the A100 code has many more.
+# * On a T4 (`sm_75`) every row is `FFMA`. Turing's tensor cores take float16, but the triton
+#   this course installs (3.7.1) gives `tl.dot` tensor cores from `sm_80` on only, and Turing
+#   has no bfloat16 at all: both kinds of tile are converted to float32 (bfloat16 by integer
+#   shifts) and multiplied on the ordinary cores, in twice the registers (the float16 tile of
+#   Part A spills). Everything compiles and computes the right numbers on a T4, at float32's
+#   speed; `"tf32"` makes no difference there.
 #
 # ## Part D — your own kernel, 128 bits wide
 #
@@ -1091,9 +1147,10 @@ def transpose_launch(dtype, M, N, stride_xm=None, stride_om=None, blocks=(64, 64
 _x = harness.randn(37, 53).to(DEVICE)
 _out = torch.empty(53, 37, device=DEVICE)
 transpose_rows_kernel[(37,)](_x, _out, 37, 53, 53, 37, BLOCK_N=16)
-print("interpreter: correct:", torch.equal(_out, _x.T))
-_sass = sass_of(transpose_rows_kernel, (F32, F32, 4096, 4096, 4096, 4096), dict(BLOCK_N=256))
-print("transpose_rows_kernel, float32, 4096 × 4096 on sm_90:")
+print(f"run on {DEVICE}: correct:", torch.equal(_out, _x.T))
+_sass = sass_of(transpose_rows_kernel, (F32, F32, 4096, 4096, 4096, 4096), dict(BLOCK_N=256),
+                ARCH)
+print(f"transpose_rows_kernel, float32, 4096 × 4096 on {ARCH}:")
 show(_sass, "LDG", "STG")
 
 # %% [markdown]
@@ -1262,7 +1319,7 @@ print("transpose_kernel compiles to 128-bit global loads and stores on an H100 a
 # %%
 try:
     for _M, _N in ((4096, 4096), (4096, 1000), (1000, 4096)):
-        _c = compile_kernel(transpose_kernel, *transpose_launch(torch.float32, _M, _N), "sm_90")
+        _c = compile_kernel(transpose_kernel, *transpose_launch(torch.float32, _M, _N), ARCH)
         _w = read_sass(cuobjdump(_c.asm["cubin"], "-sass"))
         _usage = cuobjdump(_c.asm["cubin"], "--dump-resource-usage")
         _shared = int(re.search(r"SHARED:(\d+)", _usage)[1]) + _c.metadata.shared
@@ -1532,11 +1589,11 @@ print(f"\nthis notebook ran in {time.perf_counter() - STARTED:.0f} s (kernel sta
 # ## Where this goes next
 #
 # Every kernel in this course can now be read this way before it ever meets a GPU: after
-# changing a tile size or `num_warps`, compile for `sm_80` and `sm_90`, check registers,
-# spills, widths and the dot's instruction, and put the kernel on the roofline. On a GPU,
-# NVIDIA Nsight Compute reports the same numbers measured (achieved occupancy, bytes moved,
-# the share of peak reached), and `triton.testing.do_bench` times the kernel; the prediction
-# says what the measurement should be compared with.
+# changing a tile size or `num_warps`, compile for the GPUs it will run on (`ARCH`, `sm_80`,
+# `sm_90`, ...), check registers, spills, widths and the dot's instruction, and put the kernel
+# on the roofline. On a GPU, NVIDIA Nsight Compute reports the same numbers measured (achieved
+# occupancy, bytes moved, the share of peak reached), and `triton.testing.do_bench` times the
+# kernel; the prediction says what the measurement should be compared with.
 #
 # ### Reflection
 #

@@ -7,10 +7,14 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
-import torch
+from labkit.threads import wait_passively
 
-from minigpt import MiniGPT, MiniGPTConfig
+wait_passively()   # before torch loads: the OpenMP threads of every test and child sleep, not spin
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from minigpt import MiniGPT, MiniGPTConfig  # noqa: E402
 
 # Small enough that a forward pass costs well under a millisecond on a 2-core CPU; odd-ish
 # sizes (n_embd 24 over 3 heads, d_ff 40) so that nothing only works for powers of two.

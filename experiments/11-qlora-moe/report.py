@@ -287,11 +287,12 @@ last two rows divide a regime's bill by QLoRA's.
   `tests/minituner/test_memory.py::test_moe_activation_bytes_match_the_ledger` checks it
   against the storage ledger.
 - **QLoRA's activations.** The NF4 experts must be dequantized to run, but each expert
-  linear is checkpointed: its compact float copy (`[n_active, in, out]`) is not kept for the
-  backward but dequantized again there, as bitsandbytes does for a dense 4-bit layer. The
-  same checkpoint drops the gathered inputs and x·Aᵀ that LoRA on float experts keeps. It is
-  not free: the backward recomputes the expert linears, dequantization included; that time
-  is not measured here.
+  linear's compact float copy (`[n_active, in, out]`) is not kept for the backward but
+  dequantized again there, as bitsandbytes does for a dense 4-bit layer. Its LoRA term is
+  checkpointed, which drops the gathered inputs and x·Aᵀ that LoRA on float experts keeps
+  (the gated down projection is checkpointed whole). It is not free: the backward dequantizes
+  again and recomputes the LoRA terms and the down projection; that time is not measured
+  here.
 
 **Gradient checkpointing** on the QLoRA model (MiB):
 

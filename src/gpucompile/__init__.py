@@ -7,6 +7,9 @@ on that GPU would do, from the launch's own arguments:
     kernel[grid](*args, **constexprs_and_options)      # on a GPU
     compile_kernel(kernel, args, kwargs, "sm_90")       # here: the same compilation
 
+for any of `ARCHS`: sm_75 (T4), sm_80 (A100), sm_86 (A10G, RTX 30), sm_89 (L4, RTX 40) and
+sm_90 (H100).
+
 Triton specializes a launch on its arguments: the element type of each tensor, whether each
 pointer is 16-byte aligned and each integer a multiple of 16 (`tt.divisibility`, which is what
 lets it vectorise), integers equal to 1 become constants. `compile_kernel` runs Triton's own
@@ -21,6 +24,8 @@ stand-ins (`like(torch.bfloat16)`): only the dtype and alignment of a pointer ma
 - global memory instructions by access width in bits (`LDG.E.U8` = 8, `LDG.E` = 32,
   `LDG.E.128` = 128; the asynchronous copies `LDGSTS` of a pipelined loop count as loads);
 - tensor-core instructions: `HMMA` (mma.sync, sm_70 and up) and `HGMMA` (wgmma, sm_90).
+  Triton (3.3 and later) emits neither below sm_80: there every `tl.dot` becomes FMAs on
+  float32, float16 included, although sm_75's tensor cores take float16.
 
 Works in a process that runs kernels in the interpreter too: an interpreted kernel is
 compiled from its Python source (`.fn`), so a notebook can compile the kernel it just ran.
@@ -63,7 +68,7 @@ SUB_PARTITIONS = 4         # an SM's register file is 4 banks of 16 384, one per
 REGISTER_UNIT = 256        # registers go to a warp in units of 256
 MAX_REGISTERS = 255        # per thread: ptxas spills past it
 MAX_WARPS_PER_BLOCK = 32   # 1 024 threads
-ARCHS = ("sm_80", "sm_90")   # what compile_kernel targets (A100, H100)
+ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")   # T4, A100, A10G, L4, H100
 
 _WIDTH = {"U8": 8, "S8": 8, "U16": 16, "S16": 16, "64": 64, "128": 128}
 
@@ -84,7 +89,7 @@ class KernelReport:
     """One compiled kernel: what ptxas made of it for one architecture."""
 
     kernel: str
-    arch: str                     # "sm_80" | "sm_90"
+    arch: str                     # one of ARCHS
     num_warps: int
     num_stages: int
     registers: int                # per thread

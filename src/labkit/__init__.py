@@ -6,11 +6,15 @@ import it freely. The nbgrader course is the package `course`, Lab 13's compiler
 `gpucompile` (docs/ARCHITECTURE.md, Layers).
 """
 
-from . import measure
-from .experiment import ReproduceReport, RunContext, reproduce, run_experiment
-from .hashing import sha256_file, sha256_json, sha256_state_dict
-from .manifest import ManifestError, read_manifest, write_manifest
-from .seed import seed_everything
+from .threads import wait_passively
+
+wait_passively()   # before anything below imports torch (labkit/threads.py says why)
+
+from . import measure  # noqa: E402
+from .experiment import ReproduceReport, RunContext, reproduce, run_experiment  # noqa: E402
+from .hashing import sha256_file, sha256_json, sha256_state_dict  # noqa: E402
+from .manifest import ManifestError, read_manifest, write_manifest  # noqa: E402
+from .seed import seed_everything  # noqa: E402
 
 __all__ = ["ManifestError", "ReproduceReport", "RunContext", "measure", "read_manifest",
            "reproduce", "run_experiment", "seed_everything", "sha256_file", "sha256_json",

@@ -13,7 +13,9 @@ ever rewritten:
   `benchmarks/results/gpu/` (verified manifests, newest first; none: not yet run on a GPU);
 - `COMPILE_MARKER` opens the compile report's block: `compile_readme(records, roofline)` of
   `benchmarks/summary.py`, given benchmarks/results/compile_report.json and roofline.json
-  (which `make compile-report` writes and a test holds to what the compiler makes).
+  (which `make compile-report` writes and a test holds to what the compiler makes);
+- `CPU_MARKER` opens the CPU benchmark's block: `cpu_readme(path, manifest)` of
+  `benchmarks/summary.py`, given the verified manifest `make bench-cpu` wrote.
 
 A relative link in a body is written from the root of the checkout; in a document below the
 root (experiments/README.md) it is rewritten to open the same file from there.
@@ -48,6 +50,9 @@ GPU_SUMMARY = "benchmarks/summary.py"
 COMPILE_REPORT = "benchmarks/results/compile_report.json"    # and roofline.json beside it
 COMPILE_MARKER = (f"<!-- generated from {COMPILE_REPORT} by {COMMAND}; edit {GPU_SUMMARY}, "
                   "not this block -->")
+CPU_RESULT = "benchmarks/results/cpu.json"                    # `make bench-cpu`
+CPU_MARKER = (f"<!-- generated from {CPU_RESULT} by {COMMAND}; edit {GPU_SUMMARY}, "
+              "not this block -->")
 # The documents' prose is wrapped at this width; generated paragraphs follow it.
 WIDTH = 92
 _OPENING = "<!-- generated from "
@@ -116,6 +121,8 @@ def _opened(line: str, number: int, doc: str) -> str | None:
         return "*"
     if text == COMPILE_MARKER:
         return COMPILE_REPORT
+    if text == CPU_MARKER:
+        return CPU_RESULT
     found = _EXPERIMENT_MARKER.fullmatch(text)
     if found:
         return found["name"]
@@ -124,8 +131,8 @@ def _opened(line: str, number: int, doc: str) -> str | None:
         return f"{GPU_RESULTS}/{found['part']}"
     if text.startswith(_OPENING):
         raise InputError(f"{_where(doc, number)}: unrecognised marker {text!r}; expected "
-                         f"{marker('NN-name')!r}, {gpu_marker('part')!r}, {COMPILE_MARKER!r} "
-                         f"or {TABLE_MARKER!r}")
+                         f"{marker('NN-name')!r}, {gpu_marker('part')!r}, {COMPILE_MARKER!r}, "
+                         f"{CPU_MARKER!r} or {TABLE_MARKER!r}")
     return None
 
 
@@ -228,6 +235,17 @@ def compile_body(root: Path, where: str = "RESULTS.md") -> str:
     return _markdown(summary.compile_readme(records, roofline), script, where)
 
 
+def cpu_body(root: Path, where: str = "RESULTS.md") -> str:
+    """The CPU benchmark's block: GPU_SUMMARY's cpu_readme(name, manifest) of CPU_RESULT."""
+    try:
+        manifest = read_manifest(Path(root) / CPU_RESULT)
+    except InputError as e:
+        raise InputError(f"{where}: {e}; run `make bench-cpu`") from None
+    script = Path(root) / GPU_SUMMARY
+    summary = load_script(script, "benchmarks_summary")
+    return _markdown(summary.cpu_readme(CPU_RESULT, manifest), script, where)
+
+
 def duration(seconds: float) -> str:
     """A run time as a reader takes it in: "95 s" under two minutes, else "13.2 min"."""
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
@@ -256,6 +274,8 @@ def _body(root: Path, opened: str, where: str) -> str:
         return gpu_body(root, opened.removeprefix(f"{GPU_RESULTS}/"), where)
     if opened == COMPILE_REPORT:
         return compile_body(root, where)
+    if opened == CPU_RESULT:
+        return cpu_body(root, where)
     return experiment_body(root, opened, where)
 
 

@@ -60,7 +60,8 @@ _PARALLEL_LINEAR = {"parallel_linear": "minimoe.parallel_experts.parallel_linear
                     "parallel_linear_from_indices":
                         "minimoe.parallel_experts.parallel_linear_from_indices",
                     "ParallelLinear": "minimoe.parallel_experts.ParallelLinear",
-                    "torch_parallel_linear": "minimoe.parallel_experts._torch_parallel_linear"}
+                    "torch_parallel_linear": "minimoe.parallel_experts._torch_parallel_linear",
+                    "torch_parallel_linear_dx": "minimoe.parallel_experts.torch_parallel_linear_dx"}
 REFERENCE = {
     "07-moe-routing": {
         "route": "minimoe.routers.route", "route_math": "minimoe.routers._route",

@@ -62,7 +62,8 @@ helpers, which fail inside an interpreted kernel when triton was first imported 
 TRITON_INTERPRET; see miniquant/triton_dequant.py).
 
 PRECISION is `tl.dot`'s input_precision: "ieee" (exact float32 products, the checking mode)
-or "tf32" (float32 on tensor cores); 16-bit inputs always run on tensor cores.
+or "tf32" (float32 on tensor cores); 16-bit inputs run on tensor cores from sm_80, and below it,
+where Triton compiles every dot to FMAs, in float32 (`ops.dot_plan`).
 """
 
 from __future__ import annotations
@@ -261,21 +262,25 @@ def _configs(*rows: tuple) -> list[dict]:
     return [dict(blocks, num_warps=w, num_stages=s) for blocks, w, s in rows]
 
 
-# GPU candidates per kernel and dtype width (16: fp16/bf16, 32: float32), each compiled for
-# sm_80 and sm_90 by benchmarks/compile_report.py and held to no spills by the tests. Float32
-# without TF32 multiplies on the FMA units: a thread then holds its whole strip of both
-# operands, so it gets smaller K steps or more warps than 16-bit tiles of the same size.
-# "unaligned": for launches whose sizes or strides are not multiples of 16. Triton cannot
-# prove such rows aligned, so every element gets its own 64-bit address and load, and the
-# aligned tiles then run out of registers (up to 968 spilled bytes a thread, sm_80); smaller
-# tiles over 8 warps, unpipelined, keep within them.
+# GPU candidates per kernel and dtype width (16: fp16/bf16 on tensor cores, 32: float32),
+# each compiled for sm_75, sm_80, sm_86, sm_89 and sm_90 by benchmarks/compile_report.py and
+# held to no spills by the tests. Float32 without TF32 multiplies on the FMA units: a thread
+# then holds its whole strip of both operands, so it gets smaller K steps or more warps than
+# 16-bit tiles of the same size. Below sm_80 every dot is such a product, 16-bit ones too, and
+# the launchers take the float32 list for every dtype there (`ops.dot_plan`): the 16-bit tiles
+# spill up to 4 KiB a thread on sm_75. "unaligned": for launches whose sizes or strides are not
+# multiples of 16. Triton cannot prove such rows aligned, so every element gets its own 64-bit
+# address and load, and the aligned tiles then run out of registers (up to 968 spilled bytes a
+# thread, sm_80); smaller tiles, unpipelined, keep within them on every architecture (32 × 32
+# scatter2scatter tiles spill 8 bytes on sm_75, group_bwd_lora's 32-row tiles over 8 warps 8
+# on sm_86 and sm_89).
 CONFIGS = {
     "scatter2scatter": {
         16: _configs((dict(BLOCK_N=64, BLOCK_K=32), 4, 3), (dict(BLOCK_N=128, BLOCK_K=32), 4, 3),
                      (dict(BLOCK_N=64, BLOCK_K=64), 4, 3), (dict(BLOCK_N=128, BLOCK_K=64), 8, 3)),
         32: _configs((dict(BLOCK_N=32, BLOCK_K=32), 4, 3), (dict(BLOCK_N=64, BLOCK_K=16), 4, 2),
                      (dict(BLOCK_N=128, BLOCK_K=16), 8, 2)),
-        "unaligned": _configs((dict(BLOCK_N=32, BLOCK_K=32), 8, 1)),
+        "unaligned": _configs((dict(BLOCK_N=32, BLOCK_K=16), 8, 1)),
     },
     "group": {
         16: _configs((dict(BLOCK_M=64, BLOCK_N=64), 4, 1), (dict(BLOCK_M=32, BLOCK_N=128), 4, 1)),
@@ -294,7 +299,7 @@ CONFIGS = {
                      (dict(BLOCK_M=64, BLOCK_P=128, BLOCK_Q=64), 8, 3)),
         32: _configs((dict(BLOCK_M=32, BLOCK_P=64, BLOCK_Q=32), 8, 2),
                      (dict(BLOCK_M=64, BLOCK_P=64, BLOCK_Q=16), 8, 2)),
-        "unaligned": _configs((dict(BLOCK_M=32, BLOCK_P=64, BLOCK_Q=16), 8, 1)),
+        "unaligned": _configs((dict(BLOCK_M=16, BLOCK_P=64, BLOCK_Q=16), 4, 1)),
     },
 }
 

@@ -92,9 +92,10 @@ def saved_per_token(d_model: int, d_ff: int, n_experts: int, top_k: int, experts
       inputs of the gate and up adapters (2·d_model), x·Aᵀ of the three (3r), gate, up, SiLU,
       product (4·d_ff), the down output kept by the k-way mix (d_model), and int64 row indices
       (4 token gathers, 2 inverse permutations).
-    - "nf4_lora": each NF4 expert linear is checkpointed, so it keeps only its inputs: the k
-      gates (k > 1), the MLP input (d_model, once), gate, up, SiLU, product (4·d_ff), the slot
-      order and the three compact expert ids; nothing of size K·N (nf4_experts.py).
+    - "nf4_lora": each NF4 expert linear keeps only its inputs (nf4_experts.py: it dequantizes
+      again in the backward, its LoRA term checkpointed): the k gates (k > 1), the MLP input
+      (d_model, once), gate, up, SiLU, product (4·d_ff), the slot order and the three compact
+      expert ids; nothing of size K·N.
     """
     if experts not in EXPERT_KINDS:
         raise ValueError(f"experts must be one of {EXPERT_KINDS}, got {experts!r}")

@@ -19,9 +19,17 @@ The sorted order does not change (active experts keep their relative order), so
 elements instead of E·K·N; an expert without tokens is never read. The NF4 storage is held as
 buffers and `Wc` is a fresh tensor outside autograd, so gradients reach x, the gates and the
 LoRA factors only (selecting the active LoRA slices is an index, so the unused experts' LoRA
-rows get exactly-zero gradients). Under autograd the call is checkpointed: the forward keeps
-its inputs, not Wc, and the backward dequantizes again — as bitsandbytes' 4-bit matmul does
-for a dense layer — so no dequantized weight lives between forward and backward.
+rows get exactly-zero gradients).
+
+Under autograd no dequantized weight lives between forward and backward: the backward
+dequantizes again, as bitsandbytes' 4-bit matmul does for a dense layer. Without gates on the
+torch backend (a MoE MLP's gate and up projections) that is all the base needs, dX = dY·Wcᵀ:
+`_FrozenNF4Linear` dequantizes and multiplies once each way, and only the LoRA term is
+checkpointed (rerun in the backward: its gathered inputs and x·Aᵀ are not kept). Otherwise
+(gates, whose gradient reads the outputs; the Triton kernels, which take the weight whole)
+the whole call is checkpointed: it keeps its inputs and reruns in the backward, base
+products included. Either way the same operations as autograd through the call, in the same
+order: the same bits.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from miniquant.linear import NF4Buffers
@@ -37,7 +46,14 @@ from miniquant.triton_dequant import selective_dequantize_nf4, selective_dequant
 
 from .experts import init_expert_lora
 from .ops import check_expert_lora
-from .parallel_experts import ExpertLoRA, check_gates, expert_lora, parallel_linear
+from .parallel_experts import (
+    ExpertLoRA,
+    check_gates,
+    expert_lora,
+    expert_lora_weights,
+    parallel_linear,
+    torch_parallel_linear_dx,
+)
 from .routing import Routing
 
 __all__ = ["NF4Experts", "active_experts", "nf4_parallel_linear", "quantize_experts"]
@@ -111,9 +127,18 @@ def nf4_parallel_linear(x: torch.Tensor, q: NF4Weight, routing: Routing, *,
         stats.update(active=active, n_active=n, n_experts=E,
                      dequant_bytes=n * K * N * x.element_size())
 
-    def expert_linear(x, gates, lora_A, lora_B):
-        Wc = dequant(q, ids, dtype=x.dtype)                                    # [n, K, N]
+    dtype = x.dtype
+
+    def weight() -> torch.Tensor:
+        """The active experts dequantized: [n, K, N] in x's dtype, outside autograd. It holds
+        q and the host ids, no activation: `_FrozenNF4Linear` keeps it outside autograd's
+        saved tensors, where a checkpoint around the call could not drop it."""
+        Wc = dequant(q, ids, dtype=dtype)
         assert not Wc.requires_grad and Wc.grad_fn is None, "the NF4 weight must stay frozen"
+        return Wc
+
+    def expert_linear(x, gates, lora_A, lora_B):
+        Wc = weight()                                                          # [n, K, N]
         lora_c = _compact_lora(expert_lora(lora_A, lora_B, scaling), ids_dev, q.shape)
         return parallel_linear(x, Wc, compact, gates=gates, grouped_in=grouped_in,
                                grouped_out=grouped_out, lora=lora_c, backend=backend,
@@ -122,9 +147,60 @@ def nf4_parallel_linear(x: torch.Tensor, q: NF4Weight, routing: Routing, *,
     if not torch.is_grad_enabled():
         return expert_linear(x, gates, lora_A, lora_B)
     # The backward needs Wc (dX = dY·Wcᵀ); saving it would keep n·K·N floats per projection
-    # alive until then, the very copy QLoRA avoids. Checkpointing the call keeps only its
-    # inputs and rebuilds Wc (and the expert linear's intermediates) in the backward.
+    # alive until then, the very copy QLoRA avoids: the backward dequantizes again.
+    if backend == "torch" and gates is None:          # and needs no output: nothing rerun
+        return _ungated_torch(x, weight, compact, expert_lora(lora_A, lora_B, scaling),
+                              ids_dev, q.shape, grouped_in, grouped_out)
+    # Checkpointing the call keeps only its inputs and reruns it in the backward, Wc and the
+    # outputs dgates reads included.
     return checkpoint(expert_linear, x, gates, lora_A, lora_B, use_reentrant=False)
+
+
+class _FrozenNF4Linear(torch.autograd.Function):
+    """x -> the frozen NF4 expert linear on the torch backend, without gates or LoRA; its
+    gradient goes to x only. The forward dequantizes and multiplies; the backward dequantizes
+    again for dX = dY·Wcᵀ, the only product it needs. Nothing of size K·N lives in between,
+    and, unlike a checkpoint, the forward's products are not computed twice: without gates
+    the backward never reads the output."""
+
+    @staticmethod
+    def forward(ctx, x, weight, routing, grouped_in, grouped_out):
+        ctx.weight, ctx.routing, ctx.n_rows = weight, routing, x.shape[0]
+        ctx.grouped = grouped_in, grouped_out
+        return parallel_linear(x, weight(), routing, grouped_in=grouped_in,
+                               grouped_out=grouped_out, backend="torch")            # [M, N]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = torch_parallel_linear_dx(dout, ctx.weight(), ctx.routing, *ctx.grouped,
+                                          ctx.n_rows)                       # [rows of x, K]
+        return dx, None, None, None, None
+
+
+def _ungated_torch(x, weight, compact, lora, ids, shape, grouped_in, grouped_out):
+    """The torch backend without gates, under autograd: the base through `_FrozenNF4Linear`,
+    plus scaling · (x A_eᵀ) B_eᵀ as the split path computes it, checkpointed (it keeps x only
+    and recomputes its gathered inputs and x·Aᵀ, small beside the base). The same operations
+    as the checkpointed call, so the same bits, less the base's second forward."""
+    base = _FrozenNF4Linear.apply(x, weight, compact, grouped_in, grouped_out)    # [M, N]
+    if lora is None:
+        return base
+
+    def lora_term(x, lora_A, lora_B):
+        lora_c = _compact_lora(ExpertLoRA(lora_A, lora_B), ids, shape)
+        WA, WB = expert_lora_weights(lora_c, len(ids), *shape[1:])         # [n, K, r], [n, r, N]
+        h = parallel_linear(x, WA, compact, grouped_in=grouped_in, grouped_out=True,
+                            backend="torch")                                # [M, r] sorted
+        return parallel_linear(h, WB, compact, grouped_in=True, grouped_out=grouped_out,
+                               backend="torch")                             # [M, N]
+
+    d = checkpoint(lora_term, x, lora.A, lora.B, use_reentrant=False)      # [M, N]
+    # base + scaling · d, in place: the same bits without two more [M, N] buffers (neither
+    # the Function nor the checkpoint reads its output back).
+    return base.add_(d.mul_(lora.scaling))
 
 
 class NF4Experts(NF4Buffers):

@@ -6,10 +6,13 @@ Row inputs (X, DY) that are not contiguous are copied; weights are read through 
 Launch configurations (`kernels.CONFIGS`): on a GPU each kernel autotunes over a short list
 for its dtype's width (16-bit or float32), keyed on the sizes that change the best choice; in
 the interpreter, which pays per program rather than per instruction, one fixed large tile.
-`benchmarks/compile_report.py` compiles every candidate for sm_80 and sm_90 and the tests hold
-them to no register spills. Float32 products are exact ("ieee") unless the caller allows
-TF32 the way PyTorch's own matmuls are allowed it, `torch.set_float32_matmul_precision("high")`
-(or "medium"); the interpreter always computes in float32.
+Float32 products are exact ("ieee") unless the caller allows TF32 the way PyTorch's own
+matmuls are allowed it, `torch.set_float32_matmul_precision("high")` (or "medium"); the
+interpreter always computes in float32. Below sm_80 Triton has no tensor-core dot: there
+`dot_plan` runs every dot kernel's products in float32 with the float32 tiles, and warns once
+per device when 16-bit inputs do. `benchmarks/compile_report.py` compiles every candidate a
+launch can pick for sm_75, sm_80, sm_86, sm_89 and sm_90, and the tests hold them to no
+register spills.
 
 The kernels (kernels.py) load at the first launch, when `_kernels()` imports them: that
 imports triton (choosing its interpreter without CUDA), so `import minimoe` needs no triton and
@@ -19,22 +22,33 @@ Index values: called alone, a launcher checks the index values it reads (in rang
 a permutation, consistent offsets) with one host sync. `trusted=True` skips that look: the
 caller vouches that the indices come from a validated `routing.Routing` (`parallel_linear`
 does, so a forward and backward never sync per launch). Shapes, dtypes and devices are
-always checked (no sync).
+always checked (no sync). scatter2scatter's row tiles (`expert_tiles`) are cut per launch,
+or once per Routing when the launch is given it (`routing=`: `Routing.tiles`).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from miniquant.triton_env import not_on_cuda
 
 from . import routing
+from .routing import Routing, expert_tiles
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DOT_KERNELS = ("scatter2scatter", "group_bwd_W", "group_bwd_lora")
+
+# Triton has compiled no tensor-core dot below compute capability 8.0 since 3.3, which dropped
+# Volta's MMA and lowers every tl.dot there to FMAs on float32 (triton-lang/triton#5066):
+# Turing's tensor cores (float16, no bfloat16 or TF32) go unused. The 16-bit tiles, sized
+# for tensor cores, then spill thousands of bytes a thread (benchmarks/compile_report.py).
+TENSOR_CORES = (8, 0)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -59,15 +73,74 @@ def _autotuned(name: str, bits: int, aligned: bool):
     return triton.autotune(configs, key=kernels.TUNING_KEYS[name])(kernels.KERNELS[name])
 
 
+class DotPlan(NamedTuple):
+    """How a dot kernel launches for one device and input dtype."""
+
+    bits: int              # configuration list (kernels.configs): 16 tensor-core tiles, 32 FMA
+    precision: str         # tl.dot's input_precision: "ieee" (exact) | "tf32"
+    fallback: str | None   # why the launch is not what the dtype asks for; None when it is
+
+
+def dot_plan(capability: tuple[int, int], dtype: torch.dtype, tf32: bool = False) -> DotPlan:
+    """The launch of a dot kernel (`DOT_KERNELS`) for inputs of `dtype` on a device of compute
+    `capability` (major, minor); tf32: PyTorch's matmuls may use TF32
+    (`torch.get_float32_matmul_precision() != "highest"`).
+
+    From sm_80: 16-bit inputs on tensor cores with the 16-bit tiles, float32 with the float32
+    tiles, exact or TF32. Below (`TENSOR_CORES`) every product is a float32 FMA: the float32
+    tiles for every dtype (the kernel widens its 16-bit tiles in registers, and stores in the
+    input dtype), and "ieee" (no TF32 there, a permission PyTorch drops the same way)."""
+    bits = 32 if dtype == torch.float32 else 16
+    if tuple(capability) >= TENSOR_CORES:
+        return DotPlan(bits, "tf32" if tf32 and bits == 32 else "ieee", None)
+    arch = f"sm_{capability[0]}{capability[1]}"
+    if bits == 32:
+        why = f"exact float32 products: {arch} has no TF32 tensor cores" if tf32 else None
+        return DotPlan(32, "ieee", why)
+    name = str(dtype).removeprefix("torch.")
+    lacks = (f"{arch} has no bfloat16 tensor cores, and " if dtype == torch.bfloat16
+             else f"on {arch} ")
+    return DotPlan(32, "ieee", f"{name} products in float32 on the FMA units, with the float32 "
+                               f"tiles: {lacks}Triton compiles no tensor-core dot below sm_80")
+
+
+@functools.cache
+def _capability(index: int) -> tuple[str, tuple[int, int]]:
+    """(name, compute capability) of CUDA device `index`."""
+    return torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def _warn_once(device: str, fallback: str) -> None:
+    """Say once per device and fallback (one per dtype) that dot launches fall back, and why."""
+    warnings.warn(f"minimoe: {device}: {fallback}. Expect the MoE kernels several times "
+                  f"slower than on an sm_80 or later GPU.", stacklevel=2)
+
+
+def _device_plan(device: torch.device, dtype: torch.dtype) -> DotPlan:
+    """dot_plan for a CUDA device, warning (once) when 16-bit inputs fall back."""
+    name, capability = _capability(device.index if device.index is not None else 0)
+    plan = dot_plan(capability, dtype, torch.get_float32_matmul_precision() != "highest")
+    if plan.fallback and dtype != torch.float32:
+        _warn_once(name, plan.fallback)
+    return plan
+
+
 def _launch(name: str, grid: Callable[[dict], tuple], dtype: torch.dtype, *args, **consts):
     """Launch kernels.`name` on grid(meta) (meta: the BLOCK_* sizes chosen): autotuned on a
-    GPU, the interpreter's fixed configuration otherwise."""
+    GPU over the configurations `dot_plan` picks, the interpreter's fixed configuration
+    (float32, exact) otherwise. A dot kernel's PRECISION is set here."""
     kernels = _kernels()
+    dot = name in DOT_KERNELS
     if kernels.interpreting():
         meta = kernels.INTERPRETER_CONFIG[name]
-        kernels.KERNELS[name][grid(meta)](*args, **consts, **meta)
+        precision = dict(PRECISION="ieee") if dot else {}
+        kernels.KERNELS[name][grid(meta)](*args, **consts, **precision, **meta)
         return
     bits = 32 if dtype == torch.float32 else 16
+    if dot:
+        plan = _device_plan(args[0].device, dtype)
+        bits, consts = plan.bits, dict(consts, PRECISION=plan.precision)
     _autotuned(name, bits, aligned(kernels.KERNELS[name].arg_names, args))[grid](*args, **consts)
 
 
@@ -77,38 +150,6 @@ def aligned(names: list[str], args: tuple) -> bool:
     and B, whose strides are arguments of their own)."""
     return all(a == 1 or a % 16 == 0 for n, a in zip(names, args, strict=False)
                if type(a) is int and n != "R")
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """tl.dot's input_precision: "tf32" for float32 when PyTorch's matmuls may use it."""
-    interpreting = _kernels().interpreting()
-    allowed = torch.get_float32_matmul_precision() != "highest" and not interpreting
-    return "tf32" if dtype == torch.float32 and allowed else "ieee"
-
-
-def expert_tiles(sorted_expert_idxs: torch.Tensor, E: int, block_m: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cut each expert's sorted rows into tiles of block_m: (start, end) int64 [n_tiles].
-
-    Tile t covers rows start[t] .. min(start[t] + block_m, end[t]) of one expert, end[t]
-    being that expert's end row; n_tiles = cdiv(M, block_m) + min(E, M) - 1 bounds the
-    tiles any routing needs (each expert with rows adds at most one partial tile), and the
-    spare ones have start == end == 0. Device ops only, no host sync. M >= 1.
-    """
-    sei = sorted_expert_idxs
-    M = sei.shape[0]
-    experts = torch.arange(E, device=sei.device)
-    ends = torch.searchsorted(sei, experts, right=True)                    # [E] end rows
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))                   # [E] rows each
-    tiles = (counts + block_m - 1) // block_m                              # [E] tiles each
-    last_tile = torch.cumsum(tiles, 0)                                     # [E] exclusive
-    t = torch.arange(_cdiv(M, block_m) + min(E, M) - 1, device=sei.device)
-    e = torch.searchsorted(last_tile, t, right=True)                       # [n_tiles]
-    used = e < E
-    e = e.clamp(max=E - 1)
-    start = ends[e] - counts[e] + (t - (last_tile[e] - tiles[e])) * block_m
-    zero = start.new_zeros(())
-    return torch.where(used, start, zero), torch.where(used, ends[e], zero)
 
 
 def _check_float(t: torch.Tensor, name: str) -> None:
@@ -187,31 +228,46 @@ def _rank_block(r: int) -> int:
 
 def scatter2scatter(X: torch.Tensor, W: torch.Tensor, sorted_expert_idxs: torch.Tensor,
                     sorted_scattered_idxs: torch.Tensor, k: int, x_grouped: bool = False,
-                    y_grouped: bool = False, *, trusted: bool = False) -> torch.Tensor:
+                    y_grouped: bool = False, *, trusted: bool = False,
+                    routing: Routing | None = None) -> torch.Tensor:
     """Y[row(i)] = X[xrow(i)] @ W[sorted_expert_idxs[i]] for every sorted row i.
 
     X [T, K] (or [M, K] grouped), W [E, K, N] -> Y [M, N], M = len(sorted_expert_idxs);
     xrow(i) = i if x_grouped else sorted_scattered_idxs[i] // k; row(i) = i if y_grouped
-    else sorted_scattered_idxs[i] (slot order t·k + j).
+    else sorted_scattered_idxs[i] (slot order t·k + j). routing: the Routing the sorted ids
+    are from, whose row tiles every launch on it shares (`Routing.tiles`).
     """
     return _scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_grouped,
-                            y_grouped, None, trusted)
+                            y_grouped, None, trusted, routing)
 
 
 def scatter2scatter_lora(X: torch.Tensor, W: torch.Tensor, lora_A: torch.Tensor,
                          lora_B: torch.Tensor, scaling: float, sorted_expert_idxs: torch.Tensor,
                          sorted_scattered_idxs: torch.Tensor, k: int, x_grouped: bool = False,
-                         y_grouped: bool = False, *, trusted: bool = False) -> torch.Tensor:
+                         y_grouped: bool = False, *, trusted: bool = False,
+                         routing: Routing | None = None) -> torch.Tensor:
     """`scatter2scatter` plus each row's expert LoRA, fused into the same tiles:
     Y[row(i)] = x @ W[e] + scaling · (x @ A_eᵀ) @ B_eᵀ with e = sorted_expert_idxs[i],
     A [r·E, K], B [N, r·E], A_e = A[e·r:(e+1)·r], B_e = B[:, e·r:(e+1)·r]."""
     return _scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_grouped,
-                            y_grouped, (lora_A, lora_B, float(scaling)), trusted)
+                            y_grouped, (lora_A, lora_B, float(scaling)), trusted, routing)
+
+
+def _tiles(sei: torch.Tensor, E: int, tile_m: int, owner: Routing | None):
+    """expert_tiles of the sorted ids: those of their Routing `owner`, cut once, if given."""
+    if owner is None:
+        return expert_tiles(sei, E, tile_m)
+    if not isinstance(owner, Routing) or owner.n_rows != sei.shape[0] \
+            or owner.n_experts != E or owner.sorted_expert_idxs.device != sei.device:
+        raise ValueError(f"routing must be the Routing of these {sei.shape[0]} sorted rows and "
+                         f"{E} experts on {sei.device}, got {owner!r}")
+    return owner.tiles(tile_m)
 
 
 def _scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_grouped, y_grouped,
-                     lora, trusted) -> torch.Tensor:
-    """Check, allocate and launch the scatter2scatter kernel; lora = (A, B, scaling) or None."""
+                     lora, trusted, owner) -> torch.Tensor:
+    """Check, allocate and launch the scatter2scatter kernel; lora = (A, B, scaling) or None,
+    owner: the Routing of the sorted ids or None."""
     _check_same(X, W, "X", "W")
     _check_float(X, "X")
     _check_float(W, "W")
@@ -247,14 +303,13 @@ def _scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_group
     if M == 0:
         return Y
     tile_m = _kernels().TILE_M
-    start, end = expert_tiles(sei, E, tile_m)
+    start, end = _tiles(sei, E, tile_m, owner)
     _launch("scatter2scatter", lambda meta: (start.shape[0], _cdiv(N, meta["BLOCK_N"])),
             X.dtype, X, W, Y, sei, ssi, start, end, K, N, X.stride(0), X.stride(1),
             W.stride(0), W.stride(1), W.stride(2), Y.stride(0), Y.stride(1),
             A, B, r, scaling, A.stride(0), A.stride(1), B.stride(0), B.stride(1),
             FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped, HAS_LORA=lora is not None,
-            PRECISION=_precision(X.dtype), BLOCK_M=tile_m,
-            BLOCK_R=_rank_block(max(r, 1)))
+            BLOCK_M=tile_m, BLOCK_R=_rank_block(max(r, 1)))
     return Y
 
 
@@ -311,8 +366,7 @@ def group_bwd_W(DY: torch.Tensor, X: torch.Tensor, expert_offsets: torch.Tensor,
     _launch("group_bwd_W",
             lambda meta: (E, _cdiv(K, meta["BLOCK_K"]), _cdiv(N, meta["BLOCK_N"])),
             X.dtype, DY, X, DW, offs, K, N, DY.stride(0), DY.stride(1), X.stride(0),
-            X.stride(1), DW.stride(0), DW.stride(1), DW.stride(2),
-            PRECISION=_precision(X.dtype))
+            X.stride(1), DW.stride(0), DW.stride(1), DW.stride(2))
     return DW
 
 
@@ -351,6 +405,5 @@ def group_bwd_lora(DY: torch.Tensor, X: torch.Tensor, lora_A: torch.Tensor,
         P, Q = U.shape[1], V.shape[1]
         _launch("group_bwd_lora", lambda meta, P=P: (E, _cdiv(P, meta["BLOCK_P"])),
                 X.dtype, U, V, L, OUT, offs, P, Q, r, float(scaling), U.stride(0),
-                U.stride(1), V.stride(0), V.stride(1), *sl, *so,
-                PRECISION=_precision(X.dtype), BLOCK_R=BR)
+                U.stride(1), V.stride(0), V.stride(1), *sl, *so, BLOCK_R=BR)
     return dA, dB

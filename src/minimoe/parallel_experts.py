@@ -75,16 +75,17 @@ class ParallelLinear(torch.autograd.Function):
         k = routing.k
         if lora_A is None:
             Y = ops.scatter2scatter(x, W, sei, ssi, k, x_grouped=grouped_in,
-                                    y_grouped=grouped_out, trusted=True)     # [M, N]
+                                    y_grouped=grouped_out, trusted=True,
+                                    routing=routing)                         # [M, N]
         else:
             Y = ops.scatter2scatter_lora(x, W, lora_A, lora_B, scaling, sei, ssi, k,
                                          x_grouped=grouped_in, y_grouped=grouped_out,
-                                         trusted=True)
+                                         trusted=True, routing=routing)
         out = Y if gates is None else _combine(Y, gates, k)                 # [T, N] w/ gates
         ctx.save_for_backward(x, W, gates, sei, ssi, offsets, Y if gates is not None else None,
                               lora_A, lora_B)
         ctx.k, ctx.grouped_in, ctx.grouped_out = k, grouped_in, grouped_out
-        ctx.scaling = scaling
+        ctx.scaling, ctx.routing = scaling, routing     # its row tiles serve the backward too
         return out
 
     @staticmethod
@@ -114,11 +115,13 @@ class ParallelLinear(torch.autograd.Function):
             Wt = W.transpose(1, 2)                                                    # [E, N, K]
             if lora_A is None:
                 dXs = ops.scatter2scatter(dYg, Wt, sei, ssi, 1, x_grouped=True,
-                                          y_grouped=ctx.grouped_in, trusted=True)     # [M, K]
+                                          y_grouped=ctx.grouped_in, trusted=True,
+                                          routing=ctx.routing)                        # [M, K]
             else:
                 dXs = ops.scatter2scatter_lora(dYg, Wt, lora_B.t(), lora_A.t(), ctx.scaling,
                                                sei, ssi, 1, x_grouped=True,
-                                               y_grouped=ctx.grouped_in, trusted=True)
+                                               y_grouped=ctx.grouped_in, trusted=True,
+                                               routing=ctx.routing)
             dx = dXs if ctx.grouped_in or k == 1 else dXs.view(-1, k, dXs.shape[1]).sum(1)
         return dx, dW, dgates, None, None, None, dA, dB, None
 
@@ -129,25 +132,52 @@ def _torch_parallel_linear(x, W, routing, gates, grouped_in, grouped_out):
     _, ssi, _ = routing
     k = routing.k
     Xg = x if grouped_in else x[ssi // k]                                  # [M, K] sorted
-    starts = (0, *routing.ends[:-1])
-    Yg = torch.cat([Xg[s:e] @ W[i] for i, (s, e) in enumerate(zip(starts, routing.ends,
-                                                                  strict=True))])
+    # One view per expert: split's backward is one cat, where a slice per expert would each
+    # give back a zero-filled [M, K] gradient for autograd to sum.
+    Yg = torch.cat([Xe @ We for Xe, We in zip(Xg.split(routing.counts()), W.unbind(0),
+                                              strict=True)])                # [M, N] sorted
     if grouped_out:
         return Yg                                                           # [M, N] sorted
     # Back to slot order by gathering with the inverse permutation (row of each slot): unlike
     # index_copy, whose backward keeps its source, a gather saves only the indices.
-    row = torch.empty_like(ssi).scatter_(0, ssi, torch.arange(ssi.numel(), device=ssi.device))
-    Y = Yg[row]                                                             # [M, N] slot order
+    Y = Yg[_inverse(ssi)]                                                   # [M, N] slot order
     return Y if gates is None else _combine(Y, gates, k)
+
+
+def _inverse(ssi: torch.Tensor) -> torch.Tensor:
+    """The sorted row of each slot [M]: the inverse of the permutation ssi."""
+    return torch.empty_like(ssi).scatter_(0, ssi, torch.arange(ssi.numel(), device=ssi.device))
+
+
+def torch_parallel_linear_dx(dout, W, routing, grouped_in, grouped_out, n_rows):
+    """dx of `_torch_parallel_linear` without gates, for a W that gets no gradient, computed
+    as autograd computes it there, op for op (the same bits): dout [M, N] -> [n_rows, K].
+    For a caller that rebuilds W in its backward rather than keep it (nf4_experts)."""
+    _, ssi, _ = routing
+    if grouped_out:
+        dYg = dout                                                          # [M, N] sorted
+    else:   # the gather's backward: accumulate into zeros at the gathered rows
+        dYg = dout.new_zeros(dout.shape).index_put_((_inverse(ssi),), dout, accumulate=True)
+    dXg = torch.cat([dYe.mm(We.t()) for dYe, We in zip(dYg.split(routing.counts()),
+                                                       W.unbind(0), strict=True)])   # [M, K]
+    if grouped_in:
+        return dXg
+    return dXg.new_zeros(n_rows, W.shape[1]).index_put_((ssi // routing.k,), dXg,
+                                                        accumulate=True)    # [T, K]
+
+
+def expert_lora_weights(lora: ExpertLoRA, E: int, K: int, N: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factors as expert weights, views (their gradients reach A and B): A [r·E, K] ->
+    [E, K, r], B [N, r·E] -> [E, r, N]. Checks their shapes against W [E, K, N]."""
+    r = ops.check_expert_lora(lora.A, lora.B, E, K, N)
+    return lora.A.reshape(E, r, K).transpose(1, 2), lora.B.reshape(N, E, r).permute(1, 2, 0)
 
 
 def _split_lora(x, W, routing, gates, grouped_in, grouped_out, lora, backend):
     """The split path: base + scaling · (x A_eᵀ) B_eᵀ per slot from three parallel_linears
     over views A -> [E, K, r], B -> [E, r, N] (their gradients come from the same rules)."""
-    E, K, N = W.shape
-    r = ops.check_expert_lora(lora.A, lora.B, E, K, N)
-    WA = lora.A.reshape(E, r, K).transpose(1, 2)                            # [E, K, r]
-    WB = lora.B.reshape(N, E, r).permute(1, 2, 0)                           # [E, r, N]
+    WA, WB = expert_lora_weights(lora, *W.shape)                        # [E, K, r], [E, r, N]
     go = grouped_out and gates is None
     base = parallel_linear(x, W, routing, grouped_in=grouped_in, grouped_out=go,
                            backend=backend)                             # [M, N]

@@ -7,6 +7,10 @@ a Routing; hand-built index tensors become one through `Routing.from_indices`, w
 them. Either way the check costs one device→host copy of a small summary (a few flags and
 the E offsets), kept on the Routing as `ends`, so no later launch needs to sync.
 
+`expert_tiles` cuts the sorted rows into the row tiles of the scatter2scatter kernel; a
+Routing keeps them per tile size (`Routing.tiles`), so the forward and the backward's dX
+launch on one routing cut them once.
+
 The routers, which choose the experts, are in `routers.py`.
 """
 
@@ -22,13 +26,14 @@ class Routing:
     sorted_expert_idxs[i]); sorted_scattered_idxs [M] int64: a permutation of 0..M-1, the slot
     of sorted row i (its token is slot // k); expert_offsets [E] int64: inclusive cumulative
     counts, i.e. expert e owns sorted rows offsets[e-1]..offsets[e] (offsets[-1] read as 0);
-    k, n_experts: ints; ends: expert_offsets as a tuple of Python ints (host copy).
+    k, n_experts: ints; ends: expert_offsets as a tuple of Python ints (host copy);
+    `tiles(block_m)`: the kernel's row tiles, cut once per tile size.
 
     It unpacks as the three tensors: `sei, ssi, offsets = flatten_sort_count(...)`.
     """
 
     __slots__ = ("sorted_expert_idxs", "sorted_scattered_idxs", "expert_offsets", "k",
-                 "n_experts", "ends")
+                 "n_experts", "ends", "_tiles")
 
     def __init__(self, sorted_expert_idxs: torch.Tensor, sorted_scattered_idxs: torch.Tensor,
                  expert_offsets: torch.Tensor, k: int, n_experts: int):
@@ -70,6 +75,7 @@ class Routing:
     def _set(self, sei, ssi, offs, k, n_experts, ends) -> None:
         self.sorted_expert_idxs, self.sorted_scattered_idxs, self.expert_offsets = sei, ssi, offs
         self.k, self.n_experts, self.ends = k, n_experts, ends
+        self._tiles: dict[int, tuple] = {}           # block_m -> (start, end): see tiles()
 
     @property
     def n_rows(self) -> int:
@@ -79,6 +85,14 @@ class Routing:
     @property
     def n_tokens(self) -> int:
         return self.n_rows // self.k
+
+    def tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`expert_tiles` of these sorted rows for tiles of block_m: (start, end) int64
+        [n_tiles], cut at the first call for each block_m and kept (device ops, no sync).
+        Every launch on this routing reuses them; `with_k` shares them (same rows)."""
+        if block_m not in self._tiles:
+            self._tiles[block_m] = expert_tiles(self.sorted_expert_idxs, self.n_experts, block_m)
+        return self._tiles[block_m]
 
     def counts(self) -> list[int]:
         """Rows per expert [E] (from the host copy of the offsets: no sync)."""
@@ -108,8 +122,10 @@ class Routing:
                 or self.n_rows % k:
             raise ValueError(f"k must be in 1..{self.n_experts} and divide the {self.n_rows} "
                              f"rows, got {k!r}")
-        return Routing._trusted(self.sorted_expert_idxs, self.sorted_scattered_idxs,
-                                self.expert_offsets, k, self.n_experts, self.ends)
+        routing = Routing._trusted(self.sorted_expert_idxs, self.sorted_scattered_idxs,
+                                   self.expert_offsets, k, self.n_experts, self.ends)
+        routing._tiles = self._tiles                       # k does not change the tiles
+        return routing
 
     def __iter__(self):
         return iter((self.sorted_expert_idxs, self.sorted_scattered_idxs, self.expert_offsets))
@@ -156,6 +172,31 @@ def flatten_sort_count(expert_idxs: torch.Tensor, num_experts: int) -> Routing:
                          f"{int(flat.min())}..{int(flat.max())}")
     return Routing._trusted(sorted_expert_idxs, sorted_scattered_idxs, offsets, k, num_experts,
                             tuple(summary[1:]))
+
+
+def expert_tiles(sorted_expert_idxs: torch.Tensor, E: int, block_m: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut each expert's sorted rows into tiles of block_m: (start, end) int64 [n_tiles].
+
+    Tile t covers rows start[t] .. min(start[t] + block_m, end[t]) of one expert, end[t]
+    being that expert's end row; n_tiles = cdiv(M, block_m) + min(E, M) - 1 bounds the
+    tiles any routing needs (each expert with rows adds at most one partial tile), and the
+    spare ones have start == end == 0. Device ops only, no host sync. M >= 1.
+    """
+    sei = sorted_expert_idxs
+    M = sei.shape[0]
+    experts = torch.arange(E, device=sei.device)
+    ends = torch.searchsorted(sei, experts, right=True)                    # [E] end rows
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))                   # [E] rows each
+    tiles = (counts + block_m - 1) // block_m                              # [E] tiles each
+    last_tile = torch.cumsum(tiles, 0)                                     # [E] exclusive
+    t = torch.arange(-(-M // block_m) + min(E, M) - 1, device=sei.device)
+    e = torch.searchsorted(last_tile, t, right=True)                       # [n_tiles]
+    used = e < E
+    e = e.clamp(max=E - 1)
+    start = ends[e] - counts[e] + (t - (last_tile[e] - tiles[e])) * block_m
+    zero = start.new_zeros(())
+    return torch.where(used, start, zero), torch.where(used, ends[e], zero)
 
 
 def _all_in(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

@@ -36,31 +36,40 @@ def _nf4_dequant_kernel(
     else:
         scale_seg = seg
 
-    # [BYTES] byte offsets inside the segment; M is even whenever seg > 0, so segment seg
-    # starts at byte seg * seg_bytes. The bound is an argument rather than (M + 1) // 2 because
-    # Triton vectorises a masked load only if it can prove the mask constant over a vector:
-    # an argument that is a multiple of 16 is specialized as such at launch, M + 1 is not.
-    k = tile * BYTES + tl.arange(0, BYTES)
+    # The tile as SCALES rows of one block each (ROW elements, ROW // 2 bytes): tiles start on
+    # a block, since 2*BYTES is a multiple of BLOCKSIZE, or a block holds whole tiles
+    # (BLOCKSIZE > 2*BYTES: one row, one scale).
+    SCALES: tl.constexpr = (2 * BYTES + BLOCKSIZE - 1) // BLOCKSIZE
+    ROW: tl.constexpr = 2 * BYTES // SCALES
+    rows = tl.arange(0, SCALES)
+
+    # [SCALES, ROW // 2] byte offsets inside the segment; M is even whenever seg > 0, so
+    # segment seg starts at byte seg * seg_bytes. The bound is an argument rather than
+    # (M + 1) // 2 because Triton vectorises a masked load only if it can prove the mask
+    # constant over a vector: an argument that is a multiple of 16 is specialized as such at
+    # launch, M + 1 is not.
+    k = tile * BYTES + rows[:, None] * (ROW // 2) + tl.arange(0, ROW // 2)[None, :]
     b = tl.load(packed_ptr + seg * seg_bytes + k, mask=k < seg_bytes, other=0)
 
-    # [2*BYTES] codes in element order: join makes [BYTES, 2] (high, low) pairs and the
-    # row-major reshape lays them out hi0, lo0, hi1, lo1, ... This is what tl.interleave
-    # does, but join and reshape are builtins (triton_dequant.py's docstring says why).
-    idx = tl.reshape(tl.join(b >> 4, b & 15), [2 * BYTES]).to(tl.int32)
+    # [SCALES, ROW] codes in element order: join makes [SCALES, ROW // 2, 2] (high, low) pairs
+    # and the row-major reshape lays them out hi0, lo0, hi1, lo1, ... This is what
+    # tl.interleave does, but join and reshape are builtins (triton_dequant.py says why).
+    idx = tl.reshape(tl.join(b >> 4, b & 15), [SCALES, ROW]).to(tl.int32)
 
-    # [2*BYTES] element offsets inside the segment; an odd M's pad nibble lands on j == M.
-    j = tile * (2 * BYTES) + tl.arange(0, 2 * BYTES)
+    # [SCALES, ROW] element offsets inside the segment; an odd M's pad nibble lands on j == M.
+    j = tile * (2 * BYTES) + rows[:, None] * ROW + tl.arange(0, ROW)[None, :]
     in_seg = j < seg_numel
 
     # The table is 64 bytes: these gathers stay in L1. idx is in [0, 16) even where masked.
     level = tl.load(code_ptr + idx)
-    # Segments are whole blocks (or seg = 0), so the segment's first block plus j's block:
-    # written this way the compiler sees BLOCKSIZE equal neighbours and loads each scale once.
-    first_block = (scale_seg * seg_numel) // BLOCKSIZE
-    scale = tl.load(absmax_ptr + first_block + j // BLOCKSIZE, mask=in_seg, other=0.0)
+    # [SCALES]: one load per block. Segments are whole blocks (or seg = 0), so the segment's
+    # first block plus the tile's; a block is in the segment if its first element is.
+    block = (scale_seg * seg_numel) // BLOCKSIZE + (tile * (2 * BYTES)) // BLOCKSIZE + rows
+    first = tile * (2 * BYTES) + rows * ROW
+    scale = tl.load(absmax_ptr + block, mask=first < seg_numel, other=0.0)
 
     # One float32 multiply, exactly the reference's; rounded once (to nearest even) at the store.
-    w = level * scale
+    w = level * scale[:, None]
     if BF16_BY_HAND:
         # Round float32 -> bfloat16 to nearest even on the bits: add 0x7FFF plus the lowest
         # kept bit, keep the high 16 bits (a carry into the exponent is the right answer).

@@ -9,7 +9,9 @@ suits the centred absmax vector that double quantization stores.
 The arithmetic copies bitsandbytes' `create_dynamic_map(signed=True)` step for step (float32
 `linspace`, float32 midpoints, a Python-float decade times a float32 tensor) so that the table
 is bit-identical to theirs; blockwise quantization follows the rules of their PyTorch
-reference kernel (nearest code, a value on a midpoint goes to the lower code).
+reference kernel (nearest code, a value on a midpoint goes to the lower code). That search is
+a binary search over the midpoints (`nearest_code`), or, for a code as short as NF4's,
+`nearest_code_in_cells`: the same indices from two table lookups keyed by a float's top bits.
 
 bitsandbytes' CPU kernel rounds differently: it first snaps the scaled value to one of
 65536 evenly spaced points on [-1, 1] and takes the code nearest to that point, through a
@@ -27,6 +29,7 @@ EXPONENT_BITS = 7        # decades 10^-6 … 10^0 (bitsandbytes' default max_exp
 ABSMAX_FLOOR = 1e-38     # a block's absmax is clamped to this before taking its reciprocal
 ROUNDINGS = ("nearest", "bnb_cpu")
 LUT_POINTS = 65536       # bitsandbytes' CPU table: evenly spaced points on [-1, 1]
+CELL_SHIFT = 20          # a float32's top 12 bits (sign, exponent, 3 mantissa bits) name its cell
 
 
 def dynamic_map() -> torch.Tensor:
@@ -91,7 +94,7 @@ def scale_blocks(flat: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torc
     blocks = flat[:full].reshape(-1, blocksize)
     absmax = blocks.abs().amax(dim=1)
     inverse = 1.0 / absmax.clamp(min=ABSMAX_FLOOR)
-    scaled = (blocks * inverse[:, None]).clamp(-1, 1).reshape(-1)
+    scaled = (blocks * inverse[:, None]).clamp_(-1, 1).reshape(-1)
     if full < n:
         tail = flat[full:]
         tail_absmax = tail.abs().amax().clamp(min=ABSMAX_FLOOR)
@@ -108,6 +111,42 @@ def nearest_code(scaled: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     """
     midpoints = (code[:-1] + code[1:]) / 2
     return torch.bucketize(scaled, midpoints)
+
+
+def code_cells(code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables of `nearest_code_in_cells` for a sorted float32 `code` of at most 256 entries:
+    (first uint8 [4096], threshold float32 [4096]).
+
+    The float32 numbers whose bit patterns share their top 12 bits form an interval, a cell
+    (about 1/16 of an octave wide). first[c] is nearest_code of the cell's lowest number (the
+    count of midpoints below it) and threshold[c] the next midpoint (inf past the last). If no
+    cell holds two midpoints, nearest_code(x) = first[c] + (x > threshold[c]) for every finite
+    x in cell c, ties included. Raises ValueError for a code whose midpoints lie closer (the
+    dynamic map's do, near 1).
+    """
+    code = code.cpu().float()
+    starts = torch.arange(1 << (32 - CELL_SHIFT), dtype=torch.int64) << CELL_SHIFT
+    bits = torch.stack([starts, starts + (1 << CELL_SHIFT) - 1])        # [2, 4096] first, last
+    ends = torch.where(bits >= 2**31, bits - 2**32, bits).int().view(torch.float32)
+    low, high = ends.aminmax(dim=0)             # [4096]: a negative cell's first bits are its top
+    midpoints = (code[:-1] + code[1:]) / 2
+    first, last = torch.bucketize(low, midpoints), torch.bucketize(high, midpoints)
+    if (last - first > 1)[~low.isnan()].any():
+        raise ValueError("code has two midpoints in one cell: search it with nearest_code")
+    threshold = torch.cat([midpoints, torch.tensor([torch.inf])])[first]
+    return first.to(torch.uint8), threshold
+
+
+def nearest_code_in_cells(scaled: torch.Tensor, cells: tuple[torch.Tensor, torch.Tensor]
+                          ) -> torch.Tensor:
+    """nearest_code(scaled, code), uint8, for finite float32 `scaled` and cells =
+    code_cells(code) on scaled's device: two 4096-entry lookups and one comparison per value
+    instead of a binary search (on a CPU, over 10x faster than `bucketize` on inputs that fit
+    in its cache)."""
+    first, threshold = cells
+    cell = (scaled.view(torch.int32) >> CELL_SHIFT) & ((1 << (32 - CELL_SHIFT)) - 1)  # [n] int32
+    above = scaled > torch.index_select(threshold, 0, cell)
+    return torch.index_select(first, 0, cell).add_(above.view(torch.uint8))
 
 
 def lut_code(scaled: torch.Tensor, code: torch.Tensor) -> torch.Tensor:

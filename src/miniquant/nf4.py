@@ -20,8 +20,9 @@ import torch
 
 from .dynamic import (
     ROUNDINGS,
+    code_cells,
     dequantize_blockwise_8bit,
-    nearest_code,
+    nearest_code_in_cells,
     quantize_blockwise_8bit,
     scale_blocks,
 )
@@ -32,6 +33,9 @@ NESTED_BLOCKSIZE = 256   # absmax values sharing one float32 scale under double 
 NF4_OFFSET = 0.9677083   # the outermost quantile probability (QLoRA / bitsandbytes)
 ZERO_CODE = 7            # the index of 0.0 in the codebook; pads an odd element count
 NF4_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Elements a CPU handles per pass (≈ 0.5 MB of float32, so a pass's temporaries stay in its L2
+# cache); a multiple of every blocksize, so only the last pass can hold a partial block.
+CPU_SPAN = 1 << 17
 
 
 def nf4_codebook() -> torch.Tensor:
@@ -54,6 +58,11 @@ def nf4_codebook() -> torch.Tensor:
 
 
 NF4_CODE = nf4_codebook()
+NF4_CELLS = code_cells(NF4_CODE)    # the tables that find the nearest code (miniquant.dynamic)
+# int64 [256]: byte b's two levels, NF4_CODE[b >> 4] then NF4_CODE[b & 15], as one 8-byte
+# word, so that one gather per byte yields both floats in element order.
+NF4_BYTE_LEVELS = torch.stack([NF4_CODE.repeat_interleave(16), NF4_CODE.repeat(16)], dim=1
+                              ).view(torch.int64).reshape(256)
 
 
 @dataclass(frozen=True)
@@ -223,9 +232,7 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = NF4Config.blocksize,
     """
     check_weight(w, "w")
     NF4Config(blocksize, double_quant, nested_rounding)      # checks the three
-    scaled, absmax = scale_blocks(w.reshape(-1).float(), blocksize)
-    idx = nearest_code(scaled, NF4_CODE.to(w.device)).to(torch.uint8)
-    packed = pack_nibbles(idx)
+    packed, absmax = _quantize_codes(w.reshape(-1), blocksize)
     if not double_quant:
         return NF4Weight(packed, w.shape, w.dtype, blocksize, block_absmax=absmax)
     offset = absmax.mean()
@@ -235,16 +242,59 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = NF4Config.blocksize,
                      absmax_scales=scales, absmax_offset=offset)
 
 
+def _quantize_codes(flat: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed uint8 [ceil(n/2)], absmax float32 [n_blocks]) of a flat weight, a span at a time
+    (CPU_SPAN elements on a CPU, where its temporaries then stay in cache; all on a GPU)."""
+    n = flat.numel()
+    packed = torch.empty((n + 1) // 2, dtype=torch.uint8, device=flat.device)
+    absmax = torch.empty(-(-n // blocksize), dtype=torch.float32, device=flat.device)
+    cells = tuple(t.to(flat.device) for t in NF4_CELLS)
+    span = _span(flat)
+    for start in range(0, n, span):
+        scaled, span_absmax = scale_blocks(flat[start:start + span].float(), blocksize)
+        first_block = start // blocksize
+        absmax[first_block:first_block + span_absmax.numel()] = span_absmax
+        span_packed = pack_nibbles(nearest_code_in_cells(scaled, cells))
+        packed[start // 2:start // 2 + span_packed.numel()] = span_packed
+    return packed, absmax
+
+
 def dequantize_nf4(q: NF4Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The PyTorch reference: code[idx] · absmax of its block, in float32, then cast.
 
     Returns a tensor of q.shape and `dtype` (default: the dtype that was quantized; any
-    floating-point dtype).
+    floating-point dtype). On a CPU it works CPU_SPAN elements at a time, so that only the
+    output leaves the cache.
     """
     check_float_dtype("dtype", dtype)
-    values = NF4_CODE.to(q.device)[q.codes().long()]
-    scales = q.absmax.repeat_interleave(q.blocksize)[: q.numel]
-    return (values * scales).reshape(q.shape).to(dtype or q.dtype)
+    out = torch.empty(q.numel, dtype=dtype or q.dtype, device=q.device)
+    absmax = q.absmax
+    levels = NF4_BYTE_LEVELS.to(q.device)
+    span = _span(out)
+    for start in range(0, q.numel, span):
+        _dequantize_span(q.packed[start // 2:(start + span + 1) // 2], levels,
+                         absmax[start // q.blocksize:], q.blocksize, out[start:start + span])
+    return out.view(q.shape)
+
+
+def _dequantize_span(packed: torch.Tensor, levels: torch.Tensor, absmax: torch.Tensor,
+                     blocksize: int, out: torch.Tensor) -> None:
+    """Fill `out` (the elements of `packed`, an odd count's pad left out) with code · absmax.
+
+    `packed` starts on a block; `absmax` holds the scales from that block on. The product is
+    computed in float32 and cast by the copy into `out`, as `.to()` would.
+    """
+    values = torch.index_select(levels, 0, packed.int()).view(torch.float32)    # [2·bytes]
+    full = values.numel() // blocksize                                          # whole blocks
+    values[:full * blocksize].view(full, blocksize).mul_(absmax[:full, None])
+    if full * blocksize < values.numel():                   # a partial block (and any pad)
+        values[full * blocksize:].mul_(absmax[full])
+    out.copy_(values[:out.numel()])
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements per pass over `t`: CPU_SPAN on a CPU, all of `t` (at least 1) elsewhere."""
+    return CPU_SPAN if t.device.type == "cpu" else max(t.numel(), 1)
 
 
 def pack_nibbles(idx: torch.Tensor) -> torch.Tensor:

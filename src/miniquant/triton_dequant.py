@@ -20,10 +20,14 @@ The kernel, one program per tile of BYTES packed bytes of one output row of M el
     k     = tile * BYTES + arange(BYTES)            # byte offsets inside the segment
     b     = load(packed + seg * (M // 2) + k)       # BYTES bytes, one contiguous read
     idx   = interleave(b >> 4, b & 15)              # 2*BYTES codes, in element order
-    j     = tile * 2*BYTES + arange(2*BYTES)        # element offsets inside the segment
+    j     = tile * 2*BYTES + arange(2*BYTES)        # element offsets inside the segment,
+                                                    # held as [SCALES, ROW]: one block a row
     sseg  = row if SCALES_BY_ROW else seg           # where this row's scales sit
-    s     = load(absmax + (sseg * M + j) // BLOCKSIZE)
-    out[row, j] = (code[idx] * s).to(out dtype)     # masked: j < M
+    s     = load(absmax + (sseg * M + j[:, 0]) // BLOCKSIZE)    # [SCALES]: one load a block
+    out[row, j] = (code[idx] * s[:, None]).to(out dtype)        # masked: j < M
+
+A tile starts on a block (2*BYTES is a multiple of BLOCKSIZE) or lies inside one (BLOCKSIZE
+4096 > 2*BYTES): SCALES = ceil(2*BYTES / BLOCKSIZE) blocks of ROW = 2*BYTES / SCALES elements.
 
 `triton_dequantize_nf4` is the one-row case (M = n, seg = 0). `selective_dequantize_nf4` of
 an `[E, out, in]` weight sets M = out * in and reads, for output row r, expert `active[r]`

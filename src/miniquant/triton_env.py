@@ -57,7 +57,40 @@ def import_triton():
     import triton
     import triton.language as tl
 
+    if os.environ.get("TRITON_INTERPRET") == "1" and _release(triton.__version__) < (3, 7):
+        _squeeze_interpreter_index()
     return triton, tl
+
+
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as "3.6.0" or "3.7.1+git1234"."""
+    major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def _squeeze_interpreter_index() -> None:
+    """Let triton 3.6's interpreter take a scalar as a loop bound under NumPy 2.4 and later.
+
+    The interpreter holds a kernel's scalar argument as a one-element array and gives
+    `tl.tensor.__index__` as `int(array)`, which NumPy 2.4 refuses for an array of shape [1]
+    ("only 0-dimensional arrays can be converted to Python scalars"): every `range(0, K,
+    BLOCK_K)` of the kernels here. Triton 3.7 squeezes the array first; import_triton calls this
+    on older releases only, and it wraps the interpreter's per-launch patch of tl.tensor to do
+    the same (its scope restores both after the launch). A release without that function is
+    left as it is.
+    """
+    import triton.runtime.interpreter as interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "squeezes_index", False):
+        return
+
+    def patch_and_squeeze(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_and_squeeze.squeezes_index = True
+    interpreter._patch_lang_tensor = patch_and_squeeze
 
 
 def __getattr__(name: str):

@@ -61,6 +61,7 @@ REFERENCE = {
         "reference_logprobs": "minirl.logprobs.reference_logprobs",
         "entropy_from_logits": "minirl.logprobs.entropy_from_logits",
         "selective_log_softmax_torch": "minirl.logprobs._selective_log_softmax_torch",
+        "SelectiveLogSoftmax": "minirl.logprobs._SelectiveLogSoftmax",
         "selective_log_softmax_by_triton": "minirl.logprobs._selective_log_softmax_triton",
         "LogSoftmaxStats": "minirl.logprob_triton.LogSoftmaxStats",
         "selective_log_softmax_triton": "minirl.logprob_triton.selective_log_softmax_triton",

@@ -4,9 +4,10 @@
 (logprob_kernels.py has the pseudocode and the derivation of the gradients) and keeps three
 floats per row — max, log Σ exp(z − max) and the entropy — besides the logits themselves,
 which autograd holds anyway. Its backward is one more pass that writes d logits; when both
-logp and the entropy were used, both upstream gradients go into that one pass. The PyTorch
-paths keep [N, V] float32 tensors for their backward instead (log_softmax's output, or the
-float32 copy of bf16 logits) and build several more while it runs.
+logp and the entropy were used, both upstream gradients go into that one pass. PyTorch's
+`entropy_from_logits` keeps [N, V] float32 tensors for its backward instead (log_softmax's
+output and its exp) and builds several more while it runs; the PyTorch selective
+log-softmax keeps none (it runs a block of rows at a time, logprobs.py).
 
 Results are float32 for float32, bf16 and fp16 logits (reduced in float32); gradients come
 back in the logits' dtype. −Inf logits are probability 0; an id whose logit is −Inf has

@@ -4,7 +4,17 @@ GRPO needs log p(token) of every completion token three times: under the policy 
 trained (with gradients), under the policy that sampled them (`old`, no gradients) and under
 a frozen reference (for the KL term). All three come from one forward over the sampled
 tokens and one `selective_log_softmax`: the log-softmax of each row of logits, read at one
-id. Computed as logit[id] − logsumexp(logits), it never keeps the [N, V] log-softmax.
+id, logit[id] − logsumexp(logits).
+
+The PyTorch backend is an autograd Function with the bits of autograd through
+logit[id] − logsumexp(logits) (bf16 / fp16 logits in float32), value and gradient alike, so
+the recorded experiments do not move. It keeps nothing of size [N, V] for its backward but
+the logits themselves (bf16 / fp16 ones too, with no float32 copy): forward, logsumexp over
+a block of rows at a time, kept as lse [N]; backward, g · (onehot(id) − exp(z − lse))
+written block by block into the [N, V] gradient (for bf16 / fp16 logits through one float32
+block). On a CPU a block is sized to stay in the L2 cache, so each pass over it after the
+first reads the cache, not memory, and the buffers are small beside the gradient; on a GPU,
+where the Triton backend is the fast path, the whole [N, V] is one block.
 
 `IMPLEMENTATIONS` is the one place an implementation is chosen: a backend name mapped to a
 function `(logits [N, V], ids [N]) -> [N]`. "torch" is the reference; "triton" is the
@@ -54,10 +64,79 @@ def check_logits(logits: torch.Tensor, what: str) -> None:
                                    f"first at {first}); their log-probabilities would be NaN")
 
 
+# Elements of logits per block of rows on a CPU: 2^18, 1 MiB of float32, which stays in the
+# L2 cache between the passes over a block (max, exp, sum; forward and backward alike).
+_CPU_BLOCK_ELEMENTS = 1 << 18
+
+
+def _row_blocks(logits: torch.Tensor) -> list[slice]:
+    """The row ranges of logits [N, V] that the PyTorch backend processes one at a time."""
+    N, V = logits.shape
+    rows = max(1, _CPU_BLOCK_ELEMENTS // max(V, 1)) if logits.device.type == "cpu" else N
+    return [slice(r, r + rows) for r in range(0, N, rows)]
+
+
+def _reduced_dtype(logits: torch.Tensor) -> torch.dtype:
+    """float64 for float64 logits, float32 otherwise (a sum of exp over V needs float32)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _block_buffer(logits: torch.Tensor, blocks: list[slice], dtype: torch.dtype
+                  ) -> torch.Tensor:
+    """An empty [rows of the first block, V] tensor of `dtype`, reused by every block."""
+    rows = blocks[0].stop if blocks else 0
+    return logits.new_empty((min(rows, logits.shape[0]), logits.shape[1]), dtype=dtype)
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """(logits [N, V], ids [N] int64) -> log_softmax(logits)[i, ids[i]], [N] in
+    `_reduced_dtype`; saves the logits, ids and lse [N]. Twice differentiable: under
+    create_graph the backward takes the recorded path, `graph_backward`."""
+
+    @staticmethod
+    def forward(ctx, logits, ids):
+        dtype, blocks = _reduced_dtype(logits), _row_blocks(logits)
+        lse = logits.new_empty(logits.shape[0], dtype=dtype)                      # [N]
+        logp = torch.empty_like(lse)                                              # [N]
+        for rows in blocks:
+            x = logits[rows].to(dtype)                                            # [r, V]
+            torch.logsumexp(x, 1, out=lse[rows])
+            torch.sub(x.gather(1, ids[rows, None])[:, 0], lse[rows], out=logp[rows])
+        ctx.save_for_backward(logits, ids, lse)
+        return logp
+
+    @staticmethod
+    def backward(ctx, g):                                                         # g [N]
+        logits, ids, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():         # create_graph=True: differentiable, for a 2nd order
+            return _SelectiveLogSoftmax.graph_backward(logits, ids, g), None
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [N, V]
+        blocks = _row_blocks(logits)
+        # bf16 / fp16 logits: each block is formed in float32, then rounded into grad.
+        work = None if lse.dtype == logits.dtype else _block_buffer(logits, blocks, lse.dtype)
+        for rows in blocks:
+            x = logits[rows]                                                      # [r, V]
+            out = grad[rows] if work is None else work[:len(x)]                   # [r, V]
+            torch.sub(x, lse[rows, None], out=out)                                # z − lse
+            # −g·p, + 0 as the sum of the two branches' gradients (−0 to +0 where g = 0,
+            # the masked tokens), then + g at the id: the reference's bits exactly.
+            out.exp_().mul_(-g[rows, None]).add_(0.0)
+            out.scatter_add_(1, ids[rows, None], g[rows, None])
+            if work is not None:
+                grad[rows].copy_(out)
+        return grad, None
+
+    @staticmethod
+    def graph_backward(logits: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """g · (onehot(ids) − softmax(logits)) [N, V] with out-of-place ops that autograd
+        records (several [N, V] tensors, as a plain log_softmax's backward)."""
+        p = torch.softmax(logits, 1, dtype=_reduced_dtype(logits))                # [N, V]
+        grad = (-g[:, None] * p).scatter_add(1, ids[:, None], g[:, None])         # [N, V]
+        return grad.to(logits.dtype)
+
+
 def _selective_log_softmax_torch(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    if logits.element_size() < 4:       # fp16 / bf16: a logsumexp over V needs float32
-        logits = logits.float()
-    return logits.gather(1, ids[:, None])[:, 0] - torch.logsumexp(logits, dim=1)   # [N]
+    return _SelectiveLogSoftmax.apply(logits, ids)
 
 
 def _selective_log_softmax_triton(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

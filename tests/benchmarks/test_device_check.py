@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import read_manifest
-from labkit.readme import render
+from labkit import read_manifest, write_manifest
+from labkit.readme import END, gpu_marker, render
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -155,6 +155,39 @@ def test_logprob_summary():
                            torch_peak_mib=300.0, triton_peak_mib=100.0, saved_mib=200.0,
                            torch_skipped=None)
     assert rows[1]["torch_skipped"] == "out of memory" and rows[1]["speedup"] is None
+
+
+def logprob_report() -> dict:
+    """One shape, PyTorch 4 ms / 300 MiB against Triton 1 ms / 100 MiB for `logp`, and out of
+    memory for `logp+entropy`."""
+    return {"dtype": "bf16", "repeats": 20, "results": [
+        dict(shape=[4096, 32000], task="logp", backend="torch", median_ms=4.0,
+             peak_extra_mib=3000.0),
+        dict(shape=[4096, 32000], task="logp", backend="triton", median_ms=1.0, ratio=4.0,
+             peak_extra_mib=250.0, saved_mib=2750.0),
+        dict(shape=[4096, 32000], task="logp+entropy", backend="torch", skipped="out of memory"),
+        dict(shape=[4096, 32000], task="logp+entropy", backend="triton", median_ms=1.25,
+             peak_extra_mib=250.0)]}
+
+
+def test_the_logprob_block(tmp_path):
+    """RESULTS.md's log-prob block: per shape and task both times, the speed-up, both peaks
+    and the memory saved, from the newest result that measured it; "not yet run" before."""
+    root = course(tmp_path)
+    (root / "README.md").write_text(f"Log-probs:\n\n{gpu_marker('logprobs')}\nstale\n{END}\n")
+    words = flat(render(root))
+    assert "Not yet run on a GPU: `make device-check` measures it (`make bench-gpu` does not)" \
+        in words and "stale" not in words
+    m = device_manifest()
+    m["metrics"]["logprobs"] = device_check.summarize_logprobs(logprob_report())
+    write_manifest(root / "benchmarks" / "results" / "gpu" / "h100.json", m)
+    text = render(root)
+    assert "| 4096×32000 | `logp` | 4.00 | 1.00 | 4.00× | 3,000 | 250 | 2,750 |" in text
+    assert "| 4096×32000 | `logp+entropy` | skipped: out of memory | 1.25 | — | — | 250 | — |" \
+        in text
+    assert ("Measured by `make device-check` on NVIDIA H100 80GB HBM3 ([h100.json]"
+            "(benchmarks/results/gpu/h100.json), commit `abc1234`, 2026-04-01; bf16 logits, "
+            "median of 20)") in flat(text)
 
 
 def test_main_writes_the_result_and_the_log_to_out(monkeypatch, tmp_path):

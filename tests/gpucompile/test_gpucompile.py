@@ -1,4 +1,4 @@
-"""gpucompile: compile for sm_80/sm_90 on a CPU and read what ptxas made.
+"""gpucompile: compile for sm_75 to sm_90 on a CPU and read what ptxas made.
 
 The SASS parsing against hand counts; the occupancy against hand-worked cases and against
 NVIDIA's occupancy calculator, transcribed (every register count, block size and a range of
@@ -201,12 +201,20 @@ def test_an_unaligned_pointer_loses_the_vectors():
     assert report.global_loads == {"32": 8} and report.global_stores == {"128": 2}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])     # HMMA, HGMMA (sm_86, sm_89: the report)
 def test_tensor_cores_for_bf16_and_tf32_not_for_exact_float32(arch):
     assert _mm(torch.bfloat16, arch=arch).tensor_core_instructions > 0
     assert _mm(torch.float16, arch=arch).tensor_core_instructions > 0
     assert _mm(torch.float32, "tf32", arch=arch).tensor_core_instructions > 0
     assert _mm(torch.float32, "ieee", arch=arch).tensor_core_instructions == 0
+
+
+def test_no_tensor_cores_below_sm_80():
+    """Triton 3.3 and later lowers every dot below sm_80 to FMAs on float32 (float16 too,
+    which sm_75's tensor cores could take): what minimoe.ops.dot_plan launches for there."""
+    for dtype, precision in ((torch.float16, "ieee"), (torch.bfloat16, "ieee"),
+                             (torch.float32, "tf32")):
+        assert _mm(dtype, precision, arch="sm_75").tensor_core_instructions == 0
 
 
 def test_a_float32_tile_too_large_for_4_warps_spills_and_8_warps_do_not():
@@ -232,7 +240,7 @@ def test_read_cubin_adds_the_launch_shared_memory():
 
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="arch must be one of"):
-        _copy(4096, arch="sm_75")              # occupancy knows sm_75; the compiler targets two
+        _copy(4096, arch="sm_70")              # Volta: before the architectures it targets
     with pytest.raises(ValueError, match="arch must be one of"):
         occupancy("sm_70", 32, 0, 4)
     with pytest.raises(ValueError, match="kernel must be a @triton.jit function"):

@@ -17,6 +17,7 @@ from labkit.__main__ import main
 from labkit.errors import InputError
 from labkit.readme import (
     COMPILE_MARKER,
+    CPU_MARKER,
     DOCS,
     END,
     TABLE_MARKER,
@@ -251,7 +252,8 @@ def test_every_block_is_in_its_document():
     results in RESULTS.md, the reproduce table in experiments/README.md, none in README.md."""
     text = {doc: (ROOT / doc).read_text(encoding="utf-8") for doc in DOCS}
     results = [marker(e) for e in [*EXPERIMENTS, "12-grpo"]]
-    results += [gpu_marker("dequant"), gpu_marker("moe"), COMPILE_MARKER]
+    results += [gpu_marker("dequant"), gpu_marker("moe"), gpu_marker("logprobs"), COMPILE_MARKER,
+                CPU_MARKER]
     assert [text["RESULTS.md"].count(m) for m in results] == [1] * len(results)
     assert text["experiments/README.md"].count(TABLE_MARKER) == 1
     assert "<!-- generated from " not in text["README.md"]
@@ -292,7 +294,7 @@ def test_a_number_edited_by_hand_is_caught(tmp_path, capsys):
                                        "readme\n")
 
 
-@pytest.mark.parametrize("part", ["dequant", "moe"])
+@pytest.mark.parametrize("part", ["dequant", "moe", "logprobs"])
 def test_a_gpu_block_edited_by_hand_is_caught(tmp_path, part):
     """The GPU blocks are checked the same way: typed text in one (a GPU's numbers claimed
     by hand, or a "not yet run" kept after a result was committed) makes RESULTS.md stale."""
@@ -316,9 +318,10 @@ def test_the_reproduce_table_edited_by_hand_is_caught(tmp_path):
     assert render(tmp_path, "experiments/README.md") == guide
 
 
-def test_the_results_have_both_gpu_blocks():
+def test_the_results_have_every_gpu_block():
     results = (ROOT / "RESULTS.md").read_text(encoding="utf-8")
-    assert [results.count(gpu_marker(part)) for part in ("dequant", "moe")] == [1, 1]
+    parts = ("dequant", "moe", "logprobs")
+    assert [results.count(gpu_marker(part)) for part in parts] == [1, 1, 1]
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "GPU; not yet run" not in readme             # the lab map links to them instead
     assert "RESULTS.md#benchmarks" in readme

@@ -95,8 +95,8 @@ def test_two_syncs_per_moe_forward_backward(backend, experts):
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_nf4_experts_sync_only_for_the_routing(backend, monkeypatch):
     """Beyond the two, only miniquant's range check of the active ids (2 per dequantization:
-    3 projections, forward and checkpointed recompute) — on ids held on the host, so on a GPU
-    they are no sync at all."""
+    3 projections, forward and backward) — on ids held on the host, so on a GPU they are no
+    sync at all."""
     seen = []
     for name in ("selective_dequantize_nf4", "selective_dequantize_nf4_torch"):
         real = getattr(minimoe.nf4_experts, name)

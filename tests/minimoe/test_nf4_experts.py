@@ -264,3 +264,145 @@ def test_lora_scaling_is_alpha_over_r_or_sqrt_r():
     from minimoe import lora_scaling
     assert lora_scaling(16.0, 8) == 2.0 and lora_scaling(12, 9, use_rslora=True) == 4.0
     assert NF4Experts.from_weight(_case(K=32, N=64)[1], r=4, alpha=6.0).scaling == 1.5
+
+
+# The torch backend without gates: the base through a Function that dequantizes again in its
+# backward instead of rerunning the forward (nf4_experts._FrozenNF4Linear), the LoRA term
+# checkpointed. (grouped_in, grouped_out) layouts, as in dispatch: gate / up read tokens and
+# write sorted rows, down reads sorted rows.
+LAYOUTS = [(False, False), (False, True), (True, False), (True, True)]
+
+
+def _ungated(grouped_in, r, dtype, seed=0):
+    """x, q, routing, LoRA leaves, dout: E=6 with expert 1 never chosen and expert 0 on every
+    token (uneven counts), K·N = 2 blocks per expert."""
+    T, K, N, E, k = 9, 16, 8, 6, 2
+    gen = torch.Generator().manual_seed(seed)
+    experts = torch.stack([torch.tensor([0, 2 + int(torch.randint(E - 2, (1,), generator=gen))])
+                           for _ in range(T)])                                  # [T, k]
+    routing = flatten_sort_count(experts, E)
+    q = quantize_experts(torch.randn(E, K, N, generator=gen))
+    x = torch.randn(T * k if grouped_in else T, K, generator=gen, dtype=dtype)
+    A = torch.randn(r * E, K, generator=gen, dtype=dtype)
+    B = torch.randn(N, r * E, generator=gen, dtype=dtype)
+    dout = torch.randn(T * k, N, generator=gen, dtype=dtype)
+    return x, q, routing, (A, B), dout
+
+
+def _leaves(*ts):
+    return [t.clone().requires_grad_() for t in ts]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("r", [0, 1, 3])
+@pytest.mark.parametrize("grouped_in, grouped_out", LAYOUTS, ids=["ss", "sg", "gs", "gg"])
+def test_torch_without_gates_has_the_bits_of_autograd(grouped_in, grouped_out, r, dtype):
+    """Output and the x, A, B gradients, bit for bit those of autograd through the same
+    operations (what the checkpointed call computes): dequantize the active experts, slice
+    their LoRA, parallel_linear on the compact routing."""
+    from miniquant.triton_dequant import selective_dequantize_nf4_torch
+    x, q, routing, (A, B), dout = _ungated(grouped_in, r, dtype)
+    E, K, N = q.shape
+    ours, ref = _leaves(x, A, B), _leaves(x, A, B)
+    out = nf4_parallel_linear(ours[0], q, routing, grouped_in=grouped_in, backend="torch",
+                              grouped_out=grouped_out,
+                              lora=ExpertLoRA(ours[1], ours[2], 0.5) if r else None)
+    active, compact = routing.compacted()
+    ids = torch.tensor(active)
+    lora_c = ExpertLoRA(ref[1].view(E, r, K)[ids].reshape(-1, K),
+                        ref[2].view(N, E, r)[:, ids].reshape(N, -1), 0.5) if r else None
+    want = parallel_linear(ref[0], selective_dequantize_nf4_torch(q, ids, dtype), compact,
+                           grouped_in=grouped_in, grouped_out=grouped_out, lora=lora_c,
+                           backend="torch")
+    out.backward(dout)
+    want.backward(dout)
+    assert out.dtype == dtype and torch.equal(out, want)
+    assert torch.equal(ours[0].grad, ref[0].grad)
+    if r:
+        assert torch.equal(ours[1].grad, ref[1].grad) and torch.equal(ours[2].grad, ref[2].grad)
+        assert (ours[1].grad.view(E, r, K)[1] == 0).all()           # expert 1: no tokens
+    with torch.no_grad():
+        assert torch.equal(nf4_parallel_linear(x, q, routing, grouped_in=grouped_in,
+                                               grouped_out=grouped_out, backend="torch",
+                                               lora=ExpertLoRA(A, B, 0.5) if r else None),
+                           out)
+
+
+def test_torch_without_gates_and_x_without_grad():
+    """Only the LoRA factors train (x is a frozen input): no gradient for x is computed."""
+    x, q, routing, (A, B), dout = _ungated(False, 2, torch.float32)
+    Al, Bl = _leaves(A, B)
+    out = nf4_parallel_linear(x, q, routing, lora=ExpertLoRA(Al, Bl), backend="torch")
+    out.backward(dout)
+    assert x.grad is None and Al.grad.abs().sum() > 0 and Bl.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["slots", "gates"])
+def test_torch_backward_multiplies_by_the_weight_once(gated):
+    """Without gates the backward needs only dX = dY·Wcᵀ: one product by the weight (plus the
+    rank-r LoRA), not the forward's again as a checkpoint would. With gates dgates needs the
+    outputs, so the call stays checkpointed: two."""
+    from torch.utils.flop_counter import FlopCounterMode
+    T, K, N, E, k = 32, 64, 64, 4, 2
+    x, W, gates, experts = _case(T=T, K=K, N=N, E=E, k=k)
+    q = quantize_experts(W)
+    xl, A, B = _leaves(x, torch.randn(E, K), torch.randn(N, E))              # r = 1
+    out = nf4_parallel_linear(xl, q, flatten_sort_count(experts, E), backend="torch",
+                              gates=gates if gated else None, lora=ExpertLoRA(A, B))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        out.backward(torch.ones_like(out))
+    products = counter.get_total_flops() / (2 * T * k * K * N)       # in units of one x @ W
+    assert (1.9 < products < 2.5) if gated else (0.9 < products < 1.5), products
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["plain", "in-checkpoint"])
+def test_torch_without_gates_keeps_only_its_input(outer):
+    """Between forward and backward the call keeps its input x and no other float tensor: no
+    dequantized weight (the Function keeps the means to dequantize again), no gathered copy of
+    x or x·Aᵀ (the LoRA term is checkpointed). Inside a checkpointed block it keeps nothing
+    at all: whatever it holds outside autograd's saved tensors would outlive the block."""
+    import gc
+
+    from torch.utils.checkpoint import checkpoint
+    T, K, N, E, k = 8, 32, 24, 4, 2
+    x, W, _, experts = _case(T=T, K=K, N=N, E=E, k=k)
+    q, routing = quantize_experts(W), flatten_sort_count(experts, E)
+    xl, A, B = _leaves(x, torch.randn(2 * E, K), torch.randn(N, 2 * E))
+
+    def block(x):                   # x * 1: an input made inside the block, as a norm's output
+        return nf4_parallel_linear(x * 1, q, routing, backend="torch", lora=ExpertLoRA(A, B))
+
+    ledger = _FloatStorages()
+    with ledger:
+        out = checkpoint(block, xl, use_reentrant=False) if outer else block(xl)
+    gc.collect()
+    kept = sum(ledger.alive(besides=out))
+    assert kept == (0 if outer else x.nbytes), kept
+    out.sum().backward()
+    assert xl.grad is not None and A.grad is not None
+
+
+class _FloatStorages(TorchDispatchMode):
+    """Weak references to every float storage an operator allocates (not views of its inputs,
+    such as the LoRA factors reshaped)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref.cdata not in inputs:
+                    self.refs.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
+        return out
+
+    def alive(self, besides: torch.Tensor) -> list[int]:
+        """Bytes of each storage still alive, `besides`'s left out."""
+        skip = StorageWeakRef(besides.untyped_storage()).cdata
+        return [n for key, (ref, n) in self.refs.items() if key != skip and not ref.expired()]

@@ -34,6 +34,7 @@ from miniquant import (  # noqa: E402
     to_bnb,
 )
 from miniquant.dynamic import dynamic_map, lut_code, nearest_code  # noqa: E402
+from miniquant.nf4 import CPU_SPAN  # noqa: E402
 from minituner.qlora import BLOCK_LINEARS, wrap_minigpt_qlora  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -113,6 +114,16 @@ def test_quantize_identical_huge_outliers(dtype):
     w = randn(4096 + 33, seed=2)
     w[[5, 700, 4100]] = torch.tensor([1e4, -1e4, 1e4])
     assert_same_as_bnb(w.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_identical_over_several_cpu_spans(dtype):
+    """A CPU quantizes and dequantizes CPU_SPAN elements at a time: an odd count over three
+    spans, the last one partial and ending in a partial block."""
+    w = randn(2 * CPU_SPAN + 4097, seed=11, dtype=dtype)
+    q, packed, state = assert_same_as_bnb(w)
+    ref = code_times_absmax(packed, state.absmax, 64, w.numel()).to(dtype)
+    assert torch.equal(q.dequantize(), ref)
 
 
 @pytest.mark.parametrize("absmax", [1.0, 2.0, 0.5])

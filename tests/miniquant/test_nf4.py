@@ -16,11 +16,13 @@ from miniquant import (
     NF4_CODE,
     NF4Weight,
     dequantize_nf4,
+    nf4,
     nf4_bytes,
     nf4_codebook,
     quantize_nf4,
 )
-from miniquant.nf4 import BLOCKSIZES, pack_nibbles, unpack_nibbles
+from miniquant.dynamic import code_cells, nearest_code, nearest_code_in_cells, scale_blocks
+from miniquant.nf4 import BLOCKSIZES, NF4_DTYPES, pack_nibbles, unpack_nibbles
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -32,6 +34,12 @@ NF4_VALUES = [-1.0, -0.69619280, -0.52507305, -0.39491749, -0.28444138, -0.18477
 
 def randn(*shape, seed=0, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def same_bits(a, b):
+    """Equal dtype, shape and bit patterns (torch.equal takes -0.0 for 0.0)."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints), b.view(ints))
 
 
 def naive_nf4(w, blocksize):
@@ -161,6 +169,53 @@ def test_to_moves_every_tensor():
     q = quantize_nf4(randn(300, seed=6), double_quant=True).to("cpu")
     assert torch.equal(q.dequantize(), quantize_nf4(randn(300, seed=6), double_quant=True)
                        .dequantize())
+
+
+# ---------------------------------------------------------------------------------------------
+# the nearest code by cell lookup, and the spans a CPU works in
+
+
+def test_cell_lookup_is_nearest_code():
+    """Ties (the midpoints), their float32 neighbours, the codes, signed zeros, denormals, the
+    first and last value of every finite cell, and random bit patterns: the same index as the
+    binary search, as uint8."""
+    mids = (NF4_CODE[:-1] + NF4_CODE[1:]) / 2
+    starts = torch.arange(4096, dtype=torch.int64) << 20
+    noise = torch.randint(0, 2**32, (100_000,), generator=torch.Generator().manual_seed(0))
+    bits = torch.cat([starts, starts + 2**20 - 1, noise])
+    edges = torch.where(bits >= 2**31, bits - 2**32, bits).int().view(torch.float32)
+    x = torch.cat([mids, -mids, mids.nextafter(torch.tensor(2.0)),
+                   mids.nextafter(torch.tensor(-2.0)), NF4_CODE,
+                   torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-38]), edges[edges.isfinite()]])
+    got = nearest_code_in_cells(x, code_cells(NF4_CODE))
+    assert got.dtype == torch.uint8
+    assert torch.equal(got.long(), nearest_code(x, NF4_CODE))
+    assert got[:15].tolist() == list(range(15))        # on a midpoint: the lower code
+
+
+def test_code_cells_refuses_a_code_with_two_midpoints_in_a_cell():
+    with pytest.raises(ValueError, match="two midpoints in one cell"):
+        code_cells(DYNAMIC_CODE)
+
+
+@pytest.mark.parametrize("span", ["4096", "all"])
+@pytest.mark.parametrize("dtype", NF4_DTYPES)
+@pytest.mark.parametrize("blocksize", BLOCKSIZES)
+def test_spans_give_the_whole_tensor_formulas(monkeypatch, blocksize, dtype, span):
+    """On a CPU quantize_nf4 and dequantize_nf4 work CPU_SPAN elements at a time, elsewhere
+    all at once. An odd count with a partial last block, over four spans of 4096 (the largest
+    blocksize, the last span partial) or in one odd span (as on a GPU), gives the bytes,
+    scales and values (bit for bit, every output dtype) of the one-pass formulas."""
+    w = randn(3 * 4096 + 1001, seed=blocksize, dtype=dtype)
+    monkeypatch.setattr(nf4, "CPU_SPAN", 4096 if span == "4096" else w.numel())
+    q = quantize_nf4(w, blocksize=blocksize)
+    scaled, absmax = scale_blocks(w.float(), blocksize)
+    assert torch.equal(q.packed, pack_nibbles(nearest_code(scaled, NF4_CODE).to(torch.uint8)))
+    assert same_bits(q.absmax, absmax)
+    ref = NF4_CODE[q.codes().long()] * absmax.repeat_interleave(blocksize)[: w.numel()]
+    for out in NF4_DTYPES:
+        assert same_bits(dequantize_nf4(q, out), ref.to(out)), out
+    assert same_bits(q.dequantize(), ref.to(dtype))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ against one-sequence-at-a-time forwards, the reference with adapters off, and re
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -54,6 +55,100 @@ def test_selective_log_softmax_dtypes():
     got = selective_log_softmax(half, ids)
     assert got.dtype == torch.float32           # reduced in float32, not in bf16
     torch.testing.assert_close(got, reference(half, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_row_blocks_with_minus_inf_logits_and_ids_anywhere(dtype):
+    """A vocabulary wide enough that a CPU processes the rows in blocks (the last one short):
+    value and gradient as log_softmax + gather, with −Inf logits, ids on them (logp −Inf,
+    gradient g there) and ids at the first and last column."""
+    logits, ids = logits_ids(N=37, V=30_000, seed=3)
+    logits = logits.detach()
+    logits[::3, ::7] = -math.inf
+    ids[:4] = torch.tensor([0, 29_999, 7, 0])          # rows 0 and 3: ids on a −Inf logit
+    logits = logits.to(dtype).requires_grad_()
+    got, want = selective_log_softmax(logits, ids), reference(logits, ids)
+    assert torch.isneginf(got[[0, 3]]).all()
+    torch.testing.assert_close(got, want)
+    g = torch.randn(37, generator=torch.Generator().manual_seed(4))
+    g_got = torch.autograd.grad(got, logits, g)[0]
+    g_want = torch.autograd.grad(want, logits, g)[0]
+    assert g_got.dtype == dtype
+    torch.testing.assert_close(g_got, g_want)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of t: equal only where the values are, and their zeros' signs too."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bits_of_gather_minus_logsumexp(dtype):
+    """Value and gradient are those of autograd through logit[id] − logsumexp(logits) bit for
+    bit, zeros' signs included (the committed experiments were recorded with that form): over
+    many row blocks, with −Inf logits and g = 0 on masked rows."""
+    logits, ids = logits_ids(N=37, V=30_000, seed=5)
+    logits = logits.detach()
+    logits[1, ::5] = -math.inf
+    logits = logits.to(dtype).requires_grad_()
+    x = logits.float()
+    want = x.gather(1, ids[:, None])[:, 0] - torch.logsumexp(x, dim=1)
+    got = selective_log_softmax(logits, ids)
+    g = torch.randn(37, generator=torch.Generator().manual_seed(6))
+    g[::3] = 0.0                                          # rows a target mask leaves out
+    g_got = torch.autograd.grad(got, logits, g)[0]
+    g_want = torch.autograd.grad(want, logits, g)[0]
+    assert torch.equal(bits(got), bits(want))
+    assert torch.equal(bits(g_got), bits(g_want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nothing_of_the_logits_size_is_saved_but_the_logits(dtype):
+    """For its backward the PyTorch path keeps the logits themselves (bf16 ones too, with no
+    float32 copy) and [N]-sized tensors: no [N, V] log-softmax, softmax or copy."""
+    logits, ids = logits_ids(N=40, V=20_000)
+    logits = logits.detach().to(dtype).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        selective_log_softmax(logits, ids)
+    big = [(t.dtype, tuple(t.shape)) for t in saved
+           if t.numel() >= logits.numel() and t.data_ptr() != logits.data_ptr()]
+    assert saved and big == [], f"saved for the backward besides the logits: {big}"
+
+
+def peak_extra_bytes(fn, tmp_path) -> int:
+    """The most CPU memory that tensors made while fn() runs hold at once, from the
+    profiler's allocation and free events in order."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        fn()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    now = peak = 0
+    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
+        now += e["args"]["Bytes"]
+        peak = max(peak, now)
+    return peak
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_and_backward_build_no_other_tensor_of_the_logits_size(dtype, tmp_path):
+    """Peak memory of forward + backward: the [N, V] gradient (which any implementation
+    returns) and less than half an [N, V] float32 more, where autograd through log_softmax +
+    gather, or gather − logsumexp, builds two [N, V] float32 tensors more, or three."""
+    logits, ids = logits_ids(N=128, V=16_384)
+    logits = logits.detach().to(dtype).requires_grad_()
+    peak = peak_extra_bytes(
+        lambda: torch.autograd.grad(selective_log_softmax(logits, ids).sum(), logits), tmp_path)
+    gradient = logits.numel() * logits.element_size()
+    assert gradient <= peak < gradient + logits.numel() * 4 // 2, \
+        f"peak {peak / 2**20:.1f} MiB for a {gradient / 2**20:.1f} MiB gradient"
+
+
+def test_second_order_gradients():
+    """Under create_graph the backward is recorded, so a gradient of the gradient is right."""
+    logits, ids = logits_ids(N=5, V=9, dtype=torch.float64)
+    assert torch.autograd.gradgradcheck(lambda x: selective_log_softmax(x, ids) ** 2, (logits,))
 
 
 def test_minus_inf_logits_are_probability_zero():

@@ -9,8 +9,8 @@ pasted (`from course.notebook.harness import ...`).
 - `accept_routing`: let a learner's index-form `parallel_linear` stand in for minimoe's.
 - `expert_routing`, `expert_problem`, `describe`, `leaf`, `loop_grads`, `assert_close`: the
   awkward MoE problems of Labs 08–10 and their naive-loop reference.
-- `require_triton`, `triton_setup`, `randn`, `pairs_of`, `randomize_lora`: what the setup
-  cells of several labs share.
+- `require_triton`, `triton_mode`, `triton_setup`, `gpu_arch`, `randn`, `pairs_of`,
+  `randomize_lora`: what the setup cells of several labs share.
 
 Torch is imported here; minimoe only inside `loop_grads`, so the early labs do not load it.
 """
@@ -28,8 +28,9 @@ from .forbid import Refuse, forbid, refuse, swap
 
 __all__ = ["Refuse", "Spy", "accept_routing", "assert_close", "assert_no_atomics",
            "assert_rejects", "describe", "expert_problem", "expert_routing", "forbid", "leaf",
-           "loop_grads", "must_reach", "pairs_of", "randn", "randomize_lora", "reference",
-           "refuse", "require_triton", "spy_on", "swap", "triton_setup"]
+           "gpu_arch", "loop_grads", "must_reach", "pairs_of", "randn", "randomize_lora",
+           "reference", "refuse", "require_triton", "spy_on", "swap", "triton_mode",
+           "triton_setup"]
 
 
 # The packages whose REFERENCE tables name what the labs rebuild (lab -> public name -> path).
@@ -80,19 +81,47 @@ def require_triton(lab: str) -> None:
         raise TritonUnavailableError(lab)
 
 
+def gpu_arch() -> str | None:
+    """The architecture of the CUDA GPU torch sees, as compilers name it ("sm_75" for a T4,
+    "sm_89" for an L4, "sm_90" for an H100), or None where there is none."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def triton_mode() -> tuple[bool, str]:
+    """(INTERPRET, DEVICE) of the kernel labs, by the rule `miniquant.triton_env` applies when
+    it imports triton: an explicit TRITON_INTERPRET is respected, and unset it means the
+    interpreter exactly where there is no CUDA GPU. Interpreted kernels run on the CPU and
+    read CPU tensors ("cpu"); compiled kernels read only GPU memory ("cuda"), so that is
+    where the tests make their tensors."""
+    value = os.environ.get("TRITON_INTERPRET")
+    if value is None:
+        interpret = not torch.cuda.is_available()
+    else:                                                # as triton reads it
+        interpret = value.strip().lower() in ("1", "true", "on", "yes")
+    return interpret, "cpu" if interpret else "cuda"
+
+
 def triton_setup() -> tuple[bool, str]:
     """For the kernel labs, once the notebook has chosen the interpreter and imported triton:
     one CPU thread (the interpreter runs one program at a time with NumPy; more threads only
-    add overhead), seed 0, and (INTERPRET, DEVICE), printed: ("cpu" under the interpreter,
-    else "cuda")."""
+    add overhead), seed 0, and `triton_mode()`, printed with what it means."""
     import triton
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    device = "cpu" if interpret else "cuda"
-    print(f"torch {torch.__version__} | triton {triton.__version__} | "
-          f"{'Triton interpreter on the CPU' if interpret else 'compiled Triton on ' + device}")
+    interpret, device = triton_mode()
+    if interpret:
+        where = ("no CUDA GPU (or TRITON_INTERPRET set), so the kernels run in Triton's "
+                 "interpreter on the CPU (float32 only, slow)")
+    else:
+        where = (f"the kernels compile for this GPU, {torch.cuda.get_device_name()} "
+                 f"({gpu_arch()}), and read only its memory")
+    print(f"torch {torch.__version__} | triton {triton.__version__}\n"
+          f"INTERPRET = {interpret}, DEVICE = {device!r}: {where}. The tests put their "
+          "tensors on DEVICE.")
     return interpret, device
 
 

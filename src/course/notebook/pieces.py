@@ -166,7 +166,7 @@ def _scatter2scatter(ref, mods, ran):
     piece, m = _only(mods)
 
     def scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k, x_grouped=False,
-                        y_grouped=False, *, trusted=False):
+                        y_grouped=False, *, trusted=False, routing=None):
         ran(piece)
         return m.my_scatter2scatter(X, W, sorted_expert_idxs, sorted_scattered_idxs, k,
                                     x_grouped=x_grouped, y_grouped=y_grouped)
