@@ -93,11 +93,18 @@ def measure(cases: list[str] | None = None, repeats: int = 15) -> dict[str, dict
         torch.set_num_threads(threads)
 
 
+# The least noise a ratio is given: the same case run again on this 2-core machine moved by
+# up to ±4 % (qlora_experts: 1.06 to 1.14 over five runs), more than one run's rounds show.
+NOISE_FLOOR = 0.05
+
+
 def verdict(row: dict) -> str:
-    """'held', 'over' (past its target by more than its noise) or 'reported' (no target)."""
+    """'held', 'over' (past its target by more than its noise, at least NOISE_FLOOR) or
+    'reported' (no target)."""
     if row["target"] is None:
         return "reported"
-    return "over" if row["ratio"] * (1 - row["noise"]) > row["target"] else "held"
+    noise = max(row["noise"], NOISE_FLOOR)
+    return "over" if row["ratio"] * (1 - noise) > row["target"] else "held"
 
 
 def build_manifest(results: dict, *, command: str, wall_time_s: float) -> dict:
