@@ -46,7 +46,7 @@ from labkit.manifest import environment, git_state, write_manifest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = Path("benchmarks/results/cpu.json")          # relative to ROOT
-# The most each held ratio may be (issue 33's acceptance; docs/ARCHITECTURE.md, Performance).
+# The most each held ratio may be (docs/ARCHITECTURE.md, Performance targets).
 TARGETS = {"nf4_dequant": 1.5, "nf4_quantize": 1.0, "expert_lora": 1.1, "qlora_experts": 1.1,
            "logprobs": 1.1}
 CODE = ("benchmarks/bench_cpu.py", "benchmarks/cpu_cases.py", "src/miniquant", "src/minimoe",
