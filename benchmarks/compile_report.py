@@ -9,7 +9,7 @@ RTX 30), sm_89 (L4, RTX 40) and sm_90 (H100). What each launcher would compile o
 each, at the sizes of the benchmarks (multiples of 16, so Triton's divisibility
 specialization applies as it would there), for every configuration it can pick there: the
 MoE kernels' autotune candidates (`minimoe.kernels.CONFIGS`) from the list
-`minimoe.ops.dot_plan` chooses, float32 both exact ("ieee") and with TF32, float16 and
+`minimoe.launch_plan.dot_plan` chooses, float32 both exact ("ieee") and with TF32, float16 and
 bfloat16; the NF4 dequant kernel for its three uses and three output dtypes; minirl's
 log-softmax kernels. One record per kernel × configuration × architecture × dtype
 (`gpucompile.KernelReport`): registers, spilled bytes, shared memory, occupancy, global loads
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from minimoe.ops import DOT_KERNELS, dot_plan  # imports no triton (see main)
+from minimoe.launch_plan import DOT_KERNELS, dot_plan  # imports no triton (see main)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "compile_report.json"
@@ -67,8 +67,8 @@ FORK = multiprocessing.get_context("fork")   # workers inherit TRITON_INTERPRET=
 # datasheet: GDDR6 600 GB/s; FP32 31.2; TF32 62.5; BF16/FP16 125 TFLOP/s dense; 72 SMs.
 # T4: "NVIDIA T4" datasheet: GDDR6 320 GB/s; FP32 8.1 TFLOP/s; FP16 tensor cores 65 TFLOP/s
 # (no BF16 or TF32); 40 SMs (2,560 CUDA cores, 64 an SM). These kernels multiply on sm_75's
-# FMA units whatever the dtype (minimoe.ops.dot_plan: Triton compiles no tensor-core dot below
-# sm_80), so every T4 entry is the FP32 rate.
+# FMA units whatever the dtype (minimoe.launch_plan.dot_plan: Triton compiles no tensor-core
+# dot below sm_80), so every T4 entry is the FP32 rate.
 DEVICES = {
     "H100 SXM": dict(arch="sm_90", sms=132, bandwidth=3.35e12,
                      flops=dict(fp32=67e12, tf32=494.5e12, fp16=989e12, bf16=989e12)),
@@ -109,8 +109,9 @@ VOCAB = dict(N=1024, V=151936)
 
 
 def _plan(kernel: str, dtype: str, arch: str) -> dict:
-    """A dot kernel's launch on `arch` (minimoe.ops.dot_plan): its configuration list's width
-    (`bits`), tl.dot's precision and, where it is not what the dtype asks for, the fallback."""
+    """A dot kernel's launch on `arch` (minimoe.launch_plan.dot_plan): its configuration
+    list's width (`bits`), tl.dot's precision and, where it is not what the dtype asks for,
+    the fallback."""
     if kernel not in DOT_KERNELS:
         return dict(bits=32 if DTYPES[dtype] == torch.float32 else 16)
     capability = (int(arch[3:-1]), int(arch[-1]))                      # "sm_86" -> (8, 6)

@@ -227,8 +227,9 @@ def _fallbacks(records: list[dict], archs: list[str]) -> str:
     where = _named(list(dict.fromkeys(arch for arch, _, _ in counts)))
     intro = paragraph(
         f"{sum(counts.values())} of these compilations, on {where}, fall back: their dots "
-        "multiply on the FMA units, in float32 with the float32 tiles. `minimoe.ops.dot_plan` "
-        "picks that launch (on a GPU it warns once when 16-bit inputs fall back) and says why, "
+        "multiply on the FMA units, in float32 with the float32 tiles. "
+        "`minimoe.launch_plan.dot_plan` picks that launch (on a GPU it warns once when 16-bit "
+        "inputs fall back) and says why, "
         "in the records' `\"fallback\"`:")
     rows = [[arch, dtype, str(n), why] for (arch, dtype, why), n in counts.items()]
     return f"{intro}\n\n{table(['arch', 'dtype', 'compilations', 'why'], rows)}"

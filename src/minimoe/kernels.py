@@ -63,7 +63,7 @@ TRITON_INTERPRET; see miniquant/triton_dequant.py).
 
 PRECISION is `tl.dot`'s input_precision: "ieee" (exact float32 products, the checking mode)
 or "tf32" (float32 on tensor cores); 16-bit inputs run on tensor cores from sm_80, and below it,
-where Triton compiles every dot to FMAs, in float32 (`ops.dot_plan`).
+where Triton compiles every dot to FMAs, in float32 (`launch_plan.dot_plan`).
 """
 
 from __future__ import annotations
@@ -267,13 +267,13 @@ def _configs(*rows: tuple) -> list[dict]:
 # held to no spills by the tests. Float32 without TF32 multiplies on the FMA units: a thread
 # then holds its whole strip of both operands, so it gets smaller K steps or more warps than
 # 16-bit tiles of the same size. Below sm_80 every dot is such a product, 16-bit ones too, and
-# the launchers take the float32 list for every dtype there (`ops.dot_plan`): the 16-bit tiles
-# spill up to 4 KiB a thread on sm_75. "unaligned": for launches whose sizes or strides are not
-# multiples of 16. Triton cannot prove such rows aligned, so every element gets its own 64-bit
-# address and load, and the aligned tiles then run out of registers (up to 968 spilled bytes a
-# thread, sm_80); smaller tiles, unpipelined, keep within them on every architecture (32 × 32
-# scatter2scatter tiles spill 8 bytes on sm_75, group_bwd_lora's 32-row tiles over 8 warps 8
-# on sm_86 and sm_89).
+# the launchers take the float32 list for every dtype there (`launch_plan.dot_plan`): the
+# 16-bit tiles spill up to 4 KiB a thread on sm_75. "unaligned": for launches whose sizes or
+# strides are not multiples of 16. Triton cannot prove such rows aligned, so every element gets
+# its own 64-bit address and load, and the aligned tiles then run out of registers (up to 968
+# spilled bytes a thread, sm_80); smaller tiles, unpipelined, keep within them on every
+# architecture (32 × 32 scatter2scatter tiles spill 8 bytes on sm_75, group_bwd_lora's 32-row
+# tiles over 8 warps 8 on sm_86 and sm_89).
 CONFIGS = {
     "scatter2scatter": {
         16: _configs((dict(BLOCK_N=64, BLOCK_K=32), 4, 3), (dict(BLOCK_N=128, BLOCK_K=32), 4, 3),

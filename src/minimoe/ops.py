@@ -5,14 +5,11 @@ Row inputs (X, DY) that are not contiguous are copied; weights are read through 
 
 Launch configurations (`kernels.CONFIGS`): on a GPU each kernel autotunes over a short list
 for its dtype's width (16-bit or float32), keyed on the sizes that change the best choice; in
-the interpreter, which pays per program rather than per instruction, one fixed large tile.
-Float32 products are exact ("ieee") unless the caller allows TF32 the way PyTorch's own
-matmuls are allowed it, `torch.set_float32_matmul_precision("high")` (or "medium"); the
-interpreter always computes in float32. Below sm_80 Triton has no tensor-core dot: there
-`dot_plan` runs every dot kernel's products in float32 with the float32 tiles, and warns once
-per device when 16-bit inputs do. `benchmarks/compile_report.py` compiles every candidate a
-launch can pick for sm_75, sm_80, sm_86, sm_89 and sm_90, and the tests hold them to no
-register spills.
+the interpreter, which pays per program rather than per instruction, one fixed large tile,
+always in float32. Which list and which dot precision a GPU gets, TF32 included, is
+`launch_plan.dot_plan`'s choice (below sm_80 every dot runs in float32, with a warning).
+`benchmarks/compile_report.py` compiles every candidate a launch can pick for sm_75, sm_80,
+sm_86, sm_89 and sm_90, and the tests hold them to no register spills.
 
 The kernels (kernels.py) load at the first launch, when `_kernels()` imports them: that
 imports triton (choosing its interpreter without CUDA), so `import minimoe` needs no triton and
@@ -30,27 +27,17 @@ from __future__ import annotations
 
 import functools
 import importlib
-import warnings
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
 from miniquant.triton_env import not_on_cuda
 
 from . import routing
+from .launch_plan import DOT_KERNELS, device_plan
 from .routing import Routing, expert_tiles
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-DOT_KERNELS = ("scatter2scatter", "group_bwd_W", "group_bwd_lora")
-
-# Triton has compiled no tensor-core dot below compute capability 8.0 since 3.3, which dropped
-# Volta's MMA and lowers every tl.dot there to FMAs on float32 (triton-lang/triton#5066):
-# Turing's tensor cores (float16, no bfloat16 or TF32) go unused. The 16-bit tiles, sized
-# for tensor cores, then spill thousands of bytes a thread (benchmarks/compile_report.py).
-TENSOR_CORES = (8, 0)
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -73,59 +60,6 @@ def _autotuned(name: str, bits: int, aligned: bool):
     return triton.autotune(configs, key=kernels.TUNING_KEYS[name])(kernels.KERNELS[name])
 
 
-class DotPlan(NamedTuple):
-    """How a dot kernel launches for one device and input dtype."""
-
-    bits: int              # configuration list (kernels.configs): 16 tensor-core tiles, 32 FMA
-    precision: str         # tl.dot's input_precision: "ieee" (exact) | "tf32"
-    fallback: str | None   # why the launch is not what the dtype asks for; None when it is
-
-
-def dot_plan(capability: tuple[int, int], dtype: torch.dtype, tf32: bool = False) -> DotPlan:
-    """The launch of a dot kernel (`DOT_KERNELS`) for inputs of `dtype` on a device of compute
-    `capability` (major, minor); tf32: PyTorch's matmuls may use TF32
-    (`torch.get_float32_matmul_precision() != "highest"`).
-
-    From sm_80: 16-bit inputs on tensor cores with the 16-bit tiles, float32 with the float32
-    tiles, exact or TF32. Below (`TENSOR_CORES`) every product is a float32 FMA: the float32
-    tiles for every dtype (the kernel widens its 16-bit tiles in registers, and stores in the
-    input dtype), and "ieee" (no TF32 there, a permission PyTorch drops the same way)."""
-    bits = 32 if dtype == torch.float32 else 16
-    if tuple(capability) >= TENSOR_CORES:
-        return DotPlan(bits, "tf32" if tf32 and bits == 32 else "ieee", None)
-    arch = f"sm_{capability[0]}{capability[1]}"
-    if bits == 32:
-        why = f"exact float32 products: {arch} has no TF32 tensor cores" if tf32 else None
-        return DotPlan(32, "ieee", why)
-    name = str(dtype).removeprefix("torch.")
-    lacks = (f"{arch} has no bfloat16 tensor cores, and " if dtype == torch.bfloat16
-             else f"on {arch} ")
-    return DotPlan(32, "ieee", f"{name} products in float32 on the FMA units, with the float32 "
-                               f"tiles: {lacks}Triton compiles no tensor-core dot below sm_80")
-
-
-@functools.cache
-def _capability(index: int) -> tuple[str, tuple[int, int]]:
-    """(name, compute capability) of CUDA device `index`."""
-    return torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
-
-
-@functools.cache
-def _warn_once(device: str, fallback: str) -> None:
-    """Say once per device and fallback (one per dtype) that dot launches fall back, and why."""
-    warnings.warn(f"minimoe: {device}: {fallback}. Expect the MoE kernels several times "
-                  f"slower than on an sm_80 or later GPU.", stacklevel=2)
-
-
-def _device_plan(device: torch.device, dtype: torch.dtype) -> DotPlan:
-    """dot_plan for a CUDA device, warning (once) when 16-bit inputs fall back."""
-    name, capability = _capability(device.index if device.index is not None else 0)
-    plan = dot_plan(capability, dtype, torch.get_float32_matmul_precision() != "highest")
-    if plan.fallback and dtype != torch.float32:
-        _warn_once(name, plan.fallback)
-    return plan
-
-
 def _launch(name: str, grid: Callable[[dict], tuple], dtype: torch.dtype, *args, **consts):
     """Launch kernels.`name` on grid(meta) (meta: the BLOCK_* sizes chosen): autotuned on a
     GPU over the configurations `dot_plan` picks, the interpreter's fixed configuration
@@ -139,7 +73,7 @@ def _launch(name: str, grid: Callable[[dict], tuple], dtype: torch.dtype, *args,
         return
     bits = 32 if dtype == torch.float32 else 16
     if dot:
-        plan = _device_plan(args[0].device, dtype)
+        plan = device_plan(args[0].device, dtype)
         bits, consts = plan.bits, dict(consts, PRECISION=plan.precision)
     _autotuned(name, bits, aligned(kernels.KERNELS[name].arg_names, args))[grid](*args, **consts)
 

@@ -8,7 +8,7 @@ dequant and 128-bit loads elsewhere, tensor cores in every dot whose dtype the a
 tensor cores take, none in an exact float32 dot. Two exceptions are listed, explained, and
 checked to be still needed: below sm_80 Triton compiles no tensor-core dot, and the records
 of the dot kernels there say what the launcher does instead (`"fallback"`, the words of
-`minimoe.ops.dot_plan`); group_bwd_W's TF32 dot loads nothing 128 bits wide on sm_90
+`minimoe.launch_plan.dot_plan`); group_bwd_W's TF32 dot loads nothing 128 bits wide on sm_90
 (`NARROW_LOADS`, which says why). CI recompiles a sample of it (`--sample`: one job of each
 kernel, dtype, architecture and size, about a quarter, a minute or two on 2 cores), which
 must find no problem and match the committed records. `problems` is shown to catch each kind
@@ -87,7 +87,7 @@ def test_the_fallbacks_are_sm_75s_dots_and_say_what_runs_instead(committed):
     back: compiled with the float32 tiles and exact products, no tensor-core instruction,
     with the launcher's reason."""
     from minimoe.kernels import configs
-    from minimoe.ops import dot_plan
+    from minimoe.launch_plan import dot_plan
 
     fallen = [r for r in committed if "fallback" in r]
     assert {(r["kernel"], r["dtype"], r["arch"]) for r in fallen} == {
@@ -218,7 +218,7 @@ def test_roofline_known_answers():
     assert mixtral["device"]["A100 SXM 80GB"]["bound"] == "compute"
     assert mixtral["device"]["A100 SXM 80GB"]["time_us"] == round(
         2 * 4096 * 2 * 4096 * 14336 / 312e12 * 1e6, 2)
-    # a T4's kernels multiply on the FMA units (ops.dot_plan): bf16 at the FP32 rate
+    # a T4's kernels multiply on the FMA units (launch_plan.dot_plan): bf16 at the FP32 rate
     assert mixtral["device"]["T4"] == dict(
         time_us=round(2 * 4096 * 2 * 4096 * 14336 / 8.1e12 * 1e6, 2), bound="compute")
     assert set(report.DEVICES) == {"H100 SXM", "A100 SXM 80GB", "L4", "A10", "T4"}

@@ -211,7 +211,7 @@ def test_tensor_cores_for_bf16_and_tf32_not_for_exact_float32(arch):
 
 def test_no_tensor_cores_below_sm_80():
     """Triton 3.3 and later lowers every dot below sm_80 to FMAs on float32 (float16 too,
-    which sm_75's tensor cores could take): what minimoe.ops.dot_plan launches for there."""
+    which sm_75's tensor cores could take): what minimoe.launch_plan.dot_plan launches for there."""
     for dtype, precision in ((torch.float16, "ieee"), (torch.bfloat16, "ieee"),
                              (torch.float32, "tf32")):
         assert _mm(dtype, precision, arch="sm_75").tensor_core_instructions == 0
