@@ -13,8 +13,13 @@ on a fresh QLoRA copy (NF4 base, LoRA r=8 everywhere, experts included):
       grpo_kl      GRPO from the warm start with β · KL to the base (adapters off)
       grpo_async   (f) with asynchronous generation (each batch one update stale)
       grpo_partial (f) rewarded with partial credit instead of exact match
+  (g) grpo_dapo    (d) with DAPO's token-level aggregation (every completion token weighs the
+                   same, `loss_type="dapo"`) instead of GRPO's per-completion mean
+      grpo_dr      (d) with Dr. GRPO's constant normaliser (`loss_type="dr_grpo"`)
 
-on the dense base, and (a), (d), (f) and grpo_partial on the MoE base. The reward is exact
+on the dense base, and (a), (d), (f), grpo_partial and (g) on the MoE base. (d), grpo_dapo and
+grpo_dr differ only in how token losses are aggregated: the mean completion length of each
+(curve `completion_tokens`) shows the length bias of the per-completion mean. The reward is exact
 match unless a run names another: partial credit gives a signal before any answer is right,
 but from a warm start it lets a group settle on near misses (the lab shows the other side: from
 scratch, partial credit is what gets a tiny model going). The warm start is a short SFT on gold
@@ -160,7 +165,7 @@ def grpo(model, name: str, variant: dict, reward: str, cfg: dict, ctx: RunContex
 
     return {"train_s": result.wall_time_s, "stopped_early": result.stopped_early,
             "curves": {k: windows(k) for k in ("reward", "variance_fraction", "mean_kl",
-                                                "clip_fraction")}}
+                                                "clip_fraction", "completion_tokens")}}
 
 
 # --- the runs --------------------------------------------------------------------------------

@@ -15,7 +15,9 @@ RUNS = {"sft": "(a) SFT on gold answers", "rw_global": "(b) reward-weighted SFT,
         "grpo": "(d) GRPO from the warm start", "grpo_cold": "(e) GRPO from the base",
         "grpo_replay": "(f) GRPO + replay", "grpo_kl": "(f) GRPO + KL to the base",
         "grpo_async": "(f) GRPO + replay, asynchronous generation",
-        "grpo_partial": "(f) GRPO + replay, partial-credit reward"}
+        "grpo_partial": "(f) GRPO + replay, partial-credit reward",
+        "grpo_dapo": "(g) GRPO, token-level aggregation (dapo)",
+        "grpo_dr": "(g) GRPO, constant normaliser (dr_grpo)"}
 MODELS = ("dense", "moe")
 
 
@@ -108,4 +110,15 @@ def findings(manifest: dict) -> list[str]:
             f"{gain(m, 'dense', 'grpo_partial')} (dense) but {gain(m, 'moe', 'grpo_partial')} "
             f"(MoE), whose groups settle on near misses: groups with reward variance go "
             f"{v[0]:.2f} → {v[-1]:.2f}.", "  "))
+    if all(n in moe for n in ("grpo_dapo", "grpo_dr")):
+        length = {n: moe[n]["curves"]["completion_tokens"][-1]
+                  for n in ("grpo", "grpo_dapo", "grpo_dr")}
+        out.append(paragraph(
+            f"- **How the token losses are aggregated** (MoE, from the warm start): GRPO's "
+            f"per-completion mean gains {gain(m, 'moe', 'grpo')} with completions of "
+            f"{length['grpo']:.1f} tokens in the last window; DAPO's token-level mean "
+            f"{gain(m, 'moe', 'grpo_dapo')} ({length['grpo_dapo']:.1f} tokens), Dr. GRPO's "
+            f"constant normaliser {gain(m, 'moe', 'grpo_dr')} ({length['grpo_dr']:.1f} "
+            "tokens). Under the per-completion mean a token of a long wrong answer is pushed "
+            "down less than one of a short wrong answer.", "  "))
     return out

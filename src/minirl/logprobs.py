@@ -32,6 +32,7 @@ with no copy of the model. A fully fine-tuned policy needs an explicit reference
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -197,18 +198,28 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * torch.where(torch.isneginf(logits), 0.0, logp)).sum(dim=1)
 
 
-def token_logprobs(model, samples, backend: str = "torch") -> torch.Tensor:
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) under `model`, [P·G, L-1] float32, 0 wherever
-    `samples.target_mask` is False (prompt and padding).
+def token_logprobs(model, samples, backend: str = "torch", temperature: float = 1.0
+                   ) -> torch.Tensor:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) under `model` at `temperature`, [P·G, L-1]
+    float32, 0 wherever `samples.target_mask` is False (prompt and padding).
 
-    Gradients flow when called with grad enabled (the policy); wrap in `torch.no_grad()` for
-    the old policy. The model's mode is left alone: LoRA dropout in training mode makes the
-    policy's log-probs noisy, so GRPO runs use dropout 0.
+    `temperature` must be the one the tokens were sampled at: the sampling distribution is
+    softmax(logits / T), so the ratio of the GRPO loss compares log-probs of that distribution
+    (TRL scores the same way); scoring at T = 1 what was sampled at T ≠ 1 gives every ratio
+    and KL the wrong distribution. Gradients flow when called with grad enabled (the policy);
+    wrap in `torch.no_grad()` for the old policy. The model's mode is left alone: LoRA dropout
+    in training mode makes the policy's log-probs noisy, so GRPO runs use dropout 0.
     """
+    if not (isinstance(temperature, int | float) and math.isfinite(temperature)
+            and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0 (the sampling "
+                         f"temperature), got {temperature!r}")
     device = next(model.parameters()).device
     tokens = samples.tokens.to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]                                  # [B, L-1]
     logits = model(x)                                                     # [B, L-1, V]
+    if temperature != 1.0:
+        logits = logits / temperature
     logp = selective_log_softmax(logits.flatten(0, 1), y.flatten(), backend).view(y.shape)
     return torch.where(samples.target_mask.to(device), logp, 0.0)
 
@@ -247,10 +258,10 @@ def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
 
 @torch.no_grad()
 def reference_logprobs(model: nn.Module, samples, reference: nn.Module | None = None,
-                       backend: str = "torch") -> torch.Tensor:
-    """`token_logprobs` under the frozen reference, no gradients: `reference` when given,
-    else `model` with its adapters off (the base of a LoRA / QLoRA policy)."""
+                       backend: str = "torch", temperature: float = 1.0) -> torch.Tensor:
+    """`token_logprobs` under the frozen reference at `temperature`, no gradients: `reference`
+    when given, else `model` with its adapters off (the base of a LoRA / QLoRA policy)."""
     if reference is not None:
-        return token_logprobs(reference, samples, backend)
+        return token_logprobs(reference, samples, backend, temperature)
     with adapters_off(model):
-        return token_logprobs(model, samples, backend)
+        return token_logprobs(model, samples, backend, temperature)

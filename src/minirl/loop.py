@@ -4,12 +4,19 @@ within the group, update; with minituner's NaN guard and an asynchronous option.
 One step (iteration) of `grpo_train`:
 
     prompts  <- the next P of `prompts` (reshuffled every epoch, from the seed)
-    samples  <- G completions of each, from the behaviour policy          [P·G rows]
-    old_logp <- their log-probs under the policy that sampled them        (no grad)
+    samples  <- G completions of each, from the behaviour policy, at T   [P·G rows]
+    old_logp <- their log-probs under the policy that sampled them, at T  (no grad)
     A        <- group_advantages(reward(prompt, completion))               [P, G]
     ref_logp <- log-probs under the reference (the base: adapters off)    (no grad)
-    repeat inner_steps:  loss = grpo_loss(logp, old_logp, A, mask, ε, ref_logp, β)
+    A all 0, no KL, no replay:  no update (`skip_zero_advantage`)
+    repeat inner_steps:  loss = grpo_loss(logp, old_logp, A, mask, ε, ref_logp, β, ...)
                               + replay_coef · CE(replay batch)             AdamW step
+
+Every log-prob is scored at the sampling temperature T (`token_logprobs(..., temperature)`):
+the ratio compares the distribution the tokens were drawn from. `accumulate` splits the
+P·G rows into micro-batches, each forward and backward in turn before the one AdamW step; each
+part carries the whole batch's normalisation (grpo_loss's `totals`), so the update is the
+whole batch's, and the activations held at once are one micro-batch's.
 
 Synchronous: the behaviour policy is the policy itself, so old_logp = logp at the first inner
 step (ratio 1). Asynchronous (`async_generation`): a background thread samples step i+1's batch
@@ -56,8 +63,8 @@ from minituner.trainer import (
     sequence_loss,
 )
 
-from .advantages import group_advantages, variance_fraction
-from .grpo import grpo_loss
+from .advantages import SCALES, group_advantages, variance_fraction
+from .grpo import check_family, grpo_loss
 from .logprobs import IMPLEMENTATIONS, reference_logprobs, token_logprobs
 from .replay import replay_examples
 from .rewards import Reward, score
@@ -73,8 +80,16 @@ class GRPOConfig:
     max_new_tokens: int = 8       # completion length cap (the <eos> counts)
     temperature: float = 1.0      # sampling temperature
     inner_steps: int = 1          # AdamW steps per batch; > 1 moves the ratio off 1 (clipping)
-    clip_eps: float = 0.2         # ratio clipped to [1 − ε, 1 + ε]
+    clip_eps: float = 0.2         # ratio clipped to [1 − ε, 1 + ε_high]
+    epsilon_high: float | None = None  # upper clip ε_high (DAPO's clip-higher); None: clip_eps
+    loss_type: str = "grpo"       # token-loss aggregation: grpo | bnpo | dr_grpo | dapo (grpo.py)
+    importance_sampling_level: str = "token"  # "sequence": one ratio per completion (GSPO)
+    scale_rewards: str = "group"  # advantages over the group's std | the batch's | "none"
+    adv_eps: float = 1e-6         # eps of the advantages' std (TRL uses 1e-4; advantages.py)
     kl_coef: float = 0.0          # β of the k3 KL to the reference; 0 off (the KL is still logged)
+    kl_bias_correction: bool = False  # weight k3 by the importance ratio (DeepSeek-V3.2)
+    skip_zero_advantage: bool = True  # no update from a batch whose advantages are all 0
+    accumulate: int = 1           # micro-batches per update (same update, less activation memory)
     replay_batch: int = 0         # pretraining examples per update, plain CE on their answers
     replay_coef: float = 1.0      # weight of that CE term
     async_generation: bool = False  # sample the next batch while this one updates (lag 1)
@@ -91,9 +106,21 @@ class GRPOConfig:
     progress: bool = True         # tqdm progress bar
 
     def __post_init__(self):
-        for name in ("steps", "prompts_per_step", "max_new_tokens", "inner_steps"):
+        for name in ("steps", "prompts_per_step", "max_new_tokens", "inner_steps", "accumulate"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if (self.prompts_per_step * self.group_size) % self.accumulate:
+            raise ValueError(f"accumulate={self.accumulate} must divide the batch's "
+                             f"prompts_per_step · group_size = "
+                             f"{self.prompts_per_step * self.group_size} sequences")
+        if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
+                and self.temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got "
+                             f"{self.temperature!r}")
+        if self.scale_rewards not in SCALES:
+            raise ValueError(f"scale_rewards must be one of {SCALES}, got "
+                             f"{self.scale_rewards!r}")
+        grpo_loss_options(self)            # loss_type and the rest, checked as grpo_loss does
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (GRPO compares the answers to one "
                              f"prompt with each other), got {self.group_size}")
@@ -143,7 +170,7 @@ class _Sampler:
         old = None
         if model is self.actor:
             with torch.no_grad():
-                old = token_logprobs(model, samples, cfg.backend)
+                old = token_logprobs(model, samples, cfg.backend, cfg.temperature)
         return _Batch(prompts, samples, old)
 
     def _snapshot_and_submit(self) -> None:
@@ -224,9 +251,16 @@ def grpo_train(model: torch.nn.Module, prompts: Sequence[Example], reward: Rewar
                     s = batch.samples
                     rewards = score(reward, [batch.prompts[g] for g in s.group.tolist()],
                                     s.completions).view(-1, cfg.group_size)       # [P, G]
-                    adv = group_advantages(rewards).flatten().to(device)          # [P·G]
-                    ref = reference_logprobs(model, s, reference, cfg.backend)    # [P·G, L-1]
-                    record = _update(model, opt, params, named, batch, adv, ref, replay, cfg)
+                    adv = group_advantages(rewards, cfg.adv_eps, cfg.scale_rewards
+                                           ).flatten().to(device)                 # [P·G]
+                    ref = reference_logprobs(model, s, reference, cfg.backend,
+                                             cfg.temperature)                     # [P·G, L-1]
+                    if cfg.skip_zero_advantage and not adv.any() and not cfg.kl_coef \
+                            and replay is None:
+                        record = _skipped(model, batch, adv, ref, cfg)
+                    else:
+                        record = _update(model, opt, params, named, batch, adv, ref, replay,
+                                         cfg)
                 except FloatingPointError as err:      # NonFiniteLogitsError included
                     stop(step, "forward", f"non-finite values ({err}); the update was skipped",
                          True)
@@ -252,6 +286,60 @@ def grpo_train(model: torch.nn.Module, prompts: Sequence[Example], reward: Rewar
     return result
 
 
+def grpo_loss_options(cfg: GRPOConfig) -> dict:
+    """`grpo_loss`'s loss-family keywords from a config, checked as grpo_loss checks them."""
+    options = dict(loss_type=cfg.loss_type, epsilon_high=cfg.epsilon_high,
+                   importance_sampling_level=cfg.importance_sampling_level,
+                   kl_bias_correction=cfg.kl_bias_correction,
+                   max_completion_length=cfg.max_new_tokens)
+    check_family(**options, totals=None)
+    return options
+
+
+def _micro_batches(n: int, accumulate: int) -> list[slice]:
+    size = n // accumulate
+    return [slice(i, i + size) for i in range(0, n, size)]
+
+
+def _policy_loss(model, s: Samples, olds: list, adv, ref, cfg: GRPOConfig, backward: bool
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The GRPO loss of the whole batch, one micro-batch at a time (`cfg.accumulate`), each
+    part's backward run before the next part's forward when `backward`: the parts carry the
+    whole batch's normalisation (`totals`), so their gradients add up to the whole's. Fills
+    `olds` (the old log-probs per part) where it holds None: the policy sampled them."""
+    mask = s.target_mask.to(adv.device)
+    totals = (len(s), int(mask.sum()))
+    options = grpo_loss_options(cfg)
+    loss, stats = torch.zeros((), device=adv.device), {}
+    for j, rows in enumerate(_micro_batches(len(s), cfg.accumulate)):
+        logp = token_logprobs(model, s.rows(rows), cfg.backend, cfg.temperature)
+        if olds[j] is None:         # sampled by this very policy: the ratio starts at 1
+            olds[j] = logp.detach()
+        part, part_stats = grpo_loss(logp, olds[j], adv[rows], mask[rows], cfg.clip_eps,
+                                     None if ref is None else ref[rows], cfg.kl_coef,
+                                     **options, totals=totals)
+        if backward:
+            part.backward()
+        loss = loss + part.detach()
+        share = (rows.stop - rows.start) / len(s)         # the stats are per-sequence means
+        for k, v in part_stats.items():
+            stats[k] = stats.get(k, 0.0) + share * v
+    return loss, stats
+
+
+def _skipped(model, batch: _Batch, adv, ref, cfg: GRPOConfig) -> dict:
+    """The record of a batch whose advantages are all 0 (every group's answers scored the
+    same) and whose loss has no other term: its gradient is exactly 0, but an AdamW step would
+    still move the weights along their momentum and decay, so there is no step. Its stats
+    are measured all the same (one forward, no backward)."""
+    olds = [None if batch.old_logp is None else batch.old_logp[rows]
+            for rows in _micro_batches(len(batch.samples), cfg.accumulate)]
+    with torch.no_grad():
+        loss, stats = _policy_loss(model, batch.samples, olds, adv, ref, cfg, backward=False)
+    return {"loss": loss.item(), "grad_norm": 0.0, "replay_loss": None, **stats,
+            "skipped": True}
+
+
 def _update(model, opt, params, named, batch: _Batch, adv, ref, replay, cfg: GRPOConfig
             ) -> dict:
     """`inner_steps` AdamW steps on one batch; the record of the last, or {"stopped": ...}.
@@ -274,22 +362,21 @@ def _update(model, opt, params, named, batch: _Batch, adv, ref, replay, cfg: GRP
         return {"stopped": (tensor, f"{reason} at inner step {inner + 1}; the iteration's "
                                     "earlier updates were undone", True)}
 
-    old, mask = batch.old_logp, s.target_mask.to(adv.device)
+    parts = _micro_batches(len(s), cfg.accumulate)
+    olds = [None] * len(parts) if batch.old_logp is None else \
+        [batch.old_logp[rows] for rows in parts]
     model.train()
     for inner in range(cfg.inner_steps):
         opt.zero_grad(set_to_none=True)
         try:
-            logp = token_logprobs(model, s, cfg.backend)
-            if old is None:         # sampled by this very policy: the ratio starts at 1
-                old = logp.detach()
-            loss, stats = grpo_loss(logp, old, adv, mask, cfg.clip_eps, ref, cfg.kl_coef)
+            loss, stats = _policy_loss(model, s, olds, adv, ref, cfg, backward=True)
             total, replay_loss = loss, None
             if replay is not None:
                 data, order = replay
                 x, y, m = (t.to(adv.device) for t in data.batch(next(order)))
                 replay_loss = sequence_loss(model, x, y, m)
-                total = loss + cfg.replay_coef * replay_loss
-            total.backward()
+                (cfg.replay_coef * replay_loss).backward()
+                total = loss + cfg.replay_coef * replay_loss.detach()
         except FloatingPointError as err:      # NonFiniteLogitsError included
             return undone("forward", f"non-finite values ({err})", inner)
         if not math.isfinite(total.item()):
@@ -305,4 +392,5 @@ def _update(model, opt, params, named, batch: _Batch, adv, ref, replay, cfg: GRP
             return {"stopped": (name, "the update overflowed to a non-finite parameter; "
                                       "parameters were not restored", False)}
     return {"loss": loss.item(), "grad_norm": norm.item(),
-            "replay_loss": None if replay_loss is None else replay_loss.item(), **stats}
+            "replay_loss": None if replay_loss is None else replay_loss.item(), **stats,
+            "skipped": False}

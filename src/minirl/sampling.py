@@ -26,6 +26,7 @@ would score the completion under a context the training forward never sees.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -62,6 +63,13 @@ class Samples:
         """[P·G, L-1] bool: completion tokens as next-token targets, aligned with
         `token_logprobs` (position t scores tokens[:, t+1])."""
         return self.completion_mask[:, 1:]
+
+    def rows(self, rows: slice) -> Samples:
+        """The rows `rows` (a micro-batch); `group` and `group_size` keep their meaning."""
+        return dataclasses.replace(
+            self, tokens=self.tokens[rows], prompt_lengths=self.prompt_lengths[rows],
+            completion_mask=self.completion_mask[rows], finished=self.finished[rows],
+            completions=self.completions[rows], group=self.group[rows])
 
 
 def _prompt_ids(prompt: Example | str | Sequence[int], tok: CharTokenizer, i: int) -> list[int]:

@@ -216,15 +216,15 @@ def draw(model, G=3, max_new=5, seed=0):
     return sample_groups(model, PROMPTS, G, max_new, generator=torch.Generator().manual_seed(seed))
 
 
-def loop_logprobs(model, s) -> torch.Tensor:
+def loop_logprobs(model, s, temperature: float = 1.0) -> torch.Tensor:
     """Each completion token scored by a forward of its own row's prefix alone (no batch, no
-    padding), the way sampling saw it."""
+    padding), the way sampling saw it: log softmax(logits / T)[token]."""
     out = torch.zeros(s.tokens.shape[0], s.tokens.shape[1] - 1)
     with torch.no_grad():
         for row in range(len(s)):
             for t in s.completion_mask[row].nonzero().flatten().tolist():
                 logits = model(s.tokens[row:row + 1, :t])[0, -1]
-                out[row, t - 1] = torch.log_softmax(logits, -1)[s.tokens[row, t]]
+                out[row, t - 1] = torch.log_softmax(logits / temperature, -1)[s.tokens[row, t]]
     return out
 
 
@@ -234,6 +234,22 @@ def test_token_logprobs_equal_plain_forwards_of_each_prefix(eos_model):
     assert got.shape == (len(s), s.tokens.shape[1] - 1) and got.dtype == torch.float32
     torch.testing.assert_close(got, loop_logprobs(eos_model, s), rtol=1e-5, atol=1e-5)
     assert (got[~s.target_mask] == 0).all() and (got[s.target_mask] < 0).all()
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.6])
+def test_token_logprobs_score_the_distribution_sampled_at_a_temperature(eos_model, temperature):
+    s = draw(eos_model)
+    got = token_logprobs(eos_model, s, temperature=temperature)
+    torch.testing.assert_close(got, loop_logprobs(eos_model, s, temperature), rtol=1e-5,
+                               atol=1e-5, msg=lambda m: f"log softmax(logits / T), T = "
+                                                        f"{temperature}:\n{m}")
+    assert not torch.allclose(got, token_logprobs(eos_model, s))
+    with torch.no_grad():
+        torch.testing.assert_close(reference_logprobs(eos_model, s, eos_model,
+                                                      temperature=temperature), got)
+    for bad in (0, -1.0, float("inf"), "1"):
+        with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+            token_logprobs(eos_model, s, temperature=bad)
 
 
 def test_token_logprobs_carry_gradients_to_the_trainable_parameters(eos_model):

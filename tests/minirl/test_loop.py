@@ -132,14 +132,15 @@ def by_hand(model, reference, prompts, reward, cfg: GRPOConfig, lag: int) -> lis
                           temperature=cfg.temperature, generator=gen)
         rewards = score(reward, [batch[g] for g in s.group.tolist()], s.completions)
         adv = group_advantages(rewards.view(-1, cfg.group_size)).flatten()
-        with torch.no_grad():
-            old = token_logprobs(actor, s)
-            ref = token_logprobs(reference, s)
+        with torch.no_grad():     # every log-prob at the sampling temperature, as TRL scores
+            old = token_logprobs(actor, s, temperature=cfg.temperature)
+            ref = token_logprobs(reference, s, temperature=cfg.temperature)
         lr = hand_lr(step, cfg)
         for group in opt.param_groups:
             group["lr"] = lr
         model.train()
-        loss, stats = grpo_loss(token_logprobs(model, s), old, adv, s.target_mask,
+        loss, stats = grpo_loss(token_logprobs(model, s, temperature=cfg.temperature), old,
+                                adv, s.target_mask,
                                 cfg.clip_eps, ref, cfg.kl_coef)
         opt.zero_grad()
         loss.backward()
@@ -190,10 +191,25 @@ def test_several_synchronous_steps_equal_the_hand_written_loop():
     assert [h["lr"] for h in hand] == pytest.approx([2e-2, 2e-2, 1.1e-2, 2e-3])
 
 
+def test_log_probs_are_scored_at_the_sampling_temperature():
+    """The tokens were drawn from softmax(logits / T): the policy's, the old policy's and the
+    reference's log-probs are all of that distribution (TRL scores the same way)."""
+    cfg = cfg_of(steps=1, prompts_per_step=4, group_size=3, max_new_tokens=4,
+                 temperature=0.5, kl_coef=0.3, seed=3)
+    result, _ = run(cfg, ref_seed=1)
+    model, ref = model_and_reference(ref_seed=1)
+    (hand,) = by_hand(model, ref, COPY, length_reward, cfg, lag=0)
+    for key in ("loss", "mean_kl"):
+        assert result.records[0][key] == hand[key], (
+            f"{key}: {result.records[0][key]} against {hand[key]} scored at T = "
+            f"{cfg.temperature}: score every log-prob at the sampling temperature "
+            f"(token_logprobs(..., temperature=cfg.temperature))")
+
+
 # --- async generation ----------------------------------------------------------------------
 
 ASYNC = dict(steps=3, inner_steps=1, prompts_per_step=4, group_size=3, max_new_tokens=3,
-             kl_coef=0.05, lr=5e-2, seed=1)
+             kl_coef=0.05, lr=5e-2, seed=1, temperature=0.8)
 
 
 def test_async_generation_lags_the_policy_by_one_update():
@@ -400,6 +416,11 @@ def test_an_update_that_overflows_stops_without_restoring(tmp_path):
     (dict(backend="cuda-magic"), "backend"), (dict(kl_coef=-0.1), "kl_coef"),
     (dict(kl_coef=float("nan")), "kl_coef"), (dict(prompts_per_step=0), "prompts_per_step"),
     (dict(inner_steps=0), "inner_steps"), (dict(replay_batch=-1), "replay_batch"),
+    (dict(temperature=0.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(accumulate=0), "accumulate"), (dict(accumulate=3), "accumulate=3 must divide"),
+    (dict(loss_type="token"), "loss_type"), (dict(scale_rewards="prompt"), "scale_rewards"),
+    (dict(epsilon_high=0.0), "epsilon_high"),
+    (dict(importance_sampling_level="seq"), "importance_sampling_level"),
 ])
 def test_bad_config_is_refused_naming_the_field(kw, name):
     with pytest.raises(ValueError, match=name):
@@ -464,7 +485,7 @@ def test_a_raising_reward_propagates_and_leaves_no_worker(tmp_path, async_genera
 
 @pytest.mark.parametrize("kw, ref, name", [
     ({}, False, "reference"),             # a model without adapters has no base to switch to
-    (dict(temperature=0.0), True, "temperature"),          # refused by the (async) sampler
+    (dict(max_new_tokens=10_000), True, "max_new_tokens"),  # refused by the (async) sampler
     (dict(clip_eps=-0.5), True, "clip_eps"),               # refused by grpo_loss
 ])
 def test_errors_of_the_first_step_propagate_and_leave_no_worker(kw, ref, name):
