@@ -173,6 +173,7 @@ class Run:
         self.budget = [MAX_SUBMISSION_BYTES]      # output characters left, across restarts
         self.uid = sandbox.uid(slot)              # one per submission (restarts keep it)
         self.setup_done = 0
+        self.hidden_now = False                   # the trusted kernel's __bridge__.hidden
 
     def start(self) -> None:
         """Fresh kernels: the learner's with the bridge's server and the lab's stubs, the
@@ -183,7 +184,7 @@ class Run:
         self.trusted = Kernel(trusted, self.slot, self.budget, wait=False,
                               zygote=_zygote(trusted))
         self.start_learner(before_import=self._preload)
-        self.setup_done = 0
+        self.setup_done, self.hidden_now = 0, False
 
     def _preload(self) -> None:
         self.trusted.wait_until_ready()
@@ -208,19 +209,27 @@ class Run:
         reply = self.trusted.run(connect, timeout=120, silent=True)
         if not reply.ok:
             raise RuntimeError(f"the trusted kernel did not connect: {reply.error}")
+        self.hidden_now = False                   # a new Bridge shows the learner's printing
 
     def alive(self) -> bool:
         return self.learner.alive() and self.trusted.alive()
 
+    # bind and quiet are sent without waiting for their replies (nothing is read of them):
+    # the trusted kernel runs its requests in order, so the next `run` waits behind them.
     def bind(self) -> None:
-        self.trusted.run(f"__bridge__.bind(globals(), {self.names!r})", 120, silent=True)
+        self.trusted.send(f"__bridge__.bind(globals(), {self.names!r})")
 
     def pause(self) -> None:
-        """Free the learner's kernel for a cell of theirs (the bridge's serving loop ends)."""
-        self.trusted.run("__bridge__.pause()", 30, silent=True)
+        """Free the learner's kernel for a cell of theirs (the bridge's serving loop ends),
+        the learner's printing shown again."""
+        self.trusted.run("__bridge__.hidden = False\n__bridge__.pause()", 30, silent=True)
+        self.hidden_now = False
 
     def quiet(self, hidden: bool) -> None:
-        self.trusted.run(f"__bridge__.hidden = {hidden}", 60, silent=True)
+        """Drop (hidden tests) or show the learner's printing during the bridge's calls."""
+        if hidden != self.hidden_now:
+            self.trusted.send(f"__bridge__.hidden = {hidden}")
+            self.hidden_now = hidden
 
     def prepare(self, test: Test) -> None:
         """Run the source's setup cells that come before `test` and have not run yet."""
@@ -261,12 +270,10 @@ def _run_chunks(run: Run, cell: Cell, replay: bool) -> None:
             cell.status, cell.error = reply.status, reply.error
             if not reply.ok:
                 cell.hidden_failed, cell.hidden_case = hidden, label if hidden else ""
-                run.quiet(False)
                 if run.trusted.alive():     # the helpers below the failure, for later tests
                     code = definitions("\n".join(c for _, c in cell.test.chunks))
                     run.trusted.run(code, run.timeout, silent=True, history=False)
                 return
-    run.quiet(False)
     cell.earned = cell.test.points
 
 

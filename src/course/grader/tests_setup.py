@@ -3,10 +3,12 @@
     learner_names(source)  every top-level name a solution cell defines: what the trusted
                            test process binds to the learner's kernel (trusted_side.Bridge)
     setup_cells(source)    the ordinary code cells the trusted process runs before the tests
-                           that follow them: each cell that names nothing of the learner's
-                           (imports, helpers, constants), and a cell that does (a demo that
-                           calls the learner's code) only when a test reads a name it
-                           defines; never a cell tagged jupyter-only
+                           that follow them: each cell that imports something and names
+                           nothing of the learner's, and each cell that defines a name a test
+                           reads (or a cell so chosen reads), a demo that calls the learner's
+                           code included; never a cell tagged jupyter-only. A demo that
+                           defines nothing the tests read runs in the learner's kernel only,
+                           where the notebook shows its output
     cases(code)            a hidden chunk split at its `# case: <label>` lines, for feedback
                            that names the case that failed and nothing else of it
     definitions(code)      what a test cell binds without running anything: re-run after
@@ -74,15 +76,27 @@ def learner_names(source_nb) -> list[str]:
                                 if c.cell_type == "code" and meta(c).get("solution")]))
 
 
+def _imports(source: str) -> bool:
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    return any(isinstance(node, (ast.Import, ast.ImportFrom)) for node in ast.walk(tree))
+
+
 def setup_cells(source_nb) -> list[int]:
-    """Indices in `source_nb.cells` of the ordinary cells the trusted process runs."""
+    """Indices in `source_nb.cells` of the ordinary cells the trusted process runs: the cells
+    that import (their side effects, such as `harness.triton_setup()`, go with them) and
+    name nothing of the learner's, and then every cell that defines a name a test or a chosen
+    cell reads (the latest such cell above the reader)."""
     learner = set(learner_names(source_nb))
     code = [(i, c) for i, c in enumerate(source_nb.cells) if c.cell_type == "code"]
     kinds = {i: "solution" if meta(c).get("solution") else "test" if meta(c).get("grade")
              else "jupyter-only" if jupyter_only(c) else "code" for i, c in code}
     names = {i: _names(c.source) for i, c in code}
-    chosen = {i for i, _ in code if kinds[i] == "code" and not names[i][1] & learner}
-    readers = [i for i, _ in code if kinds[i] == "test"]
+    chosen = {i for i, c in code if kinds[i] == "code" and not names[i][1] & learner
+              and _imports(c.source)}
+    readers = [i for i, _ in code if kinds[i] == "test"] + sorted(chosen)
     while readers:                  # cells that define what a test (or a chosen cell) reads
         i = readers.pop()
         for name in names[i][1] - learner:
