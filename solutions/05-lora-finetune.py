@@ -71,6 +71,7 @@ import torch.nn.functional as F
 # minituner.qlora imports bitsandbytes, which logs a warning about an optional CPU kernel package.
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 import minigpt  # noqa: E402
+import minirl  # noqa: E402
 import minituner  # noqa: E402
 import minituner.trainer  # noqa: E402
 from course.notebook.harness import (  # noqa: E402
@@ -549,6 +550,43 @@ for label, data in (("plain SFT", make_data(noisy)),
     print(f"{label:<20} rev exact match {minigpt.evaluate(m, 'rev', n=EVAL_N):.2f}, "
           f"clean validation loss {minituner.mean_loss(m, rev_val):.3f}; answers {got} for "
           f"{[ex.answer for ex in rev_eval[:4]]}")
+
+# %% [markdown]
+# ### The same kind of data, as a file you can edit
+#
+# The course ships such rewarded answers as a file too: `data/rev_rewarded.jsonl` in the
+# course folder, one JSON object per line, eight `rev` prompts with four to six candidate
+# answers each (the right one, near misses such as two letters swapped or the word copied as
+# above, wrong ones), a `reward` (1 for exactly the right answer, else 0) and a
+# `partial_credit` (the share of letters in place). `minirl.read_rewarded_jsonl` reads it and
+# names the line of anything it cannot use. The right answers are (prompt, answer) pairs of
+# the very 2000 `rev` training examples this lab trains on. Change a reward or add a line,
+# then run the cell again: `data/README.md` says what the reader checks, and
+# `python scripts/make_sample_data.py` puts the original back.
+
+# %%
+SAMPLE = Path("data", "rev_rewarded.jsonl")
+sample_file = next((d / SAMPLE for d in (Path.cwd(), *Path.cwd().parents)
+                    if (d / SAMPLE).is_file()), None)
+try:
+    sample = minirl.read_rewarded_jsonl(sample_file) if sample_file else None
+except ValueError as err:               # an edit the reader refuses; the message names the line
+    sample = None
+    print(f"minirl.read_rewarded_jsonl refused the file: {err}")
+if sample_file is None:
+    print(f"{SAMPLE} is not in {Path.cwd()} or a folder above it: run the notebook inside the "
+          "course folder, or write the file with `python scripts/make_sample_data.py`")
+elif sample is not None:
+    print(f"{sample_file}: {len(sample)} answers to {len(set(sample.prompts))} prompts; "
+          "the first six:")
+    sample_rows = list(zip(sample.prompts, sample.answers, sample.rewards.tolist(), strict=True))
+    print("\n".join(f"  {p:<11} {a!r:<9} reward {r}" for p, a, r in sample_rows[:6]))
+    sample_right = [tasks.Example(tasks.HELD_OUT, p, a) for p, a, r in sample_rows if r == 1]
+    sample_train = set(tasks.make_examples(tasks.HELD_OUT, 2000, seed=0))
+    print(f"{sum(ex in sample_train for ex in sample_right)} of the {len(sample_right)} "
+          "reward-1 answers are training examples of this lab" + (
+              f"; as training rows: make_data -> tokens "
+              f"{tuple(make_data(sample_right).tokens.shape)}" if sample_right else ""))
 
 # %% [markdown]
 # ## Part C — Exercise 2: the learning-rate schedule and gradient clipping

@@ -730,6 +730,41 @@ _raises("grpo_loss with kl_coef=0.1 and no ref_logp",
 ### END HIDDEN TESTS
 
 # %% [markdown]
+# ### How the token losses become one number: short against long completions
+#
+# Your `grpo_loss` averages each completion over its own tokens, then the completions: the
+# GRPO paper's $\frac1B\sum_i \frac1{|o_i|}\sum_t \ell_{it}$ (`loss_type="grpo"` in TRL and in
+# `minirl.grpo_loss`). Every completion then weighs the same, so **a token of a long completion
+# weighs less than a token of a short one**: a long wrong answer is pushed down less, per
+# token, than a short wrong one, and the model learns that rambling is the cheaper way to be
+# wrong. The alternatives divide by a number that does not depend on the completion:
+# `"dapo"` (and `"bnpo"`) by all the batch's completion tokens, `"dr_grpo"` (Dr. GRPO) by
+# `B · max_completion_length`. The cell below takes fresh samples (ratio 1, so each token's
+# loss is $-A_i$) of lengths 1 to 9 and shows each token's gradient, $-A_i$ times its weight,
+# from **your** `grpo_loss` and from the two other rules written out.
+
+# %%
+_lengths, _adv_demo = [1, 9, 3, 7, 2, 5], torch.tensor([1.0, -1.0, 0.5, 0.5, -2.0, 1.0])
+_mask_demo = torch.arange(9)[None, :] < torch.tensor(_lengths)[:, None]      # [6, 9]
+_lp_demo = torch.full((6, 9), -1.0, requires_grad=True)
+grpo_loss(_lp_demo, _lp_demo.detach(), _adv_demo, _mask_demo).backward()
+_per_token = {"grpo (yours)": _lp_demo.grad[:, 0].abs(),
+              "dapo / bnpo": _adv_demo.abs() / sum(_lengths),
+              "dr_grpo": _adv_demo.abs() / (6 * 9)}
+for _name, _w in _per_token.items():
+    print(f"{_name:>13}: |gradient| of one token per completion "
+          + "  ".join(f"{_n}:{_v:.4f}" for _n, _v in zip(_lengths, _w.tolist(), strict=True)))
+fig, ax = plt.subplots(figsize=(7, 3))
+for _k, (_name, _w) in enumerate(_per_token.items()):
+    ax.bar([i + 0.27 * (_k - 1) for i in range(6)], (_w / _adv_demo.abs()).tolist(), 0.27,
+           label=_name)
+ax.set_xticks(range(6), [f"|o| = {n}" for n in _lengths])
+ax.set_ylabel("weight of one token")
+ax.set_title("per-token weight by completion length (|A| divided out)")
+ax.legend()
+plt.show()
+
+# %% [markdown]
 # ## Part B — the selective log-softmax, streamed over the vocabulary
 #
 # `token_logprobs` runs the model over the sampled tokens and needs, for each of the

@@ -17,6 +17,9 @@ from torch.utils.checkpoint import checkpoint
 
 from minimoe import MoEMLP
 from minimoe.moe import BACKENDS as MOE_BACKENDS
+from minimoe.moe import check_bias_update_rate
+from minimoe.routers import METHODS as MOE_ROUTERS
+from minimoe.routers import check_router
 
 
 @dataclass
@@ -34,6 +37,13 @@ class MiniGPTConfig:
     moe_backend: str = "torch"           # "torch" (PyTorch dispatch) or "triton" (ScatterMoE)
     moe_renormalize: bool | None = None  # top-k weights sum to 1? None: for top_k > 1 only
     moe_shared_d_ff: int = 0             # Qwen2-MoE shared expert width; 0 = none
+    moe_router: str = "softmax_topk"     # "softmax_topk" | "sigmoid_topk" | "group_topk"
+    moe_n_group: int | None = None       # group_topk: experts in this many equal groups
+    moe_topk_group: int | None = None    # group_topk: top-k within this many best groups
+    moe_group_score: str = "top2_sum"    # group_topk's group rank: "top2_sum" (V3) | "max" (V2)
+    moe_scoring: str = "sigmoid"         # group_topk's expert scores: "sigmoid" | "softmax"
+    moe_routed_scaling_factor: float = 1.0  # multiplies the routed weights (DeepSeek)
+    moe_bias_update_rate: float = 0.0    # sigmoid/group routers: aux-loss-free bias step
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "d_ff"):
@@ -55,6 +65,16 @@ class MiniGPTConfig:
                 or self.moe_shared_d_ff < 0:
             raise ValueError(f"moe_shared_d_ff must be an int >= 0 (0 = none), "
                              f"got {self.moe_shared_d_ff!r}")
+        if self.moe_router not in MOE_ROUTERS:
+            raise ValueError(f"moe_router must be one of {MOE_ROUTERS}, got {self.moe_router!r}")
+        # The router options against the experts (only what does not need them when dense).
+        E = self.n_experts or None
+        check_router(self.moe_router, E, self.top_k if E else None, n_group=self.moe_n_group,
+                     topk_group=self.moe_topk_group, group_score=self.moe_group_score,
+                     scoring=self.moe_scoring,
+                     routed_scaling_factor=self.moe_routed_scaling_factor, prefix="moe_")
+        check_bias_update_rate(self.moe_bias_update_rate, self.moe_router,
+                               name="moe_bias_update_rate")
 
     def to_dict(self) -> dict:
         """The fields as a dict, the MoE options only where they differ from their defaults:
@@ -107,7 +127,11 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = (MoEMLP(cfg.n_embd, cfg.d_ff, cfg.n_experts, cfg.top_k,
                            backend=cfg.moe_backend, renormalize=cfg.moe_renormalize,
-                           shared_d_ff=cfg.moe_shared_d_ff) if cfg.n_experts
+                           shared_d_ff=cfg.moe_shared_d_ff, method=cfg.moe_router,
+                           n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
+                           group_score=cfg.moe_group_score, scoring=cfg.moe_scoring,
+                           routed_scaling_factor=cfg.moe_routed_scaling_factor,
+                           bias_update_rate=cfg.moe_bias_update_rate) if cfg.n_experts
                     else SwiGLU(cfg.n_embd, cfg.d_ff))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Now: softmax, sigmoid (selection-only bias) and group-limited top-k routers, the Switch
 load-balancing and z losses, and a plain PyTorch
-dispatch MoE MLP that MiniGPT-MoE is pretrained with; the ScatterMoE dispatch (sort once into
+dispatch MoE MLP that MiniGPT-MoE is pretrained with, on any of the routers (the selection
+bias updated by `update_router_biases` after each step); the ScatterMoE dispatch (sort once into
 a validated `Routing`, Triton scatter2scatter / group / group_bwd_W, `parallel_linear` on a
 Routing with autograd and expert LoRA as one `ExpertLoRA` value, and
 `parallel_linear_from_indices` for index tensors) behind
@@ -31,6 +32,7 @@ from .moe import (
     dispatch_triton,
     expert_swiglu,
     saved_per_token,
+    update_router_biases,
 )
 from .nf4_experts import NF4Experts, nf4_parallel_linear, quantize_experts
 from .ops import group, group_bwd_lora, group_bwd_W, scatter2scatter, scatter2scatter_lora
@@ -110,4 +112,4 @@ __all__ = ["GIVEN", "REFERENCE", "ExpertLinear", "ExpertLoRA", "MoEMLP", "NF4Exp
            "group_bwd_lora", "load_balancing_loss", "lora_scaling", "nf4_parallel_linear",
            "parallel_linear", "parallel_linear_from_indices", "quantize_experts", "reference",
            "route", "router_z_loss", "saved_per_token", "scatter2scatter", "scatter2scatter_lora",
-           "update_selection_bias"]
+           "update_router_biases", "update_selection_bias"]

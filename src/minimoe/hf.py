@@ -3,11 +3,12 @@
 transformers 5 stores a sparse-MoE block's experts as two stacked parameters in the (out, in)
 layout of `nn.Linear`, gate and up fused, and calls the router `gate`:
 
-    HF (Mixtral, Qwen2/3-MoE, OLMoE)         minimoe.MoEMLP
+    HF (Mixtral, Qwen-MoE, OLMoE, DeepSeek)  minimoe.MoEMLP
     mlp.gate.weight          [E, C]          mlp.router.weight   [E, C]
     mlp.experts.gate_up_proj [E, 2F, C]      mlp.w_gate [E, C, F] = gate_up_proj[:, :F]ᵀ
                                              mlp.w_up   [E, C, F] = gate_up_proj[:, F:]ᵀ
     mlp.experts.down_proj    [E, C, F]       mlp.w_down [E, F, C] = down_proj ᵀ
+    mlp.gate.e_score_correction_bias [E]     mlp.router_bias [E]   (DeepSeek-V3, float32)
 
 (ᵀ swaps the last two dimensions.) `moe_from_hf` copies a block into a `MoEMLP`;
 `HF_NAMES` is the same table by name, which `minituner.save_adapter(..., names="hf")` uses to
@@ -46,11 +47,40 @@ def is_hf_experts(module: nn.Module) -> bool:
             and gu.shape[1] == 2 * down.shape[2] and gu.shape[2] == down.shape[1])
 
 
+def _router_options(router: nn.Module) -> dict:
+    """MoEMLP's router options for an HF router module: DeepSeek-V3's (a selection bias),
+    DeepSeek-V2's (a `topk_method`), else softmax top-k renormalised per `norm_topk_prob`
+    (Mixtral has none and renormalises)."""
+    if isinstance(getattr(router, "e_score_correction_bias", None), torch.Tensor):
+        return dict(method="group_topk", n_group=router.num_group,
+                    topk_group=router.topk_group, group_score="top2_sum", scoring="sigmoid",
+                    renormalize=bool(router.norm_topk_prob),
+                    routed_scaling_factor=float(router.routed_scaling_factor))
+    topk_method = getattr(router, "topk_method", None)
+    if topk_method is not None:          # DeepSeek-V2's router never renormalises
+        scaling = dict(renormalize=False,
+                       routed_scaling_factor=float(router.routed_scaling_factor))
+        if topk_method == "greedy":
+            return dict(method="softmax_topk", **scaling)
+        if topk_method == "group_limited_greedy":
+            return dict(method="group_topk", n_group=router.num_group,
+                        topk_group=router.topk_group, group_score="max", scoring="softmax",
+                        **scaling)
+        raise ValueError(f"the router's topk_method must be 'greedy' or "
+                         f"'group_limited_greedy', got {topk_method!r}")
+    return dict(renormalize=bool(getattr(router, "norm_topk_prob", True)))
+
+
 def moe_from_hf(block: nn.Module, backend: str = "torch") -> MoEMLP:
     """A `MoEMLP` with an HF sparse-MoE block's weights (copies; see the module table).
 
-    Reads top_k and the renormalisation from the block's router (`top_k`, `norm_topk_prob`;
-    Mixtral renormalises), and copies a Qwen2-MoE shared expert when there is one.
+    Reads top_k and the router from the block's router: softmax top-k renormalised per
+    `norm_topk_prob` (Mixtral renormalises); DeepSeek-V2's `topk_method` (greedy: softmax
+    top-k; group_limited_greedy: softmax-scored group_topk ranking groups by their max) with
+    its routed_scaling_factor and no renormalisation; DeepSeek-V3's sigmoid group_topk
+    (top-2-sum groups), its e_score_correction_bias copied into `router_bias`. Copies a
+    Qwen2-MoE shared expert (sigmoid-gated) or DeepSeek's shared experts (not gated) when
+    there is one.
     """
     experts, router = getattr(block, "experts", None), getattr(block, "gate", None)
     if not is_hf_experts(experts) or not isinstance(getattr(router, "weight", None),
@@ -60,14 +90,18 @@ def moe_from_hf(block: nn.Module, backend: str = "torch") -> MoEMLP:
     E, two_f, C = experts.gate_up_proj.shape
     F = two_f // 2
     top_k = getattr(router, "top_k", None) or block.top_k
-    renormalize = bool(getattr(router, "norm_topk_prob", True))
-    shared = getattr(block, "shared_expert", None)
+    shared = getattr(block, "shared_expert", None)         # Qwen2-MoE: sigmoid-gated
+    gated = shared is not None
+    if shared is None:
+        shared = getattr(block, "shared_experts", None)    # DeepSeek-V2/V3: not gated
     shared_d_ff = shared.gate_proj.out_features if shared is not None else 0
-    m = MoEMLP(C, F, E, top_k, backend=backend, renormalize=renormalize,
-               shared_d_ff=shared_d_ff)
+    m = MoEMLP(C, F, E, top_k, backend=backend, shared_d_ff=shared_d_ff, shared_gated=gated,
+               **_router_options(router))
     gu, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
     with torch.no_grad():
         m.router.weight.copy_(router.weight)
+        if m.has_router_bias and hasattr(router, "e_score_correction_bias"):
+            m.router_bias.copy_(router.e_score_correction_bias)
         m.w_gate.copy_(gu[:, :F].transpose(1, 2))
         m.w_up.copy_(gu[:, F:].transpose(1, 2))
         m.w_down.copy_(down.transpose(1, 2))
@@ -75,6 +109,7 @@ def moe_from_hf(block: nn.Module, backend: str = "torch") -> MoEMLP:
             m.shared_w_gate.copy_(shared.gate_proj.weight.T)
             m.shared_w_up.copy_(shared.up_proj.weight.T)
             m.shared_w_down.copy_(shared.down_proj.weight.T)
+        if gated:
             m.shared_gate.copy_(block.shared_expert_gate.weight.T)
     return m.to(gu.dtype)
 

@@ -52,6 +52,7 @@ from tqdm.auto import tqdm
 
 from minigpt import CharTokenizer
 from minigpt.tasks import Example
+from minimoe import update_router_biases
 from minituner import SequenceData
 from minituner.data import BatchOrder
 from minituner.metrics_log import MetricsLog
@@ -387,6 +388,7 @@ def _update(model, opt, params, named, batch: _Batch, adv, ref, replay, cfg: GRP
             return undone(name, "non-finite gradient", inner)
         norm = clip_gradients(params, cfg, norm)
         opt.step()
+        update_router_biases(model)        # an MoE's selection bias, if its router has one
         if not torch.isfinite(torch.nn.utils.get_total_norm(params)) and (
                 name := first_nonfinite(named)):
             return {"stopped": (name, "the update overflowed to a non-finite parameter; "

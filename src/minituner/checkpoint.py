@@ -49,11 +49,13 @@ class TrainingState:
 
 
 def snapshot(named: list[tuple[str, torch.nn.Parameter]], opt: torch.optim.Optimizer,
-             order: BatchOrder, progress: dict, config: dict, data_sha256: str
-             ) -> TrainingState:
-    """The state to resume from after the step just done (tensors referenced, not copied)."""
+             order: BatchOrder, progress: dict, config: dict, data_sha256: str,
+             buffers: dict[str, torch.Tensor] | None = None) -> TrainingState:
+    """The state to resume from after the step just done (tensors referenced, not copied).
+    `buffers`: tensors that training changes besides the parameters (an MoE router's
+    selection bias), kept beside the RNG states."""
     tensors = {"torch_cpu": torch.get_rng_state(), "batch_generator": order.generator.get_state(),
-               "batch_perm": order.perm}
+               "batch_perm": order.perm, **{f"buffer:{n}": b for n, b in (buffers or {}).items()}}
     device = named[0][1].device
     if device.type == "cuda":
         tensors["torch_cuda"] = torch.cuda.get_rng_state(device)
@@ -64,11 +66,18 @@ def snapshot(named: list[tuple[str, torch.nn.Parameter]], opt: torch.optim.Optim
 
 @torch.no_grad()
 def restore(state: TrainingState, named: list[tuple[str, torch.nn.Parameter]],
-            opt: torch.optim.Optimizer, order: BatchOrder) -> None:
-    """Put parameters, optimizer state, batch order and RNG back as `snapshot` saw them.
+            opt: torch.optim.Optimizer, order: BatchOrder,
+            buffers: dict[str, torch.Tensor] | None = None) -> None:
+    """Put parameters, optimizer state, buffers, batch order and RNG back as `snapshot` saw
+    them.
 
     Call `check_compatible` first: this assumes the names and shapes match.
     """
+    for n, b in (buffers or {}).items():
+        if f"buffer:{n}" not in state.tensors:
+            raise ValueError(f"the training checkpoint holds no {n}: it was saved from a model "
+                             f"without it")
+        b.copy_(state.tensors[f"buffer:{n}"])
     for n, p in named:
         p.copy_(state.params[n])
         if n in state.optimizer:

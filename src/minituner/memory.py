@@ -217,7 +217,8 @@ def _moe_mlp_saved(shape: TransformerShape, regime: str, r: int) -> tuple[int, i
 
 def activation_bytes(shape: TransformerShape, regime: str, tokens: int, r: int = 8,
                      act_bits: int = 32, checkpointing: bool = False) -> int:
-    """Bytes autograd saves for backward over `tokens` = batch × sequence positions.
+    """Bytes autograd saves for backward over `tokens` = batch × sequence positions (of one
+    micro-batch, with gradient accumulation: see `predict_training`).
 
     Counted from what MiniGPT's graph saves per token (tests/minituner/test_memory.py checks
     the count against a saved-tensor hook). Per block, with q = n_head·head_dim and kv =
@@ -265,7 +266,10 @@ def predict_training(shape: TransformerShape, regime: str, tokens: int, r: int =
     """Weights, gradients, optimizer state and activations of one training step.
 
     Gradients and AdamW state are float32 (by default the LoRA factors train in float32
-    even over a 16-bit base, as minituner does; `lora_bits` sets their storage).
+    even over a 16-bit base, as minituner does; `lora_bits` sets their storage). `tokens`
+    are those of one forward: with gradient accumulation (`TrainConfig.accumulate` = k)
+    autograd holds one micro-batch's activations at a time, so pass the micro-batch's,
+    batch_size / k rows × positions; nothing else in the bill depends on k.
     """
     specs = regime_specs(shape, regime, r, weight_bits, lora_bits, blocksize=blocksize,
                          double_quant=double_quant)

@@ -6,14 +6,32 @@ model and fine-tunes adapters on a frozen (or quantized) base. Two features ask 
 model, and say so when it lacks it: `checkpoint_every` calls
 `model.set_gradient_checkpointing(every)`, and `freeze_layers` reads `model.blocks`.
 
-One step: forward, backward, then the NaN guard, the element-wise clip, the global-norm clip,
-the AdamW update. The guard checks the loss and every gradient before the update; a
-non-finite one stops training with the update skipped, so parameters and optimizer state are
-exactly those of the last good step at no cost. It checks the parameters again after the
-update: with finite gradients and a finite learning rate, AdamW moves a weight by a few
-times lr at most, so this fires only on overflow (fp16 weights, an absurd lr); undoing that
-would need a copy of every trainable tensor and its optimizer state before each step, which
-the loop does not keep, so it stops and reports the parameters as not restored.
+One step: forward and backward over each of its `accumulate` micro-batches (one by default),
+the gradients adding up in `.grad`, then the NaN guard, the element-wise clip, the global-norm
+clip, the AdamW update. The guard checks every micro-batch's loss and every gradient before
+the update; a non-finite one stops training with the whole update skipped, so parameters and
+optimizer state are exactly those of the last good step at no cost. It checks the parameters
+again after the update: with finite gradients and a finite learning rate, AdamW moves a
+weight by a few times lr at most, so this fires only on overflow (fp16 weights, an absurd
+lr); undoing that would need a copy of every trainable tensor and its optimizer state before
+each step, which the loop does not keep, so it stops and reports the parameters as not
+restored.
+
+Gradient accumulation (`accumulate` = k > 1) splits a step's batch_size rows into k
+micro-batches of batch_size / k and runs forward and backward on one at a time, so the
+activations of only one micro-batch are alive at once (`minituner.memory.predict_training`
+with the micro-batch's tokens); gradients, optimizer state and the update are unchanged. Each
+micro-batch's summed loss is divided by the whole batch's `loss_normaliser` (its masked-token
+count; with example weights its number of rows), not by its own, so the parts' gradients add
+up to the whole batch's and the step equals the one-batch step to float rounding, however
+the masked tokens fall across the micro-batches. The logged loss is the sum of the parts: the
+whole batch's loss. The exception is a MoE's balancing loss `model.aux_loss()`: a statistic
+of one forward's routing, not a sum over rows, so each micro-batch adds aux_loss_coef · aux /
+k, the mean over the micro-batches (as transformers does); it equals the whole batch's only
+for a dense model or aux_loss_coef = 0. LoRA dropout draws its masks micro-batch by
+micro-batch, so with dropout the run differs from the one-batch run by the draw. Evaluation
+(`val_loss`) runs in batches of batch_size / k rows too. With k = 1 a step is computed
+exactly as without the option.
 """
 
 from __future__ import annotations
@@ -30,6 +48,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from minimoe import update_router_biases
+
 from . import checkpoint as ckpt
 from .data import BatchOrder, SequenceData
 from .metrics_log import MetricsLog
@@ -39,6 +59,7 @@ from .metrics_log import MetricsLog
 class TrainConfig:
     steps: int = 1000            # optimizer steps
     batch_size: int = 64         # sequences per step
+    accumulate: int = 1          # split them into this many micro-batches (gradient accumulation)
     lr: float = 3e-3             # peak learning rate
     warmup_steps: int = 50       # linear warm-up from 0 to lr
     min_lr_ratio: float = 0.1    # cosine decay ends at lr · min_lr_ratio
@@ -68,6 +89,13 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 turns it off), got "
                                  f"{getattr(self, name)}")
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) \
+                or self.accumulate < 1:
+            raise ValueError(f"accumulate must be an int >= 1 (micro-batches per step), got "
+                             f"{self.accumulate!r}")
+        if self.batch_size % self.accumulate:
+            raise ValueError(f"batch_size={self.batch_size} must be divisible by accumulate="
+                             f"{self.accumulate}: a step's rows split into equal micro-batches")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1] (the cosine decay ends at "
                              f"lr · min_lr_ratio), got {self.min_lr_ratio}")
@@ -123,7 +151,8 @@ def _token_ce(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_loss(model, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
-                  weights: torch.Tensor | None = None) -> torch.Tensor:
+                  weights: torch.Tensor | None = None, normaliser: float | None = None
+                  ) -> torch.Tensor:
     """Mean cross-entropy over the tokens where mask is True (the loop's default arithmetic,
     which experiment 00's manifest pins bit for bit).
 
@@ -131,14 +160,28 @@ def sequence_loss(model, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
     averaged over the batch, Σ w_i·loss_i / b. Dividing by b rather than Σ w_i keeps the
     batch an unbiased sample of the dataset's weighted loss (weights average 1 over the data)
     and makes a batch of zero-weight examples contribute 0, not 0/0.
+
+    `normaliser` replaces the divisor (the masked-token count, or b with weights) by another
+    batch's: given a whole batch's `loss_normaliser`, the losses of its micro-batches add up
+    to the whole batch's loss. None (the default) divides by this batch's own, as always.
     """
     ce = _token_ce(model, x, y)
     if weights is None:
         m = mask.flatten().float()
-        return (ce * m).sum() / m.sum().clamp(min=1.0)
+        total = (ce * m).sum()
+        return total / (m.sum().clamp(min=1.0) if normaliser is None else normaliser)
     m = mask.float()                                                   # [b, l]
     per_example = (ce.view_as(m) * m).sum(1) / m.sum(1).clamp(min=1.0)   # [b]
-    return (weights.to(per_example) * per_example).mean()
+    weighted = weights.to(per_example) * per_example
+    return weighted.mean() if normaliser is None else weighted.sum() / normaliser
+
+
+def loss_normaliser(mask: torch.Tensor, weighted: bool = False) -> float:
+    """What `sequence_loss` divides a batch's summed loss by: its masked tokens [b, l] (at
+    least 1), or with example weights its b rows. Pass a whole batch's to `sequence_loss` for
+    each of its micro-batches and the parts add up to the whole batch's loss (and gradient);
+    dividing each part by its own count would weight a token of a sparse micro-batch more."""
+    return float(mask.shape[0]) if weighted else float(mask.sum().clamp(min=1))
 
 
 @torch.no_grad()
@@ -227,6 +270,23 @@ def _split(data: SequenceData, val_data: SequenceData | None, cfg: TrainConfig
     return data.split(cfg.val_fraction, cfg.seed) if cfg.val_fraction else (data, val_data)
 
 
+def _config_fingerprint(cfg: TrainConfig) -> dict:
+    """The checkpoint's record of `cfg` (`checkpoint.config_fingerprint`), `accumulate` left
+    out at its default 1: a run that does not accumulate writes and resumes the checkpoints
+    it wrote before the option existed. Any other value is recorded, and resuming under
+    another refused, as a resumed run must end bit-identical to an uninterrupted one."""
+    fields = ckpt.config_fingerprint(cfg)
+    if fields.get("accumulate") == 1:
+        del fields["accumulate"]
+    return fields
+
+
+def _trained_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a training step changes, which a resumable checkpoint must keep: the
+    selection biases of MoE routers (`MoEMLP.router_bias`, moved by update_router_biases)."""
+    return {n: b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] == "router_bias"}
+
+
 class _Run:
     """The state of one training run: model, optimizer, batch order, results so far."""
 
@@ -259,38 +319,59 @@ class _Run:
         if self.log:
             self.log.write({**record, "elapsed": round(self.elapsed(), 3)})
 
+    def micro_batches(self, idx: torch.Tensor) -> tuple[list[torch.Tensor], float | None]:
+        """A step's rows `idx` in cfg.accumulate parts, and the whole batch's divisor they
+        share (None for a single part: sequence_loss divides by its own, as without the
+        option). A batch shorter than batch_size (data with fewer rows) splits as evenly as
+        it goes; empty parts are dropped."""
+        if self.cfg.accumulate == 1:
+            return [idx], None
+        parts = [p for p in idx.tensor_split(self.cfg.accumulate) if len(p)]
+        _, _, mask = self.data.batch(idx, self.cfg.train_on_prompt)
+        return parts, loss_normaliser(mask, weighted=self.data.weights is not None)
+
     def one_step(self, step: int) -> bool:
         """Step `step` (0-based); False when the NaN guard stopped training."""
         cfg, model = self.cfg, self.model
         for group in self.opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        idx = next(self.order)
-        x, y, mask = (t.to(self.device) for t in self.data.batch(idx, cfg.train_on_prompt))
-        w = None if self.data.weights is None else self.data.weights[idx].to(self.device)
+        parts, normaliser = self.micro_batches(next(self.order))
+        aux_coef = cfg.aux_loss_coef / len(parts)     # the balancing loss: micro-batches' mean
+        losses, totals = [], []                       # per micro-batch, detached
         self.opt.zero_grad(set_to_none=True)
         try:
-            loss = sequence_loss(model, x, y, mask, w)
-            total = loss + cfg.aux_loss_coef * model.aux_loss() if hasattr(model, "aux_loss") \
-                else loss
-            total.backward()
+            for idx in parts:
+                x, y, mask = (t.to(self.device) for t in self.data.batch(idx, cfg.train_on_prompt))
+                w = None if self.data.weights is None else self.data.weights[idx].to(self.device)
+                loss = sequence_loss(model, x, y, mask, w, normaliser)
+                total = loss + aux_coef * model.aux_loss() if hasattr(model, "aux_loss") \
+                    else loss
+                total.backward()
+                losses.append(loss.detach())
+                totals.append(total.detach())
         except FloatingPointError as err:    # a layer that refuses NaN (e.g. a MoE router)
             return self.stop(step, "forward", f"non-finite values in the forward ({err}); "
                              "the update was skipped", True)
-        if not math.isfinite(total.item()):
-            return self.stop(step, "loss", "non-finite loss; the update was skipped", True)
+        finite = torch.isfinite(torch.stack(totals))
+        if not finite.all():
+            where = "" if len(parts) == 1 else \
+                f" in micro-batch {int((~finite).nonzero()[0]) + 1} of {len(parts)}"
+            return self.stop(step, "loss", f"non-finite loss{where}; the update was skipped",
+                             True)
         norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         if not torch.isfinite(norm):
             name = first_nonfinite([(n, p.grad) for n, p in self.named]) or "grad_norm"
             return self.stop(step, name, "non-finite gradient; the update was skipped", True)
         norm = clip_gradients(self.params, cfg, norm)
         self.opt.step()
+        update_router_biases(model)     # an MoE router's selection bias (DeepSeek-V3), if any
         # One fused norm per step; the per-tensor scan runs only when it is not finite (and
         # finds nothing when merely the norm of huge but finite weights overflowed).
         params_ok = torch.isfinite(torch.nn.utils.get_total_norm(self.params))
         if not params_ok and (name := first_nonfinite(self.named)):
             return self.stop(step, name, "the update overflowed to a non-finite parameter; "
                              "parameters were not restored", False)
-        self.window.append(loss.item())
+        self.window.append(torch.stack(losses).sum().item())    # the whole batch's loss
         self.window_norms.append(norm.item())
         return True
 
@@ -318,7 +399,8 @@ class _Run:
     def evaluate(self, step: int) -> None:
         entry = {"step": step + 1}
         if self.val_data is not None:
-            entry["val_loss"] = mean_loss(self.model, self.val_data, self.cfg.batch_size,
+            rows = self.cfg.batch_size // self.cfg.accumulate
+            entry["val_loss"] = mean_loss(self.model, self.val_data, rows,
                                           self.cfg.train_on_prompt)
         if self.eval_fn is not None:
             entry.update(self.eval_fn(self.model))
@@ -344,15 +426,16 @@ class _Run:
                                "grad_norms": self.result.grad_norms,
                                "evals": self.result.evals}}
         state = ckpt.snapshot(self.named, self.opt, self.order, progress,
-                              ckpt.config_fingerprint(self.cfg), self.digest)
+                              _config_fingerprint(self.cfg), self.digest,
+                              _trained_buffers(self.model))
         ckpt.save_state(state, Path(self.cfg.out_dir) / "checkpoint")
 
     def restore(self, path: str | Path) -> None:
         state = ckpt.load_state(path)
-        ckpt.check_compatible(state, ckpt.config_fingerprint(self.cfg),
+        ckpt.check_compatible(state, _config_fingerprint(self.cfg),
                               self.digest or ckpt.data_digest(self.data),
                               {n: p.shape for n, p in self.named})
-        ckpt.restore(state, self.named, self.opt, self.order)
+        ckpt.restore(state, self.named, self.opt, self.order, _trained_buffers(self.model))
         pr = state.progress
         self.step, self.elapsed_before = pr["step"], pr["elapsed_s"]
         self.window, self.window_norms = pr["window"], pr["window_norms"]

@@ -417,23 +417,32 @@ def test_bad_router_options_name_the_field(kw, field):
 
 
 def _train(rate: float) -> tuple[MiniGPT, list[torch.Tensor]]:
-    """30 steps of a sigmoid-routed MiniGPT; after each step (the eval hook), record each
-    layer's expert counts for that step, then update the biases. The balancing loss is off:
-    only the bias balances."""
+    """30 steps of a sigmoid-routed MiniGPT through minituner.train, which updates the biases
+    after each optimizer step; each layer's update records that step's expert counts first.
+    The balancing loss is off: only the bias balances."""
     torch.manual_seed(0)
     model = MiniGPT(MiniGPTConfig(**TINY, moe_router="sigmoid_topk",
                                   moe_bias_update_rate=rate))
-    loads = []
+    mlps, loads, step = _moes(model), [], []
 
-    def after_step(m):
-        loads.append(torch.stack([mlp.expert_counts.clone() for mlp in _moes(m)]))
-        update_router_biases(m)
-        return {}
+    def recording(mlp):
+        update = mlp.update_router_bias
 
+        def record_then_update():
+            step.append(mlp.expert_counts.clone())
+            if len(step) == len(mlps):
+                loads.append(torch.stack(step))
+                step.clear()
+            update()
+        return record_then_update
+
+    for mlp in mlps:
+        mlp.update_router_bias = recording(mlp)
     result = train(model, task_data("copy", n=48), quiet(
-        steps=30, batch_size=8, lr=3e-3, warmup_steps=5, aux_loss_coef=0.0, eval_every=1),
-        eval_fn=after_step)
+        steps=30, batch_size=8, lr=3e-3, warmup_steps=5, aux_loss_coef=0.0))
     assert result.steps == 30 and math.isfinite(result.final_loss)
+    assert len(loads) == 30, (f"minituner.train updated the router biases after {len(loads)} "
+                              f"of 30 steps: call update_router_biases after each step")
     return model, loads
 
 

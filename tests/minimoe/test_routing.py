@@ -127,17 +127,19 @@ def naive_sigmoid(v):
 
 
 def naive_sigmoid_route(row, k, bias=None, renormalize=True, n_group=None, topk_group=None,
-                        scale=1.0):
+                        scale=1.0, group_score="top2_sum"):
     """One token: sigmoid scores, bias for selection only, optional group limit (group score
-    = max selection score in the group), ties to the lower index."""
+    = sum of the two best selection scores in the group, or the best with "max"), ties to
+    the lower index."""
     E = len(row)
     s = [naive_sigmoid(v) for v in row]
     sel = [s[i] + (bias[i] if bias else 0.0) for i in range(E)]
     candidates = list(range(E))
     if n_group is not None:
         size = E // n_group
-        group_score = [max(sel[g * size:(g + 1) * size]) for g in range(n_group)]
-        groups = sorted(range(n_group), key=lambda g: (-group_score[g], g))[:topk_group]
+        best = [sorted(sel[g * size:(g + 1) * size], reverse=True) for g in range(n_group)]
+        rank = [b[0] if group_score == "max" else sum(b[:2]) for b in best]
+        groups = sorted(range(n_group), key=lambda g: (-rank[g], g))[:topk_group]
         candidates = [i for g in groups for i in range(g * size, (g + 1) * size)]
     chosen = sorted(candidates, key=lambda i: (-sel[i], i))[:k]
     w = [s[i] for i in chosen]
@@ -148,15 +150,17 @@ def naive_sigmoid_route(row, k, bias=None, renormalize=True, n_group=None, topk_
 
 
 def check_against_naive(logits, k, bias=None, renormalize=True, n_group=None, topk_group=None,
-                        scale=1.0):
+                        scale=1.0, group_score="top2_sum"):
     method = "sigmoid_topk" if n_group is None else "group_topk"
+    extra = {} if n_group is None else {"group_score": group_score}
     weights, experts = route(logits, k, method, renormalize, bias=bias, n_group=n_group,
-                             topk_group=topk_group, routed_scaling_factor=scale)
+                             topk_group=topk_group, routed_scaling_factor=scale, **extra)
     assert weights.shape == experts.shape == (logits.shape[0], k)
     assert weights.dtype == torch.float32 and experts.dtype == torch.int64
     b = None if bias is None else bias.tolist()
     for t, row in enumerate(logits.tolist()):
-        chosen, w = naive_sigmoid_route(row, k, b, renormalize, n_group, topk_group, scale)
+        chosen, w = naive_sigmoid_route(row, k, b, renormalize, n_group, topk_group, scale,
+                                        group_score)
         assert experts[t].tolist() == chosen, t
         assert weights[t].tolist() == pytest.approx(w, rel=1e-5, abs=1e-7), t
     return weights, experts
@@ -181,19 +185,21 @@ GROUP_SHAPES = [(1, 1, 1, 1, 1), (5, 6, 3, 2, 3), (9, 8, 4, 2, 4), (7, 8, 8, 3, 
                 (4, 6, 2, 1, 3), (6, 4, 2, 2, 4), (11, 12, 4, 3, 5), (3, 5, 1, 1, 2)]
 
 
+@pytest.mark.parametrize("group_score", ["top2_sum", "max"])
 @pytest.mark.parametrize("T, E, n_group, topk_group, k", GROUP_SHAPES)
-def test_group_topk_matches_naive_loop(T, E, n_group, topk_group, k):
+def test_group_topk_matches_naive_loop(T, E, n_group, topk_group, k, group_score):
     for seed in range(3):
         g = torch.Generator().manual_seed(seed * 1000 + T * 10 + E)
         logits = torch.randn(T, E, generator=g) * 2
-        w, e = check_against_naive(logits, k, n_group=n_group, topk_group=topk_group)
+        w, e = check_against_naive(logits, k, n_group=n_group, topk_group=topk_group,
+                                   group_score=group_score)
         torch.testing.assert_close(w.sum(-1), torch.ones(T), rtol=0, atol=1e-6)
         # Every chosen expert lies in one of at most topk_group groups.
         size = E // n_group
         assert all(len({x // size for x in row}) <= topk_group for row in e.tolist())
         bias = torch.randn(E, generator=g) * 0.3
         check_against_naive(logits, k, bias=bias, renormalize=False, n_group=n_group,
-                            topk_group=topk_group, scale=0.5)
+                            topk_group=topk_group, scale=0.5, group_score=group_score)
 
 
 @pytest.mark.parametrize("T, E, n_group, topk_group, k", GROUP_SHAPES)
@@ -229,19 +235,19 @@ def test_sigmoid_topk_hand_computed():
 
 def test_group_topk_hand_computed_uses_group_max():
     # Groups {0,1} {2,3} {4,5}: maxes 3, 2.5, 2.6 (in logits; sigmoid is monotone). Group
-    # {2,3} has the largest top-2 sum (V3's rule) but not the largest max (ours).
+    # {2,3} has the largest top-2 sum (V3's rule, the default) but not the largest max (V2's).
     logits = torch.tensor([[3.0, -3.0, 2.5, 2.4, 2.6, -5.0]])
-    w, e = route(logits, 2, "group_topk", n_group=3, topk_group=2)
+    w, e = route(logits, 2, "group_topk", n_group=3, topk_group=2, group_score="max")
     assert e.tolist() == [[0, 4]]
     s0, s4 = torch.sigmoid(torch.tensor([3.0, 2.6])).tolist()
     assert w.tolist()[0] == pytest.approx([s0 / (s0 + s4), s4 / (s0 + s4)], rel=1e-6)
     # One group allowed: its poor second expert beats the better ones elsewhere.
-    w, e = route(logits, 2, "group_topk", n_group=3, topk_group=1)
+    w, e = route(logits, 2, "group_topk", n_group=3, topk_group=1, group_score="max")
     assert e.tolist() == [[0, 1]]
     assert w.tolist()[0] == pytest.approx([naive_sigmoid(3.0), naive_sigmoid(-3.0)], rel=1e-6)
     # The bias also steers the group choice: +0.5 on expert 3 makes {2,3} the best group.
     bias = torch.tensor([0.0, 0.0, 0.0, 0.5, 0.0, 0.0])
-    w, e = route(logits, 2, "group_topk", n_group=3, topk_group=1, bias=bias)
+    w, e = route(logits, 2, "group_topk", n_group=3, topk_group=1, bias=bias, group_score="max")
     assert e.tolist() == [[3, 2]]
 
 

@@ -92,6 +92,26 @@ def test_resume_after_crash_is_bit_exact(tmp_path):
         "optimizer.safetensors", "rng.safetensors", "state.json", "trainable.safetensors"]
 
 
+def test_resume_keeps_an_moe_routers_selection_bias(tmp_path):
+    """The bias moves at every step (update_router_biases) without being a parameter: the
+    checkpoint keeps it, so the resumed run does not continue from the crashed run's bias."""
+    data = task_data("copy", n=10)
+    base = small_model(n_layer=2, n_experts=4, top_k=2, moe_router="sigmoid_topk",
+                       moe_bias_update_rate=0.01)
+    straight, crashed = copy.deepcopy(base), copy.deepcopy(base)
+    torch.manual_seed(123)
+    r_straight = train(straight, data, run_cfg(tmp_path / "a"), eval_fn=probe)
+    torch.manual_seed(123)
+    with pytest.raises(Crash):
+        train(crashed, data, run_cfg(tmp_path / "b"), eval_fn=crash_at_call(3))
+    r_resumed = train(crashed, data, run_cfg(tmp_path / "b"), eval_fn=probe,
+                      resume=tmp_path / "b" / "checkpoint")
+    assert_same_run(straight, r_straight, crashed, r_resumed)
+    for (n, a), b in zip(straight.named_buffers(), crashed.buffers(), strict=True):
+        assert torch.equal(a, b), f"{n} after the resumed run differs from the straight run's"
+    assert any(b.abs().sum() > 0 for n, b in straight.named_buffers() if "router_bias" in n)
+
+
 def test_stop_after_then_resume(tmp_path):
     data, base = task_data("sort", n=10), small_model()
     a, b = copy.deepcopy(base), copy.deepcopy(base)
