@@ -10,7 +10,8 @@ from .activations import peak_step_bytes, saved_activation_bytes
 from .adapters import AdapterLoadReport, load_adapter, save_adapter, trainable_summary, wrap_lora
 from .data import SequenceData, reward_weights
 from .lora import LoRALinear, lora_linear
-from .trainer import TrainConfig, TrainResult, mean_loss, sequence_loss, train
+from .losses import mean_loss, sequence_loss
+from .trainer import TrainConfig, TrainResult, train
 
 # Lab -> {public name: dotted path} of what the lab rebuilds (docs/ARCHITECTURE.md, Lab sources).
 REFERENCE = {
@@ -27,9 +28,9 @@ REFERENCE = {
     "05-lora-finetune": {
         "reward_weights": "minituner.data.reward_weights",
         "SequenceData.with_rewards": "minituner.data.SequenceData.with_rewards",
-        "sequence_loss": "minituner.trainer.sequence_loss",
-        "token_ce": "minituner.trainer._token_ce",
-        "mean_loss": "minituner.trainer.mean_loss",
+        "sequence_loss": "minituner.losses.sequence_loss",
+        "token_ce": "minituner.losses._token_ce",
+        "mean_loss": "minituner.losses.mean_loss",
         "lr_at": "minituner.trainer.lr_at",
         "clip_gradients": "minituner.trainer.clip_gradients",
         "make_optimizer": "minituner.trainer.make_optimizer",

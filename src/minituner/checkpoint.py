@@ -93,9 +93,21 @@ def restore(state: TrainingState, named: list[tuple[str, torch.nn.Parameter]],
 
 
 def config_fingerprint(cfg) -> dict:
-    """The TrainConfig fields that shape the trajectory, as JSON values (tuples -> lists)."""
-    fields = {k: v for k, v in asdict(cfg).items() if k not in _UNFINGERPRINTED}
+    """The TrainConfig fields that shape the trajectory, as JSON values (tuples -> lists).
+
+    `accumulate` is left out at its default 1, so a run that does not accumulate writes and
+    resumes the checkpoints it wrote before the option existed; any other value is kept, and
+    resuming under another refused, as a resumed run must end bit-identical to a straight one.
+    """
+    fields = {k: v for k, v in asdict(cfg).items() if k not in _UNFINGERPRINTED
+              and not (k == "accumulate" and v == 1)}
     return json.loads(json.dumps(fields))
+
+
+def trained_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a training step changes, which a resumable state must keep: the selection
+    biases of MoE routers (`MoEMLP.router_bias`, moved by `minimoe.update_router_biases`)."""
+    return {n: b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] == "router_bias"}
 
 
 def data_digest(data: SequenceData) -> str:
@@ -182,4 +194,4 @@ def check_compatible(state: TrainingState, config: dict, data_sha256: str,
 
 
 __all__ = ["FORMAT", "TrainingState", "check_compatible", "config_fingerprint", "data_digest",
-           "load_state", "restore", "save_state", "snapshot"]
+           "load_state", "restore", "save_state", "snapshot", "trained_buffers"]

@@ -45,13 +45,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from minimoe import update_router_biases
 
 from . import checkpoint as ckpt
 from .data import BatchOrder, SequenceData
+from .losses import loss_normaliser, mean_loss, sequence_loss
 from .metrics_log import MetricsLog
 
 
@@ -144,64 +144,6 @@ def batches(n: int, cfg: TrainConfig) -> BatchOrder:
     return BatchOrder(n, cfg.batch_size, cfg.seed)
 
 
-def _token_ce(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of every next-token target, [b·l] float32."""
-    logits = model(x)                                                  # [b, l, V]
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none")
-
-
-def sequence_loss(model, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
-                  weights: torch.Tensor | None = None, normaliser: float | None = None
-                  ) -> torch.Tensor:
-    """Mean cross-entropy over the tokens where mask is True (the loop's default arithmetic,
-    which experiment 00's manifest pins bit for bit).
-
-    With example `weights` [b]: each example's masked mean cross-entropy, times its weight,
-    averaged over the batch, Σ w_i·loss_i / b. Dividing by b rather than Σ w_i keeps the
-    batch an unbiased sample of the dataset's weighted loss (weights average 1 over the data)
-    and makes a batch of zero-weight examples contribute 0, not 0/0.
-
-    `normaliser` replaces the divisor (the masked-token count, or b with weights) by another
-    batch's: given a whole batch's `loss_normaliser`, the losses of its micro-batches add up
-    to the whole batch's loss. None (the default) divides by this batch's own, as always.
-    """
-    ce = _token_ce(model, x, y)
-    if weights is None:
-        m = mask.flatten().float()
-        total = (ce * m).sum()
-        return total / (m.sum().clamp(min=1.0) if normaliser is None else normaliser)
-    m = mask.float()                                                   # [b, l]
-    per_example = (ce.view_as(m) * m).sum(1) / m.sum(1).clamp(min=1.0)   # [b]
-    weighted = weights.to(per_example) * per_example
-    return weighted.mean() if normaliser is None else weighted.sum() / normaliser
-
-
-def loss_normaliser(mask: torch.Tensor, weighted: bool = False) -> float:
-    """What `sequence_loss` divides a batch's summed loss by: its masked tokens [b, l] (at
-    least 1), or with example weights its b rows. Pass a whole batch's to `sequence_loss` for
-    each of its micro-batches and the parts add up to the whole batch's loss (and gradient);
-    dividing each part by its own count would weight a token of a sparse micro-batch more."""
-    return float(mask.shape[0]) if weighted else float(mask.sum().clamp(min=1))
-
-
-@torch.no_grad()
-def mean_loss(model: torch.nn.Module, data: SequenceData, batch_size: int = 64,
-              train_on_prompt: bool = False) -> float:
-    """Unweighted mean cross-entropy over every scored token of `data`, in eval mode."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    total, count = 0.0, 0.0
-    for start in range(0, len(data), batch_size):
-        idx = torch.arange(start, min(start + batch_size, len(data)))
-        x, y, mask = (t.to(device) for t in data.batch(idx, train_on_prompt))
-        m = mask.flatten().float()
-        total += float((_token_ce(model, x, y) * m).sum(dtype=torch.float64))
-        count += float(m.sum())
-    model.train(was_training)
-    return total / max(count, 1.0)
-
-
 def clip_gradients(params: list[torch.Tensor], cfg: TrainConfig,
                    norm: torch.Tensor | None = None) -> torch.Tensor:
     """Clamp each gradient element to ±grad_clip_value, then scale all gradients together so
@@ -268,23 +210,6 @@ def _split(data: SequenceData, val_data: SequenceData | None, cfg: TrainConfig
     if val_data is not None and not cfg.eval_every:
         raise ValueError("val_data needs cfg.eval_every >= 1 (when to compute val_loss)")
     return data.split(cfg.val_fraction, cfg.seed) if cfg.val_fraction else (data, val_data)
-
-
-def _config_fingerprint(cfg: TrainConfig) -> dict:
-    """The checkpoint's record of `cfg` (`checkpoint.config_fingerprint`), `accumulate` left
-    out at its default 1: a run that does not accumulate writes and resumes the checkpoints
-    it wrote before the option existed. Any other value is recorded, and resuming under
-    another refused, as a resumed run must end bit-identical to an uninterrupted one."""
-    fields = ckpt.config_fingerprint(cfg)
-    if fields.get("accumulate") == 1:
-        del fields["accumulate"]
-    return fields
-
-
-def _trained_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers a training step changes, which a resumable checkpoint must keep: the
-    selection biases of MoE routers (`MoEMLP.router_bias`, moved by update_router_biases)."""
-    return {n: b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] == "router_bias"}
 
 
 class _Run:
@@ -426,16 +351,16 @@ class _Run:
                                "grad_norms": self.result.grad_norms,
                                "evals": self.result.evals}}
         state = ckpt.snapshot(self.named, self.opt, self.order, progress,
-                              _config_fingerprint(self.cfg), self.digest,
-                              _trained_buffers(self.model))
+                              ckpt.config_fingerprint(self.cfg), self.digest,
+                              ckpt.trained_buffers(self.model))
         ckpt.save_state(state, Path(self.cfg.out_dir) / "checkpoint")
 
     def restore(self, path: str | Path) -> None:
         state = ckpt.load_state(path)
-        ckpt.check_compatible(state, _config_fingerprint(self.cfg),
+        ckpt.check_compatible(state, ckpt.config_fingerprint(self.cfg),
                               self.digest or ckpt.data_digest(self.data),
                               {n: p.shape for n, p in self.named})
-        ckpt.restore(state, self.named, self.opt, self.order, _trained_buffers(self.model))
+        ckpt.restore(state, self.named, self.opt, self.order, ckpt.trained_buffers(self.model))
         pr = state.progress
         self.step, self.elapsed_before = pr["step"], pr["elapsed_s"]
         self.window, self.window_norms = pr["window"], pr["window_norms"]

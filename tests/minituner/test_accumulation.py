@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from minigpt import MiniGPT, MiniGPTConfig
 from minituner import SequenceData, TrainConfig, memory, train, wrap_lora
+from minituner.checkpoint import config_fingerprint
 from minituner.qlora import wrap_minigpt_qlora
 from minituner.trainer import (
     _Run,
@@ -324,9 +325,8 @@ DEFAULT_RECORD = {"steps": 1000, "batch_size": 64, "lr": 3e-3, "warmup_steps": 5
 
 
 def test_checkpoint_records_the_config_as_before(tmp_path):
-    from minituner.trainer import _config_fingerprint
-    assert _config_fingerprint(TrainConfig()) == DEFAULT_RECORD
-    assert _config_fingerprint(TrainConfig(batch_size=64, accumulate=4)) == \
+    assert config_fingerprint(TrainConfig()) == DEFAULT_RECORD
+    assert config_fingerprint(TrainConfig(batch_size=64, accumulate=4)) == \
         {**DEFAULT_RECORD, "accumulate": 4}
     cfg = quiet(steps=2, save_every=2, out_dir=str(tmp_path))
     train(small_model(), ragged_data(), cfg)
