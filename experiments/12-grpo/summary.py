@@ -119,6 +119,7 @@ def findings(manifest: dict) -> list[str]:
             f"{length['grpo']:.1f} tokens in the last window; DAPO's token-level mean "
             f"{gain(m, 'moe', 'grpo_dapo')} ({length['grpo_dapo']:.1f} tokens), Dr. GRPO's "
             f"constant normaliser {gain(m, 'moe', 'grpo_dr')} ({length['grpo_dr']:.1f} "
-            "tokens). Under the per-completion mean a token of a long wrong answer is pushed "
-            "down less than one of a short wrong answer.", "  "))
+            "tokens). The three weigh a token of a long completion differently (the lab's "
+            "aggregation cell), yet all three runs end with completions of about the same "
+            "length, so the gains do not come from answering longer or shorter.", "  "))
     return out
