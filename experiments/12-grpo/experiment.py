@@ -16,6 +16,8 @@ on a fresh QLoRA copy (NF4 base, LoRA r=8 everywhere, experts included):
   (g) grpo_dapo    (d) with DAPO's token-level aggregation (every completion token weighs the
                    same, `loss_type="dapo"`) instead of GRPO's per-completion mean
       grpo_dr      (d) with Dr. GRPO's constant normaliser (`loss_type="dr_grpo"`)
+  (h) rw_file      reward-weighted SFT, per-group weights, on the course's sample file
+                   `data/rev_rewarded.jsonl` (hand-made candidates, no sampling)
 
 on the dense base, and (a), (d), (f), grpo_partial and (g) on the MoE base. (d), grpo_dapo and
 grpo_dr differ only in how token losses are aggregated: the mean completion length of each
@@ -24,7 +26,9 @@ match unless a run names another: partial credit gives a signal before any answe
 but from a warm start it lets a group settle on near misses (the lab shows the other side: from
 scratch, partial credit is what gets a tiny model going). The warm start is a short SFT on gold
 `rev` answers with replay (without replay it erases `sort`); (b)-(d), (f) and the variants
-start from it, and their gains are measured against it.
+start from it, and their gains are measured against it. (h) reads the file Lab 05 opens
+(`config["sample_data"]`, hashed in the manifest as an input): 44 answers to 8 prompts, where 6
+groups hold one right answer among wrong ones, so 6 examples carry all the weight.
 
 Run:        python -m labkit run experiments/12-grpo
 Reproduce:  python -m labkit reproduce experiments/12-grpo/manifest.json
@@ -51,12 +55,15 @@ import torch  # noqa: E402
 from labkit import RunContext, sha256_json  # noqa: E402
 from labkit.readme import paragraph  # noqa: E402
 from minigpt import CharTokenizer, base_path, evaluate, load_checkpoint, tasks  # noqa: E402
+from minigpt.checkpoint import repo_root  # noqa: E402
 from minirl import (  # noqa: E402
     GRPOConfig,
     exact_match,
     grpo_train,
     partial_credit,
     pass_at_k,
+    read_rewarded_jsonl,
+    rewarded_sequence_data,
     sample_groups,
     score,
     sft_pairs,
@@ -148,6 +155,16 @@ def reward_weighted(model, groups_data, normalise: str, cfg: dict) -> dict:
             "mean_reward": rewards.mean().item()}
 
 
+def sample_file(model, cfg: dict, ctx: RunContext) -> dict:
+    """Reward-weighted SFT (per-group weights, `cfg["rw"]`'s schedule) on the records of
+    `cfg["sample_data"]`, a path from the course checkout's root."""
+    records = read_rewarded_jsonl(ctx.record_input(repo_root() / cfg["sample_data"]))
+    data = rewarded_sequence_data(records)
+    seconds = sft(model, data, cfg["rw"], cfg["rw"]["steps"], cfg)
+    return {"train_s": seconds, "records": len(records),
+            "weighted_records": int((data.weights > 0).sum())}
+
+
 # --- GRPO ------------------------------------------------------------------------------------
 
 def grpo(model, name: str, variant: dict, reward: str, cfg: dict, ctx: RunContext) -> dict:
@@ -190,6 +207,8 @@ def one_model(kind: str, cfg: dict, ctx: RunContext) -> tuple[dict, dict]:
         elif spec["method"] in ("rw_global", "rw_group"):
             samples = samples or sampled_groups(warm, cfg, ctx, kind)
             out = reward_weighted(model, samples, spec["method"].removeprefix("rw_"), cfg)
+        elif spec["method"] == "rw_file":
+            out = sample_file(model, cfg, ctx)
         else:
             out = grpo(model, f"{name}_{kind}", spec.get("grpo", {}),
                        spec.get("reward", cfg["reward"]), cfg, ctx)
