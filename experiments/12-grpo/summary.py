@@ -124,11 +124,13 @@ def findings(manifest: dict) -> list[str]:
             "aggregation cell), yet all three runs end with completions of about the same "
             "length, so the gains do not come from answering longer or shorter.", "  "))
     if "rw_file" in dense:
-        f = dense["rw_file"]
+        f, warm = dense["rw_file"], m["dense"]["start"]["warm"]
         out.append(paragraph(
-            f"- **The sample file is too small to teach `{held}`.** Reward-weighted SFT on "
-            f"`{cfg['sample_data']}` ({f['records']} hand-made answers, of which "
-            f"{f['weighted_records']} carry weight: the right answer of each mixed group) "
-            f"gains {gain(m, 'dense', 'rw_file')} on unseen prompts, with `sort` at "
-            f"{f['after']['sort']:.2f}: a file to read and edit, not a training set.", "  "))
+            f"- **The sample file is for reading, not for training.** Reward-weighted SFT on "
+            f"`{cfg['sample_data']}` ({f['records']} hand-made answers; the "
+            f"{f['weighted_records']} that carry weight are the right answers of its mixed "
+            f"groups) for {cfg['rw']['steps']} steps gains {gain(m, 'dense', 'rw_file')} on "
+            f"unseen `{held}` prompts, while `sort` goes {warm['sort']:.2f} → "
+            f"{f['after']['sort']:.2f}: a handful of examples repeated is memorised, and "
+            "the old tasks pay for it.", "  "))
     return out

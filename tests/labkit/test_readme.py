@@ -31,7 +31,8 @@ from labkit.readme import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPERIMENTS = ["00-pretrain-base", "05-lora-finetune", "06-qlora-preview", "11-qlora-moe"]
+EXPERIMENTS = ["00-pretrain-base", "05-lora-finetune", "06-qlora-preview", "07-moe-routing",
+               "11-qlora-moe"]
 MIB, GIB = 2**20, 2**30
 
 SUMMARY = """def readme(manifest):
