@@ -11,8 +11,10 @@ Runs (config "routers"), each experiment 00's MoE on the same data from the same
                  update (`moe_bias_update_rate`), no balancing loss
   group_v3       group-limited: the experts in 4 groups, the top-k taken inside the 2 groups
                  with the largest sum of their top-2 scores (V3's rule), sigmoid + bias as above
-  group_v2       group-limited by each group's largest score (V2's rule), softmax scores and
-                 the balancing loss, as DeepSeek-V2 trained it
+  group_v2       group-limited by each group's largest score (V2's rule): the top-k taken inside
+                 the best of 2 groups of 4, softmax scores and the balancing loss, as
+                 DeepSeek-V2 trained it. Fewer groups than k: with topk_group >= k the max
+                 rule is plain top-k (the k best experts lie in the k best groups by max)
 
 Measured for each:
 - load balance: MaxVio = (max expert load / mean expert load) − 1 per MoE layer (0 is even),

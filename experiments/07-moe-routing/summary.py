@@ -13,8 +13,8 @@ from labkit.readme import paragraph, table
 NAMES = {"softmax_aux": "softmax top-k + balancing loss",
          "softmax_none": "softmax top-k, no balancing",
          "sigmoid_bias": "sigmoid top-k + selection bias (aux-loss-free)",
-         "group_v3": "group-limited, V3 (top-2 sum, sigmoid + bias)",
-         "group_v2": "group-limited, V2 (max, softmax + balancing loss)"}
+         "group_v3": "group-limited, V3 (best 2 of 4 groups by top-2 sum, sigmoid + bias)",
+         "group_v2": "group-limited, V2 (best of 2 groups by max, softmax + balancing loss)"}
 
 
 def rows(manifest: dict) -> list[list[str]]:

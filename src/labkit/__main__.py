@@ -82,15 +82,18 @@ def _reproduce(args) -> int:
 def _fingerprint(args) -> int:
     from .fingerprint import check_fingerprint, write_fingerprint
 
-    if args.note is not None and not args.write:
+    if args.note is not None and not (args.write or args.add_cpu):
         raise InputError("--note goes with --write (it records why a refreshed fingerprint "
-                         "needs no new full run)")
+                         "needs no new full run) or --add-cpu")
+    if args.write and args.add_cpu:
+        raise InputError("--write records the fingerprint afresh, --add-cpu adds this CPU "
+                         "vendor's tiny run to it: give one of them")
     exp = Path(args.experiment)
     code = _pin(args, _threads(exp / "tiny.json"))
     if code is not None:
         return code
-    if args.write:
-        write_fingerprint(exp, note=args.note)
+    if args.write or args.add_cpu:
+        write_fingerprint(exp, note=args.note, add_cpu=args.add_cpu)
         print(f"wrote {exp / 'fingerprint.json'}")
         return 0
     report = check_fingerprint(exp)
@@ -132,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    numerics_help = ("pinned (default): the same bits on any x86-64 CPU with AVX2, whatever "
-                     "its cores (see labkit/numerics.py); native: this machine's own kernels "
-                     "and threads, compared within tolerances elsewhere")
+    numerics_help = ("pinned (default): the same bits on any x86-64 CPU with AVX2 of one "
+                     "vendor, whatever its cores (see labkit/numerics.py); native: this "
+                     "machine's own kernels and threads, compared within tolerances elsewhere")
     for name, func, target, what in (
             ("run", _run, "experiment", "run experiments/NN-name and write its manifest (and "
              "its fingerprint, when it has a tiny.json)"),
@@ -149,8 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("experiment")
     p.add_argument("--write", action="store_true",
                    help="record the fingerprint instead of checking it")
+    p.add_argument("--add-cpu", action="store_true",
+                   help="add this CPU vendor's tiny run to a fingerprint recorded on another "
+                   "vendor (the pin holds within one vendor)")
     p.add_argument("--note", help="with --write, without re-recording the full run: the "
-                   "reviewed reason the full run's numbers cannot have moved")
+                   "reviewed reason the full run's numbers cannot have moved; with --add-cpu, "
+                   "what this vendor's entry was checked against")
     p.add_argument("--numerics", choices=["pinned", "native"], default="pinned",
                    help=numerics_help)
     p.set_defaults(func=_fingerprint)

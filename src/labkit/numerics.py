@@ -1,4 +1,5 @@
-"""The pinned numerical mode: the same bits on any x86-64 CPU with AVX2, whatever its core count.
+"""The pinned numerical mode: the same bits on any x86-64 CPU with AVX2 of one vendor, whatever
+its core count.
 
 Four libraries choose their arithmetic by the machine they find, and each choice can move the
 last bit of a float sum:
@@ -9,9 +10,12 @@ last bit of a float sum:
   picks a kernel per CPU;
 - every one of them splits reductions by the number of threads, which defaults to the cores.
 The pin fixes each to a setting every x86-64 CPU with AVX2 and FMA (Intel since 2013, AMD
-since 2015) can honour. The libraries read these variables once, when they load, so the pin
-must be in the environment before Python starts: `python -m labkit run|reproduce` re-runs
-itself in a child process with `pinned_env(threads)` whenever the caller's environment differs.
+since 2015) can honour. It does not make an Intel and an AMD CPU agree: MKL promises its
+`MKL_CBWR` branches on Intel CPUs, and the two vendors differ in the last bits under it
+(`labkit.provenance`, which names the vendor among what decides the bits). The libraries
+read these variables once, when they load, so the pin must be in the environment before
+Python starts: `python -m labkit run|reproduce` re-runs itself in a child process with
+`pinned_env(threads)` whenever the caller's environment differs.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import torch
 from labkit.experiment import load_script
 from minigpt import CharTokenizer, MiniGPT, MiniGPTConfig, tasks
 from minimoe import MoEMLP
+from minimoe.routers import route
 
 EXP = Path(__file__).resolve().parents[2] / "experiments" / "07-moe-routing"
 exp07 = load_script(EXP / "experiment.py", "experiment_07_test")
@@ -67,6 +68,12 @@ def test_the_config_trains_the_routers_it_names():
     assert built["group_v3"].moe_group_score == "top2_sum"
     assert (built["group_v2"].moe_group_score, built["group_v2"].moe_scoring) == ("max",
                                                                                   "softmax")
+    for name in ("group_v3", "group_v2"):      # a group limit that limits something
+        c = built[name]
+        assert c.moe_topk_group * c.n_experts // c.moe_n_group > c.top_k, name
+    assert built["group_v2"].moe_topk_group < built["group_v2"].top_k, (
+        "V2's max rule with topk_group >= top_k is plain top-k (see the test below): the run "
+        "would repeat softmax_aux")
     biased = {n for n, c in built.items() if c.moe_bias_update_rate > 0}
     balanced = {n for n, s in cfg["routers"].items() if s["aux_loss_coef"] > 0}
     assert biased == {"sigmoid_bias", "group_v3"}
@@ -75,3 +82,19 @@ def test_the_config_trains_the_routers_it_names():
     # every router but its own options is experiment 00's MoE
     base = json.loads((EXP.parent / "00-pretrain-base" / "config.json").read_text())
     assert cfg["model"] == base["models"]["moe"]["model"]
+
+
+def test_the_max_group_rule_with_as_many_groups_as_k_is_plain_top_k():
+    """Why group_v2 keeps one group for k = 2: the best expert's group has the largest max,
+    the second best expert's group the largest max among the rest, so the k best experts
+    always lie in the topk_group >= k best groups. V3's top-2 sum has no such shortcut."""
+    logits = torch.randn(500, 8, generator=torch.Generator().manual_seed(1))
+    plain = route(logits, 2, "softmax_topk")
+    v2 = route(logits, 2, "group_topk", n_group=4, topk_group=2, group_score="max",
+               scoring="softmax")
+    assert torch.equal(v2[1], plain[1]) and torch.equal(v2[0], plain[0])
+    v2_one = route(logits, 2, "group_topk", n_group=2, topk_group=1, group_score="max",
+                   scoring="softmax")
+    v3 = route(logits, 2, "group_topk", n_group=4, topk_group=2, group_score="top2_sum",
+               scoring="softmax")
+    assert not torch.equal(v2_one[1], plain[1]) and not torch.equal(v3[1], plain[1])

@@ -35,6 +35,10 @@ def test_every_experiment_has_a_tiny_configuration_and_a_fingerprint():
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_fingerprint_holds(name):
     proc = labkit("fingerprint", f"experiments/{name}")
+    if proc.returncode == 1 and "--add-cpu" in proc.stdout and "moved" not in proc.stdout:
+        # Recorded on another CPU vendor only: the pin does not hold across vendors, so there
+        # is nothing to compare with here (the message says how to add this vendor's run).
+        pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, f"experiments/{name} is stale:\n{proc.stdout}{proc.stderr}"
     assert f"{name}: fingerprint holds" in proc.stdout
 

@@ -118,3 +118,54 @@ def test_bad_fingerprint_files_are_one_line_errors(exp, setup, message):
 def test_note_without_write_is_refused(exp):
     proc = labkit("fingerprint", str(exp), "--note", "x", pythonpath=exp.parent)
     assert proc.returncode == 2 and "--note goes with --write" in proc.stderr
+
+
+# The pin holds within one CPU vendor: a fingerprint keeps one tiny run per vendor.
+
+def recorded_elsewhere(exp: Path) -> str:
+    """Make the fingerprint look recorded on another CPU vendor; returns this machine's."""
+    fp = json.loads((exp / "fingerprint.json").read_text())
+    here = fp["env"]["cpu_id"]["vendor"]
+    fp["env"]["cpu_id"]["vendor"] = "OtherVendor"
+    (exp / "fingerprint.json").write_text(json.dumps(fp))
+    return here
+
+
+def test_a_fingerprint_of_another_cpu_vendor_is_unchecked_naming_the_fix(exp):
+    here = recorded_elsewhere(exp)
+    (exp.parent / "dep.py").write_text("SCALE = 1.001\n")     # would be STALE, were it compared
+    proc = labkit("fingerprint", str(exp), pythonpath=exp.parent)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("97-dep: UNCHECKED") and "moved" not in proc.stdout
+    assert "recorded on OtherVendor CPUs" in proc.stdout and f"this {here} CPU" in proc.stdout
+    assert "fingerprint experiments/97-dep --add-cpu" in proc.stdout
+
+
+def test_add_cpu_keeps_the_recording_and_checks_this_vendor_against_its_own_run(exp):
+    here = recorded_elsewhere(exp)
+    proc = labkit("fingerprint", str(exp), "--add-cpu", "--note", "held on OtherVendor",
+                  pythonpath=exp.parent)
+    assert proc.returncode == 0, proc.stderr
+    fp = json.loads((exp / "fingerprint.json").read_text())
+    assert fp["env"]["cpu_id"]["vendor"] == "OtherVendor"            # the recording's, kept
+    assert set(fp["other_cpus"]) == {here}
+    assert fp["other_cpus"][here]["note"] == "held on OtherVendor"
+    assert fp["other_cpus"][here]["result"]["metrics"]["n"] == 7
+    assert labkit("fingerprint", str(exp), pythonpath=exp.parent).returncode == 0
+    (exp.parent / "dep.py").write_text("SCALE = 1.001\n")
+    stale = labkit("fingerprint", str(exp), pythonpath=exp.parent)
+    assert stale.returncode == 1 and stale.stdout.startswith("97-dep: STALE")
+    # a fresh --write is this vendor's recording, and drops the other vendors' entries
+    assert labkit("fingerprint", str(exp), "--write", "--note", "x",
+                  pythonpath=exp.parent).returncode == 0
+    fp = json.loads((exp / "fingerprint.json").read_text())
+    assert fp["env"]["cpu_id"]["vendor"] == here and "other_cpus" not in fp
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--add-cpu"], "was recorded on this CPU vendor"),
+    (["--add-cpu", "--write"], "give one of them"),
+])
+def test_add_cpu_misuse_is_a_one_line_error(exp, args, message):
+    proc = labkit("fingerprint", str(exp), *args, pythonpath=exp.parent)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -23,7 +23,7 @@ from labkit.numerics import (
     overridden,
     pinned_env,
 )
-from labkit.provenance import bit_differences, code_changes, cpu_note, lacking
+from labkit.provenance import bit_differences, code_changes, cpu_note, cpu_vendor, lacking
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -147,7 +147,7 @@ def test_under_the_pin_another_cpu_model_is_noted_not_a_difference():
     zen3 = {"arch": "x86_64", "vendor": "AuthenticAMD", "family": "25", "model": "1",
             "name": "AMD EPYC", "flags": ["avx2", "fma"]}
     assert bit_differences(_env(), _env(cpu_id=zen3)) == []
-    assert "same bits on any AVX2 CPU" in cpu_note(_env(), _env(cpu_id=zen3))
+    assert "same bits on any AVX2 CPU of the same vendor" in cpu_note(_env(), _env(cpu_id=zen3))
     native = bit_differences(_env(mode="native"), _env(mode="native", cpu_id=zen3))
     assert len(native) == 1 and native[0].startswith("cpu (native mode): AuthenticAMD family "
                                                      "25 model 17")
@@ -242,3 +242,15 @@ def test_reproduce_names_a_code_change_before_it_runs(recorded, tmp_path):
     first = proc.stdout.splitlines()[:3]
     assert first[1].startswith("code changed since the recording (1 file(s))"), first
     assert first[2].strip() == "98-kernels/experiment.py (changed)"
+
+
+def test_under_the_pin_another_cpu_vendor_is_a_difference():
+    """An AMD EPYC and an Intel Xeon differ in the last bits under the pin (measured): the
+    vendor is named among what decides the bits, and no "same bits" note is given."""
+    xeon = {"arch": "x86_64", "vendor": "GenuineIntel", "family": "6", "model": "207",
+            "name": "Intel(R) Xeon(R) Processor", "flags": ["avx2", "avx512f", "fma"]}
+    assert bit_differences(_env(), _env(cpu_id=xeon)) == [
+        "cpu vendor (the pin holds within one vendor): AuthenticAMD -> GenuineIntel"]
+    assert cpu_note(_env(), _env(cpu_id=xeon)) is None
+    assert cpu_vendor(_env(cpu_id=xeon)) == "GenuineIntel"
+    assert cpu_vendor({"torch": "2.13.0"}) is None
