@@ -52,6 +52,12 @@ def findings(manifest: dict) -> list[str]:
                   f"{s[learned[0]][f'{held}_after_finetune']:.2f} for `{learned[0]}` and "
                   f"{s[learned[-1]][f'{held}_after_finetune']:.2f} for `{learned[-1]}`.",
                   "  "),
+        paragraph(f"- **Evenness is not learning.** `{even[1]}`, the second most even, ranks "
+                  f"{loss.index(even[1]) + 1} of {len(s)} on held-out loss; `{even[-1]}`, the "
+                  f"least even, ranks {learned.index(even[-1]) + 1} of {len(s)} on `{held}` "
+                  "after the fine-tune. Each router is one seed of one run: read the balance "
+                  "column as the routers' mechanics and the learning columns as one sample.",
+                  "  "),
     ]
 
 

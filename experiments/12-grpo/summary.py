@@ -122,7 +122,10 @@ def findings(manifest: dict) -> list[str]:
             f"constant normaliser {gain(m, 'moe', 'grpo_dr')} ({length['grpo_dr']:.1f} "
             "tokens). The three weigh a token of a long completion differently (the lab's "
             "aggregation cell), yet all three runs end with completions of about the same "
-            "length, so the gains do not come from answering longer or shorter.", "  "))
+            "length, so the gains do not come from answering longer or shorter. Each is one "
+            "seed: the same three runs recorded on a CPU of another vendor, whose arithmetic "
+            "differs only in last bits, ranked them differently, so no ranking is claimed.",
+            "  "))
     if "rw_file" in dense:
         f, warm = dense["rw_file"], m["dense"]["start"]["warm"]
         out.append(paragraph(
