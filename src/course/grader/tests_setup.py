@@ -20,12 +20,24 @@ from __future__ import annotations
 import ast
 import builtins
 import re
+import threading
 
 from ..authoring.build import jupyter_only
 
 HIDDEN = re.compile(r"^[ \t]*### BEGIN HIDDEN TESTS[ \t]*\n(.*?)"
                     r"^[ \t]*### END HIDDEN TESTS[ \t]*$\n?", re.MULTILINE | re.DOTALL)
 CASE = re.compile(r"^# case: *(.+?) *$", re.MULTILINE)
+
+
+# `course grade --jobs N` grades in threads. CPython 3.11's ast.parse keeps its recursion
+# count in state the threads share, so two parses at once can fail with "SystemError: AST
+# constructor recursion depth mismatch" (cpython gh-106905): one parse at a time.
+_PARSE_LOCK = threading.Lock()
+
+
+def _parse(source: str) -> ast.Module:
+    with _PARSE_LOCK:
+        return ast.parse(source)
 
 
 def meta(cell) -> dict:
@@ -35,7 +47,7 @@ def meta(cell) -> dict:
 def _names(source: str) -> tuple[set[str], set[str]]:
     """(names the cell binds anywhere, names it reads that it never binds)."""
     try:
-        tree = ast.parse(HIDDEN.sub(lambda m: m.group(1), source))
+        tree = _parse(HIDDEN.sub(lambda m: m.group(1), source))
     except SyntaxError:
         return set(), set()
     bound, read = set(), set()
@@ -56,7 +68,7 @@ def _names(source: str) -> tuple[set[str], set[str]]:
 def _top_level(source: str) -> set[str]:
     """The names a cell defines at its top level (def, class, assignment, import)."""
     try:
-        tree = ast.parse(source)
+        tree = _parse(source)
     except SyntaxError:
         return set()
     found = set()
@@ -78,7 +90,7 @@ def learner_names(source_nb) -> list[str]:
 
 def _imports(source: str) -> bool:
     try:
-        tree = ast.parse(source)
+        tree = _parse(source)
     except SyntaxError:
         return False
     return any(isinstance(node, (ast.Import, ast.ImportFrom)) for node in ast.walk(tree))
@@ -125,7 +137,7 @@ def definitions(code: str) -> str:
     after the cell failed half way (a crash in the learner's kernel, a failed assertion)
     and the tests below that use the cell's helpers still run."""
     try:
-        tree = ast.parse(HIDDEN.sub(lambda m: m.group(1), code))
+        tree = _parse(HIDDEN.sub(lambda m: m.group(1), code))
     except SyntaxError:
         return ""
     keep = []
