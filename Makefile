@@ -28,7 +28,7 @@ LAB_ARGS ?=
 # learners do not see them.
 MODE ?= learner
 
-.PHONY: venv lab test test-fast course grade reproduce run readme times bench-cpu bench-gpu device-check device-wheels compile-report check-exercises check-mistakes check mine lint lock clean
+.PHONY: venv lab test test-fast course grade edition reproduce run readme times bench-cpu bench-gpu device-check device-wheels compile-report check-exercises check-mistakes check mine lint lock clean
 
 venv: $(STAMP)
 
@@ -50,6 +50,9 @@ course: $(STAMP)  ## (course developers) solutions/ -> build/course -> labs/; ov
 
 grade: $(STAMP)  ## autograde SUBMISSIONS=dir -> build/grades [GRADE_ARGS="--force --timeout 600"]
 	$(PY) -m course grade $(SUBMISSIONS) $(GRADE_ARGS)
+
+edition: $(STAMP)  ## (instructors) the student repository, references of labs after THROUGH stubbed: make edition OUT=dir [THROUGH=NN]
+	$(PY) -m course edition $(OUT) $(if $(THROUGH),--through $(THROUGH))
 
 run: $(STAMP)  ## run an experiment and write its manifest: make run EXP=experiments/NN-name
 	$(PY) -m labkit run $(EXP)

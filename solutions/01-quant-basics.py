@@ -890,7 +890,7 @@ for bits in (4, 8):
 # int8 with groups of 64 costs $8 + 32/64 = 8.5$ bits per parameter, int4 with groups of 64
 # costs $4.5$. The table counts the storage exactly (codes at their nominal width, as if
 # packed, plus one float32 per scale actually returned) and puts the error beside it. The
-# last two rows preview Lab 02: NF4 uses 4-bit codes on a non-uniform grid, and double
+# two rows after it preview Lab 02: NF4 uses 4-bit codes on a non-uniform grid, and double
 # quantization shrinks the scales themselves to 8 bits.
 
 # %%
@@ -905,14 +905,17 @@ rows = [("float32", 32.0, 0.0),
 for bits, gs in [(8, 64), (4, 32), (4, 64), (4, 128), (3, 64)]:
     n_scales = quantize_symmetric_per_group(W, bits, gs)[1].numel()
     rows.append(scheme_row(f"int{bits} groups of {gs}", bits, n_scales, quant_error(W, bits, gs)))
-for dq in (False, True):
-    nf4 = miniquant.quantize_nf4(W, blocksize=64, double_quant=dq)
-    rows.append((f"NF4 blocks of 64{' + double quant' if dq else ''} (Lab 02)",
-                 nf4.bits_per_param, ((W - nf4.dequantize()).norm() / W.norm()).item()))
 
 print(f"{'scheme':<42}{'bits/param':>11}{'rel. error':>12}")
 for name, bpp, err in rows:
     print(f"{name:<42}{bpp:>11.3f}{err:>12.5f}")
+
+# %% tags=["jupyter-only"]
+for dq in (False, True):
+    nf4 = miniquant.quantize_nf4(W, blocksize=64, double_quant=dq)
+    name = f"NF4 blocks of 64{' + double quant' if dq else ''} (Lab 02)"
+    print(f"{name:<42}{nf4.bits_per_param:>11.3f}"
+          f"{((W - nf4.dequantize()).norm() / W.norm()).item():>12.5f}")
 
 
 # %% [markdown]

@@ -312,6 +312,8 @@ for label, args in [("float32 probs, float64 quantiles, round, divide (bnb)",
 
 # %%
 CODE = miniquant.NF4_CODE          # from here on, the reference table: exercises 2-5 use it
+
+# %% tags=["jupyter-only"]
 z = randn(64 * 4096, seed=2)
 top = torch.special.ndtri(torch.tensor(0.9677083, dtype=torch.float64)).item()
 
@@ -1226,7 +1228,7 @@ assert math.isclose(_got, _want, rel_tol=1e-12), f"nested_block=128: expected {_
 # nested_rounding="bnb_cpu")` rounds through the same table and reproduces every one of their
 # CPU codes: the last column below.
 
-# %%
+# %% tags=["jupyter-only"]
 for shape, bs in [((64 * 1000 + 5,), 64), ((4, 128, 512), 64), ((300, 1001), 32)]:
     w = randn(*shape, seed=6)
     _, absmax = nf4_indices(w, bs)
@@ -1252,7 +1254,7 @@ for shape, bs in [((64 * 1000 + 5,), 64), ((4, 128, 512), 64), ((300, 1001), 32)
 # bits per parameter are what a memory budget is made of: at 4.127 instead of 16 bits, a 7B
 # model's weights drop from 14 GB (bfloat16) to about 3.6 GB.
 
-# %%
+# %% tags=["jupyter-only"]
 w_big = randn(1024, 1024, seed=27)
 rows = []
 print(f"{'blocksize':>9} {'double quant':>13} {'nbytes':>10} {'bits/param':>11} "

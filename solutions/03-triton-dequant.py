@@ -247,8 +247,8 @@ def _check_axpy(n_or_shape, alpha=2.5, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g).to(DEVICE)
     y = torch.randn(shape, generator=g).to(DEVICE)
+    want = alpha * x + y                           # before the call: it may not move it
     got = axpy(alpha, x, y)
-    want = alpha * x + y
     assert isinstance(got, torch.Tensor) and got.shape == want.shape, \
         f"axpy on shape {tuple(shape)}: expected a tensor of shape {tuple(want.shape)}, got " \
         f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}"
@@ -269,9 +269,11 @@ def _launch_axpy(n, BLOCK, alpha=-1.5, extra_programs=0, seed=1):
     y = torch.randn(n + pad, generator=g).to(DEVICE)
     out = torch.full((n + pad,), 1234.5, device=DEVICE)
     grid = (triton.cdiv(n, BLOCK) + extra_programs,)
-    axpy_kernel[grid](x, y, out, alpha, n, BLOCK=BLOCK)
+    want = alpha * x[:n] + y[:n]
+    with harness.outputs(out):                     # the buffer the kernel writes
+        axpy_kernel[grid](x, y, out, alpha, n, BLOCK=BLOCK)
     where = f"axpy_kernel[{grid}](..., n={n}, BLOCK={BLOCK})"
-    torch.testing.assert_close(out[:n], alpha * x[:n] + y[:n], rtol=1e-6, atol=1e-6,
+    torch.testing.assert_close(out[:n], want, rtol=1e-6, atol=1e-6,
                                msg=lambda m: f"{where}, elements 0..n-1:\n{m}")
     touched = (out[n:] != 1234.5).nonzero().flatten()
     assert touched.numel() == 0, \
@@ -288,7 +290,8 @@ for _n in (1, 7, 1000):          # 7 and 1000 are not multiples of any power-of-
 # a transposed (non-contiguous) input: the wrapper makes contiguous copies
 _x = torch.randn(6, 3).to(DEVICE).T
 _y = torch.randn(3, 6).to(DEVICE)
-torch.testing.assert_close(axpy(2.0, _x, _y), 2.0 * _x + _y, rtol=1e-6, atol=1e-6,
+_want = 2.0 * _x + _y
+torch.testing.assert_close(axpy(2.0, _x, _y), _want, rtol=1e-6, atol=1e-6,
                            msg=lambda m: "axpy with a transposed x: the kernel assumes element "
                                          f"i at ptr + i, so pass .contiguous() copies:\n{m}")
 # inputs the wrapper must refuse
@@ -440,7 +443,8 @@ def _launch_unpack(n, BLOCK, seed=1):
     codes, packed = _random_packed(n, seed)
     out = torch.full((n + BLOCK + 2,), 0xEE, dtype=torch.uint8, device=DEVICE)
     grid = (triton.cdiv(n, BLOCK),)
-    unpack_nibbles_kernel[grid](packed.to(DEVICE), out, n, BLOCK=BLOCK)
+    with harness.outputs(out):
+        unpack_nibbles_kernel[grid](packed.to(DEVICE), out, n, BLOCK=BLOCK)
     out = out.cpu()
     where = f"unpack_nibbles_kernel[{grid}](..., n={n}, BLOCK={BLOCK})"
     swapped = torch.stack([packed & 15, packed >> 4], 1).reshape(-1)[:n]
@@ -615,8 +619,9 @@ def _launch_nf4(n, blocksize, BLOCK, table=None, seed=0):
                          for j in range(n)], dtype=torch.float32)   # float32 product of floats
     out = torch.full((n + BLOCK + 1,), -999.0, device=DEVICE)
     grid = (triton.cdiv(n, BLOCK),)
-    nf4_dequant_kernel[grid](packed.to(DEVICE), absmax.to(DEVICE), table.to(DEVICE), out, n,
-                             BLOCKSIZE=blocksize, BLOCK=BLOCK)
+    with harness.outputs(out):
+        nf4_dequant_kernel[grid](packed.to(DEVICE), absmax.to(DEVICE), table.to(DEVICE), out,
+                                 n, BLOCKSIZE=blocksize, BLOCK=BLOCK)
     out = out.cpu()
     where = f"nf4_dequant_kernel[{grid}](..., n={n}, BLOCKSIZE={blocksize}, BLOCK={BLOCK})"
     bad = (out[:n] != want).nonzero().flatten()
@@ -943,10 +948,6 @@ def _check_selective(E, d_out, d_in, active, blocksize=64, double_quant=False, s
                 f"{bad[:3].tolist()}: expected {want[r].reshape(-1)[bad[:3]].tolist()}, got "
                 f"{got[r].reshape(-1)[bad[:3]].tolist()}"
                 + (" — NaN means a poisoned scale was read" if got[r].isnan().any() else ""))
-    if len(active):
-        torch.testing.assert_close(got, miniquant.selective_dequantize_nf4(q, active.to(DEVICE),
-                                                                           torch.float32),
-                                   rtol=0, atol=0)
 
 
 # The kernel first, launched directly: a tile longer than an expert (BLOCK 256 > M = 128)
@@ -956,8 +957,9 @@ _ids = torch.tensor([2, 0], dtype=torch.int64)
 _want = dequantize_nf4(_qd, torch.float32)[_ids.to(DEVICE)].reshape(-1)
 _pq, _ = _poisoned(_qd, _ids)
 _out = torch.full((2 * 128 + 256,), -999.0, device=DEVICE)
-selective_dequant_kernel[(1, 2)](_pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE),
-                                 _ids.to(DEVICE), _out, 128, BLOCKSIZE=64, BLOCK=256)
+with harness.outputs(_out):
+    selective_dequant_kernel[(1, 2)](_pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE),
+                                     _ids.to(DEVICE), _out, 128, BLOCKSIZE=64, BLOCK=256)
 # what two wrong offsets give: expert e's codes with expert 0's scales, or the reverse
 _lv = NF4_CODE[unpack_nibbles(_qd.packed.cpu(), 384).long()].view(3, 128)       # [E, M]
 _sc = _qd.block_absmax.cpu().repeat_interleave(64).view(3, 128)                 # [E, M]
@@ -1005,17 +1007,19 @@ _ids = torch.tensor([2, 1], dtype=torch.int64)
 _want = dequantize_nf4(_qd, torch.float32)[_ids.to(DEVICE)]
 _pq, _ = _poisoned(_qd, _ids)
 _out = torch.full((2, 6, 32), -999.0, device=DEVICE)
-selective_dequant_kernel[(triton.cdiv(192, 64), 2)](
-    _pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE), _ids.to(DEVICE), _out, 192,
-    BLOCKSIZE=64, BLOCK=64)
+with harness.outputs(_out):
+    selective_dequant_kernel[(triton.cdiv(192, 64), 2)](
+        _pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE), _ids.to(DEVICE), _out, 192,
+        BLOCKSIZE=64, BLOCK=64)
 assert torch.equal(_out, _want), "selective_dequant_kernel[(3, 2)] with BLOCK=64 differs from " \
     f"the reference at {(_out != _want).sum().item()} elements"
 # case: the kernel launched directly, one tile longer than an expert
 _buf = torch.full((192 + 256,), -999.0, device=DEVICE)
 _out = _buf[:192].view(1, 6, 32)                  # a view: the sentinels after it must survive
-selective_dequant_kernel[(1, 1)](
-    _pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE), _ids[1:].to(DEVICE), _out, 192,
-    BLOCKSIZE=64, BLOCK=256)                      # one tile, masked past M = 192
+with harness.outputs(_buf):
+    selective_dequant_kernel[(1, 1)](
+        _pq.packed, _pq.block_absmax, NF4_CODE.to(DEVICE), _ids[1:].to(DEVICE), _out, 192,
+        BLOCKSIZE=64, BLOCK=256)                  # one tile, masked past M = 192
 assert torch.equal(_out[0], _want[1]), "selective_dequant_kernel with BLOCK=256 > M differs"
 assert (_buf[192:] == -999.0).all(), \
     "selective_dequant_kernel with BLOCK=256 > M wrote past the expert's M elements"

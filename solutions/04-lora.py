@@ -846,6 +846,14 @@ _check_incoming_gradient(6, 40, 24, 4, 2.0, seed=23)
 print("LoRAMatmul: forward + backward create no [out, in] or [in, out] tensor (the naive form "
       "creates several), and leave the incoming gradient untouched")
 
+### BEGIN HIDDEN TESTS
+# case: no weight-sized tensor, other sizes
+_check_no_out_by_in(7, 48, 20, 3, s=0.25, seed=30, what="hidden: ")
+_check_no_out_by_in(2, 12, 72, 6, s=4.0, seed=31, what="hidden: ")
+# case: the incoming gradient untouched, other sizes
+_check_incoming_gradient(5, 18, 30, 2, 0.5, seed=32)
+### END HIDDEN TESTS
+
 # %% [markdown]
 # ### Your Function inside the layer
 #
@@ -1864,7 +1872,7 @@ else:
 # the task the base model never saw (`rev`, reversing a word), then merge it, save it, and
 # load it into PEFT. Lab 05 does the real fine-tune; this is a smoke test of your code.
 
-# %%
+# %% tags=["jupyter-only"]
 tok = CharTokenizer()
 examples = tasks.make_examples(tasks.HELD_OUT, 512, seed=0)
 data = minituner.SequenceData.from_pairs(
@@ -1895,7 +1903,7 @@ ax.set_ylabel(f"loss (mean of {cfg.log_every} steps)")
 ax.set_title(f"LoRA r=8 on attention + MLP, task '{tasks.HELD_OUT}'")
 plt.show()
 
-# %%
+# %% tags=["jupyter-only"]
 model.eval()
 idx = data.tokens[:4]                      # four padded prompt + answer sequences
 with torch.no_grad():

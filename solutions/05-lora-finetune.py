@@ -760,6 +760,9 @@ for _s in (20, 25, 100):                                                   # pas
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_clip_grads", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+from course.notebook.bridged import outputs
+
+
 def _params_with_grads(shapes, seed=0, scale=1.0, none_at=()):
     ps = []
     for i, shape in enumerate(shapes):
@@ -776,7 +779,7 @@ def _check_clip(shapes, max_value, max_norm, seed=0, scale=1.0, none_at=(), what
     ref = _params_with_grads(shapes, seed, scale, none_at)
     want = clip_gradients(ref, TrainConfig(grad_clip_value=max_value, grad_clip=max_norm,
                                            progress=False))
-    with _forbid_reference():
+    with _forbid_reference(), outputs(*mine):          # the grads it clips in place
         got = clip_grads(mine, max_value, max_norm)
     assert isinstance(got, torch.Tensor) and got.dim() == 0, \
         f"{where}: expected the norm as a 0-dim tensor, got {got!r}"
@@ -827,7 +830,8 @@ _check_clip([(64, 64)], 0.0, 1.0, seed=9, scale=1e-4, what="hidden (tiny grads):
 # case: a small hand-computed example
 _a, _b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(1, 1))
 _a.grad, _b.grad = torch.tensor([3.0, -4.0, 0.5]), torch.tensor([[10.0]])
-_n = clip_grads([_a, _b], 2.0, 1.0)
+with outputs(_a, _b):
+    _n = clip_grads([_a, _b], 2.0, 1.0)
 assert math.isclose(_n.item(), 3.5, rel_tol=1e-6), f"hidden: expected norm 3.5, got {_n}"
 torch.testing.assert_close(_a.grad, torch.tensor([2.0, -2.0, 0.5]) / (3.5 + 1e-6))
 ### END HIDDEN TESTS

@@ -179,7 +179,7 @@ right = minigpt.load_base("dense")
 quantize_model(right, BLOCK_PROJECTIONS)
 wrap_lora(right, BLOCK_PROJECTIONS, r=8, alpha=16.0)
 for label, model in (("wrapped, never quantized", wrong), ("quantized, then wrapped", right)):
-    w = memory.held_bytes(model).weights
+    w = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     print(f"{label:<26} weights held: {w / MiB:6.2f} MiB")
 print(right.blocks[0].attn.q_proj)
 
@@ -911,6 +911,9 @@ assert _held(_big)["grads"] == 0, "hidden: after setting every .grad to None, gr
 # reading is printed too, to show why it is not the number to report.
 
 # %%
+PARTS = ["weights", "grads", "optimizer", "activations", "total"]     # the bills' columns below
+
+# %% tags=["jupyter-only"]
 mem_batch = minituner.SequenceData.from_pairs(
     pairs_of(tasks.make_examples(tasks.HELD_OUT, 64, seed=0, split="train"), tok), pad_id=tok.pad_id)
 mx, my, _ = mem_batch.batch(torch.arange(len(mem_batch)))
@@ -938,7 +941,6 @@ nf4_base = minigpt.load_base("dense")
 qlora_wrap(nf4_base, r=8, alpha=16.0)
 rows = {"LoRA, float32 base": memory_row(lora_base, "lora"),
         "QLoRA, NF4 base": memory_row(nf4_base, "qlora")}
-PARTS = ["weights", "grads", "optimizer", "activations", "total"]
 print(f"{'MiB':<20}" + "".join(f"{p:>13}" for p in PARTS) + f"{'predicted':>11}{'RSS peak Δ':>12}")
 for label, (row, pred, _, rss_delta) in rows.items():
     print(f"{label:<20}" + "".join(f"{row[p] / MiB:13.2f}" for p in PARTS)

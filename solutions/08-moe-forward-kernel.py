@@ -469,9 +469,10 @@ def _launch_group(T, N, k, E=4, BLOCK_M=16, BLOCK_N=16, with_coeff=True, seed=0)
     buf = torch.full((M + BLOCK_M, N + 7), -999.0, device=DEVICE)
     out = buf[:, :N]
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    group_kernel[grid](X, coeff if with_coeff else X, out, ssi, M, N, X.stride(0), X.stride(1),
-                       out.stride(0), out.stride(1), FAN_OUT=k, HAS_COEFF=with_coeff,
-                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    with harness.outputs(buf):                           # the buffer the kernel writes
+        group_kernel[grid](X, coeff if with_coeff else X, out, ssi, M, N, X.stride(0),
+                           X.stride(1), out.stride(0), out.stride(1), FAN_OUT=k,
+                           HAS_COEFF=with_coeff, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     where = (f"group_kernel[{grid}](..., M={M}, N={N}, FAN_OUT={k}, HAS_COEFF={with_coeff}, "
              f"BLOCK_M={BLOCK_M}, BLOCK_N={BLOCK_N}), X and out with row strides "
              f"{X.stride(0)} and {out.stride(0)}")
@@ -696,11 +697,12 @@ def _launch_s2s(T, K, N, E, k, x_grouped=False, y_grouped=False, BLOCK_M=16, BLO
     buf = torch.full((M + BLOCK_M, N + 5), -999.0, device=DEVICE)
     Y = buf[:, :N]
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    scatter2scatter_kernel[grid](
-        X, W, Y, sei_, ssi_, M, K, N, X.stride(0), X.stride(1),
-        W.stride(0), W.stride(1), W.stride(2), Y.stride(0), Y.stride(1),
-        FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    with harness.outputs(buf):                           # the buffer the kernel writes
+        scatter2scatter_kernel[grid](
+            X, W, Y, sei_, ssi_, M, K, N, X.stride(0), X.stride(1),
+            W.stride(0), W.stride(1), W.stride(2), Y.stride(0), Y.stride(1),
+            FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     where = (f"scatter2scatter_kernel[{grid}], {harness.describe(x, W, idx)}, x_grouped={x_grouped}, "
              f"y_grouped={y_grouped}, BLOCK_M/N/K = {BLOCK_M}/{BLOCK_N}/{BLOCK_K}")
     _close(buf[:M, :N], want, where, hint=_s2s_rule(buf, want, ssi, y_grouped, BLOCK_M))

@@ -541,9 +541,11 @@ def _launch_bwd_W(T, K, N, E, k, BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, seed=0, gua
     grid = (E, triton.cdiv(K, BLOCK_K), triton.cdiv(N, BLOCK_N))
     # the kernel gets the whole buffer (same first element and strides as the view DW), so
     # that a write outside dW[:, :K, :N] shows in wbuf
-    group_bwd_W_kernel[grid](DY, X, wbuf, offs, K, N, DY.stride(0), DY.stride(1),
-                             X.stride(0), X.stride(1), DW.stride(0), DW.stride(1), DW.stride(2),
-                             BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N)
+    with harness.outputs(wbuf):
+        group_bwd_W_kernel[grid](DY, X, wbuf, offs, K, N, DY.stride(0), DY.stride(1),
+                                 X.stride(0), X.stride(1), DW.stride(0), DW.stride(1),
+                                 DW.stride(2), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
+                                 BLOCK_N=BLOCK_N)
     where = (f"group_bwd_W_kernel[{grid}], {_where_rows(Xg, DYg, E, idx)}, "
              f"BLOCK_M/K/N = {BLOCK_M}/{BLOCK_K}/{BLOCK_N}")
     if guard or (DW[0].cpu() == 0).all() and (want[0].cpu() != 0).any():

@@ -593,12 +593,13 @@ def _launch_s2s_lora(T, K, N, E, k, r, x_grouped=False, y_grouped=False, BLOCK_M
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
     # the kernel gets the whole buffer (same first element and strides as the view Y), so
     # that a write outside Y shows in ybuf
-    scatter2scatter_lora_kernel[grid](
-        X, W, ybuf, A, B, sei, ssi, M, K, N, r, SCALING,
-        X.stride(0), X.stride(1), W.stride(0), W.stride(1), W.stride(2),
-        Y.stride(0), Y.stride(1), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
-        FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=rank_block(r))
+    with harness.outputs(ybuf):
+        scatter2scatter_lora_kernel[grid](
+            X, W, ybuf, A, B, sei, ssi, M, K, N, r, SCALING,
+            X.stride(0), X.stride(1), W.stride(0), W.stride(1), W.stride(2),
+            Y.stride(0), Y.stride(1), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
+            FAN_OUT=k, X_GROUPED=x_grouped, Y_GROUPED=y_grouped,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=rank_block(r))
     where = (f"scatter2scatter_lora_kernel[{grid}] (x_grouped={x_grouped}, y_grouped="
              f"{y_grouped}), {harness.describe(x, W, idx, r)}, BLOCK_M/N/K/R = "
              f"{BLOCK_M}/{BLOCK_N}/{BLOCK_K}/{rank_block(r)}"
@@ -899,10 +900,11 @@ def _launch_bwd_lora(T, K, N, E, k, r, BLOCK_M=16, BLOCK_P=16, BLOCK_Q=16, seed=
         grid = (E, triton.cdiv(P, BLOCK_P))
         # the kernel gets the whole buffer at OUT's first element (offset 0) with OUT's
         # strides, so that a write outside OUT shows in buf
-        group_bwd_lora_kernel[grid](
-            U, V, L, buf, offs, P, Q, r, SCALING, U.stride(0), U.stride(1),
-            V.stride(0), V.stride(1), L.stride(0), L.stride(1), OUT.stride(0), OUT.stride(1),
-            BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P, BLOCK_Q=BLOCK_Q, BLOCK_R=rank_block(r))
+        with harness.outputs(buf):
+            group_bwd_lora_kernel[grid](
+                U, V, L, buf, offs, P, Q, r, SCALING, U.stride(0), U.stride(1), V.stride(0),
+                V.stride(1), L.stride(0), L.stride(1), OUT.stride(0), OUT.stride(1),
+                BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P, BLOCK_Q=BLOCK_Q, BLOCK_R=rank_block(r))
         got = buf[inner]
         where = f"group_bwd_lora_kernel[{grid}] for {name}, {where0}"
         assert not got.isnan().any(), \
@@ -1002,14 +1004,25 @@ def _launches_of_group_bwd_lora(DYg, Xg, A, B, offs, scaling):
     return len(spy.grids)
 
 
-for _T, _K, _N, _E, _k, _r, _seed in ((7, 24, 40, 4, 2, 2, 0), (9, 40, 24, 8, 3, 3, 1)):
-    _Xg, _DYg, _A, _B, _offs, _, _, _ = _bwd_lora_problem(_T, _K, _N, _E, _k, _r, _seed)
+def _check_launches(T, K, N, E, k, r, seed=0, what="", **routing):
+    Xg, DYg, A, B, offs, _, _, _ = _bwd_lora_problem(T, K, N, E, k, r, seed, **routing)
     # in-process check: my_group_bwd_lora launches group_bwd_lora_kernel twice (dB, dA)
-    _launches = in_learner(_launches_of_group_bwd_lora, _DYg, _Xg, _A, _B, _offs, SCALING)
-    assert _launches >= 2, \
-        f"my_group_bwd_lora, M={_Xg.shape[0]}, K={_K}, N={_N}, E={_E}, r={_r}: expected " \
-        f"group_bwd_lora_kernel launched twice (once for dB, once for dA), got {_launches}"
+    launches = in_learner(_launches_of_group_bwd_lora, DYg, Xg, A, B, offs, SCALING)
+    assert launches >= 2, \
+        f"{what}my_group_bwd_lora, M={Xg.shape[0]}, K={K}, N={N}, E={E}, r={r}: expected " \
+        f"group_bwd_lora_kernel launched twice (once for dB, once for dA), got {launches}"
+
+
+_check_launches(7, 24, 40, 4, 2, 2, seed=0)
+_check_launches(9, 40, 24, 8, 3, 3, seed=1)
 print("my_group_bwd_lora computes both dB and dA with your kernel")
+
+### BEGIN HIDDEN TESTS
+# case: a single token (T = 1) with r = 1
+_check_launches(1, 40, 24, 4, 2, 1, seed=2, what="hidden: ")
+# case: every row to one expert
+_check_launches(13, 24, 24, 8, 1, 2, seed=3, what="hidden: ", only=[3])
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ## Exercise 4 — the autograd Function with fused LoRA
@@ -1445,21 +1458,33 @@ def _dequantize_calls(x, q, k, ss, A, B, scaling, gates):
              Wc.numel() * Wc.element_size()) for args, kwargs, Wc in sp_t.results + sp_k.results]
 
 
-for _T, _K, _N, _E, _k, _r, _seed, _only in ((7, 16, 24, 5, 2, 2, 0, [0, 1, 3]),
-                                              (9, 24, 40, 6, 1, 3, 1, [1, 4])):
-    _x, _W, _idx, _g, _, _A, _B = _problem(_T, _K, _N, _E, _k, _r, _seed, only=_only)
-    _used = sorted(set(_idx.reshape(-1).tolist()))
-    _where = f"nf4_lora_linear, {harness.describe(_x, _W, _idx, _r)}"
+def _check_one_dequantize(T, K, N, E, k, r, seed=0, what="", **routing):
+    x, W, idx, g, _, A, B = _problem(T, K, N, E, k, r, seed, **routing)
+    used = sorted(set(idx.reshape(-1).tolist()))
+    where = f"{what}nf4_lora_linear, {harness.describe(x, W, idx, r)}"
     # in-process check: one selective dequantize call, of exactly the active experts
-    _calls = in_learner(_dequantize_calls, _x, quantize_experts(_W), _k,
-                        flatten_sort_count(_idx, _E), _A, _B, SCALING, _g)
-    assert len(_calls) == 1, \
-        f"{_where}: expected one selective dequantize call (one copy of all the active " \
-        f"experts), got {len(_calls)}"
-    assert tuple(_calls[0]) == (_used, len(_used) * _K * _N * 4), \
-        f"{_where}: dequantized experts {_calls[0][0]} ({_calls[0][1]} bytes); expected exactly " \
-        f"the active ones {_used}, ascending ({len(_used) * _K * _N * 4} bytes)"
+    calls = in_learner(_dequantize_calls, x, quantize_experts(W), k, flatten_sort_count(idx, E),
+                       A, B, SCALING, g)
+    assert len(calls) == 1, \
+        f"{where}: expected one selective dequantize call (one copy of all the active " \
+        f"experts), got {len(calls)}"
+    assert tuple(calls[0]) == (used, len(used) * K * N * 4), \
+        f"{where}: dequantized experts {calls[0][0]} ({calls[0][1]} bytes); expected exactly " \
+        f"the active ones {used}, ascending ({len(used) * K * N * 4} bytes)"
+
+
+_check_one_dequantize(7, 16, 24, 5, 2, 2, seed=0, only=[0, 1, 3])
+_check_one_dequantize(9, 24, 40, 6, 1, 3, seed=1, only=[1, 4])
 print("nf4_lora_linear dequantizes the active experts in one call")
+
+### BEGIN HIDDEN TESTS
+# case: a single token (T = 1), eight experts
+_check_one_dequantize(1, 16, 24, 8, 2, 1, seed=2, what="hidden: ")
+# case: every expert used
+_check_one_dequantize(12, 24, 40, 4, 3, 2, seed=3, what="hidden: ")
+# case: only the first and the last expert used
+_check_one_dequantize(9, 16, 24, 6, 2, 2, seed=4, what="hidden: ", only=[5, 0])
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### How big is the transient float copy?

@@ -359,12 +359,18 @@ _check_refuses(bridged.share(_bad), "hidden: NF4 experts without LoRA on one MoE
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# What did that buy? Count the bytes held by the weights of the plain MoE, of LoRA over the
-# float MoE (`quantize=False`, the baseline of experiment 11) and of your QLoRA model.
+# What did that buy? First, what trains in your QLoRA model; then (in Jupyter: it builds the
+# baseline with the reference) the bytes held by the weights of the plain MoE, of LoRA over
+# the float MoE (`quantize=False`, the baseline of experiment 11) and of your QLoRA model.
 
 # %%
 qlora = load_moe()
 qlora_moe(qlora, r=8, alpha=16.0)
+share = sum(p.numel() for n, p in qlora.named_parameters() if p.requires_grad and ".mlp." in n)
+print(f"expert LoRA is {share / sum(p.numel() for p in qlora.parameters() if p.requires_grad):.0%}"
+      f" of the trainable elements: every expert has its own r = 8 factors")
+
+# %% tags=["jupyter-only"]
 float_lora = load_moe()
 wrap_minigpt_qlora(float_lora, r=8, alpha=16.0, quantize=False)
 for label, model in (("plain float MoE", base), ("LoRA, float base", float_lora),
@@ -372,9 +378,6 @@ for label, model in (("plain float MoE", base), ("LoRA, float base", float_lora)
     w = memory.held_bytes(model).weights
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"{label:<17} weights held {w / MiB:5.2f} MiB | trainable {n_train:>9,}")
-share = sum(p.numel() for n, p in qlora.named_parameters() if p.requires_grad and ".mlp." in n)
-print(f"expert LoRA is {share / sum(p.numel() for p in qlora.parameters() if p.requires_grad):.0%}"
-      f" of the trainable elements: every expert has its own r = 8 factors")
 
 # %% [markdown]
 # ## Part B — Exercise 2: how much has each expert's adapter moved?
@@ -1086,7 +1089,7 @@ else:
 # expert from two r×r products, never building B·A. The cell saves your trained adapter,
 # reads it back, and compares with your `expert_lora_norms` (Part B) of the same model.
 
-# %%
+# %% tags=["jupyter-only"]
 adapter_dir = Path(tempfile.mkdtemp(prefix="capstone-adapter-"))
 save_adapter(mine_model, adapter_dir)
 saved_config = json.loads((adapter_dir / "adapter_config.json").read_text())

@@ -232,13 +232,13 @@ def _loop_advantages(rows, eps=1e-6):
 
 
 def _check_advantages(rewards, eps=None, what=""):
-    before = rewards.clone()
     kw = {} if eps is None else {"eps": eps}
-    with _no_reference():
-        got = group_advantages(rewards, **kw)
     where = f"group_advantages of {what or 'rewards'} {list(rewards.shape)} {rewards.dtype}" \
             + ("" if eps is None else f", eps={eps}")
-    assert torch.equal(rewards, before), f"{where} modified its input"
+    want = _loop_advantages(rewards.tolist(), **kw)
+    with _no_reference(), harness.unchanged(f"{where}: do not modify the input",
+                                            rewards=rewards):
+        got = group_advantages(rewards, **kw)
     for p, row in enumerate(rewards.tolist()):
         if all(x == row[0] for x in row):
             assert torch.equal(got[p], torch.zeros_like(got[p])), \
@@ -246,7 +246,6 @@ def _check_advantages(rewards, eps=None, what=""):
                 f"0; got {got[p].tolist()} (the float mean of equal values is not always " \
                 "equal to them: see the cell above the exercise" \
                 + ("; with eps = 0, keep 0 / 0 out)" if eps == 0 else ")")
-    want = _loop_advantages(rewards.tolist(), **kw)
     harness.assert_close(got, want, where)
     return got
 
@@ -998,7 +997,7 @@ def _launch_fwd(N, V, BLOCK_R, BLOCK_V, seed=0, layout="padded", why="", **kind)
     # buffer (the same pointer), so that anything written past row N-1 shows
     bufs = [torch.full((N + BLOCK_R + 3,), SENTINEL, device=DEVICE) for _ in range(3)]
     grid = (triton.cdiv(N, BLOCK_R),)
-    with _no_reference():
+    with _no_reference(), harness.outputs(*bufs):
         logsoftmax_fwd_kernel[grid](x, ids, *bufs, N, V, x.stride(0), x.stride(1),
                                     BLOCK_R=BLOCK_R, BLOCK_V=BLOCK_V)
     outs = [b[:N] for b in bufs]
@@ -1050,7 +1049,7 @@ _launch_fwd(7, 64, 4, 16, seed=10, neg_inf=True, layout="transposed")
 _xa, _ia = _logits(3, 45, seed=11)
 _xa[1] = float("-inf")
 _outs = [torch.empty(3, device=DEVICE) for _ in range(3)]
-with _no_reference(), warnings.catch_warnings():
+with _no_reference(), warnings.catch_warnings(), harness.outputs(*_outs):
     warnings.simplefilter("ignore", RuntimeWarning)       # NumPy's log(0) in the interpreter
     logsoftmax_fwd_kernel[(1,)](_xa.to(DEVICE), _ia.to(DEVICE), *_outs, 3, 45, 45, 1,
                                 BLOCK_R=4, BLOCK_V=16)
@@ -1290,7 +1289,7 @@ def _launch_bwd(N, V, BLOCK_R, BLOCK_V, seed=0, layout="padded", why="", **kind)
     # gets the whole buffer (the same pointer and strides), so that a write outside shows
     dbuf = torch.full((N + BLOCK_R, V + 3), float("nan"), device=DEVICE)
     grid = (triton.cdiv(N, BLOCK_R),)
-    with _no_reference():
+    with _no_reference(), harness.outputs(dbuf):
         logsoftmax_bwd_kernel[grid](xs, ids.to(DEVICE), m.to(DEVICE), ls.to(DEVICE),
                                     g.to(DEVICE), dbuf, N, V, xs.stride(0), xs.stride(1),
                                     dbuf.stride(0), dbuf.stride(1), BLOCK_R=BLOCK_R,

@@ -1232,8 +1232,9 @@ def _launch_transpose(M, N, block_m, block_n, pad_x=0, pad_out=0, seed=0, hint="
     buf = torch.full((N + 2, M + pad_out), -7.5, device=DEVICE)
     out = buf[1:N + 1, :M]
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    transpose_kernel[grid](x, out, M, N, x.stride(0), out.stride(0), BLOCK_M=block_m,
-                           BLOCK_N=block_n)
+    with harness.outputs(buf):                     # the buffer the kernel writes, out in it
+        transpose_kernel[grid](x, out, M, N, x.stride(0), out.stride(0), BLOCK_M=block_m,
+                               BLOCK_N=block_n)
     where = (f"transpose_kernel[{grid}], x [{M}, {N}] (row stride {x.stride(0)}), out [{N}, "
              f"{M}] (row stride {out.stride(0)}), BLOCK_M={block_m}, BLOCK_N={block_n}")
     bad = (out != x.T).nonzero()
@@ -1305,11 +1306,17 @@ def _check_wide(dtype, M, N, stride_xm=None, stride_om=None, blocks=(64, 64), wa
 
 
 _check_wide(torch.float32, 4096, 4096)
-# (visible, not hidden: the SASS is read where your code runs, an in-process check)
 _check_wide(torch.float16, 2048, 512, stride_xm=4096, stride_om=2048)
 _check_wide(torch.float32, 1024, 4096, blocks=(32, 64), arch="sm_80")
 print("transpose_kernel compiles to 128-bit global loads and stores on an H100 and an A100, "
       "in float32 and float16")
+
+### BEGIN HIDDEN TESTS
+# case: bfloat16 on an L4, rectangular tiles
+_check_wide(torch.bfloat16, 512, 1024, blocks=(64, 32), arch="sm_89")
+# case: padded strides and 8 warps on an A10G
+_check_wide(torch.float32, 768, 256, stride_xm=512, stride_om=1024, warps=8, arch="sm_86")
+### END HIDDEN TESTS
 
 # %% [markdown]
 # What did the compiler do with your tile? The shared memory it asks for is the staging area

@@ -1,7 +1,7 @@
 """python -m course COMMAND: the course's command line, by audience (README.md has the make twins).
 
 learners      work, lab, check, mine
-instructors   grade (and lab --mode instructor)
+instructors   grade, edition (and lab --mode instructor)
 developers    build, check-exercises, check-mistakes, times
 
 Exit codes: 0 success; 1 failing checks or stale runtimes; 2 bad input (unknown lab, missing
@@ -37,7 +37,10 @@ def _grade(args) -> int:
 
     out = Path(args.out) if args.out else Path(args.root) / "build" / "grades"
     if args.merge:
-        rows = merge_into(out / "grades.csv", [r for p in args.merge for r in read_csv(Path(p))])
+        if missing := [shard for shard in args.merge if not Path(shard).is_file()]:
+            raise InputError(f"--merge: no such grades.csv file: {', '.join(missing)}")
+        for shard in args.merge:    # in order; each row settled against the one it replaces
+            rows = merge_into(out / "grades.csv", read_csv(Path(shard)), f"merged from {shard}")
         print(f"merged {len(args.merge)} grades.csv file(s) into {out / 'grades.csv'}: "
               f"{len(rows)} row(s)")
     if args.submissions:
@@ -46,6 +49,16 @@ def _grade(args) -> int:
               jobs=args.jobs, unsafe_no_sandbox=args.unsafe_no_sandbox)
     elif not args.merge:
         raise InputError("give a SUBMISSIONS folder to grade, or --merge grades.csv files")
+    return 0
+
+
+def _edition(args) -> int:
+    from .authoring.edition import build_edition
+
+    stubs = build_edition(Path(args.root), Path(args.out), args.through)
+    labs = sorted(set(stubs.values()))
+    print(f"wrote the student edition to {args.out}: {len(stubs)} references stubbed"
+          + (f", written in {', '.join(labs)}" if labs else ""))
     return 0
 
 
@@ -171,13 +184,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="grade without bubblewrap: student code runs with your permissions")
     p.add_argument("--merge", nargs="+", metavar="CSV",
                    help="grades.csv files of other runs (shards of a class) to merge into "
-                   "OUT/grades.csv first; a later file wins for the same student and lab")
+                   "OUT/grades.csv first; a later file's row wins for the same student and "
+                   "lab, but a row without a grade never replaces a grade, and a lower grade "
+                   "says so in its status (and on the console)")
     p.add_argument("--course", help="nbgrader course directory to grade in "
                    "(default build/course)")
     p.add_argument("--timeout", type=_positive_int, default=None, help=timeout_help)
     p.add_argument("--force", action="store_true",
                    help="grade again even submissions the journal says are unchanged")
     p.set_defaults(func=_grade)
+    p = sub.add_parser("edition", help="write the student repository to OUT: what the labs "
+                       "after --through ask learners to write is stubbed in its src/")
+    p.add_argument("out", help="a new or empty folder, or an earlier edition to replace")
+    p.add_argument("--through", help="release the references of the labs up to this one "
+                   "(its number or name; default: none)")
+    p.add_argument("--root", default=".", help="the course checkout")
+    p.set_defaults(func=_edition)
     p = sub.add_parser("build", help="build the nbgrader course and refresh labs/")
     p.add_argument("--root", default=".", help="the course checkout")
     p.add_argument("--check", action="store_true",

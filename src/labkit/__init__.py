@@ -16,6 +16,9 @@ from .hashing import sha256_file, sha256_json, sha256_state_dict  # noqa: E402
 from .manifest import ManifestError, read_manifest, write_manifest  # noqa: E402
 from .seed import seed_everything  # noqa: E402
 
-__all__ = ["ManifestError", "ReproduceReport", "RunContext", "measure", "read_manifest",
-           "reproduce", "run_experiment", "seed_everything", "sha256_file", "sha256_json",
-           "sha256_state_dict", "write_manifest"]
+# Lab -> {public name: dotted path} of what the lab rebuilds (docs/ARCHITECTURE.md, Lab sources).
+REFERENCE = {"00-setup-minigpt": {"sha256_state_dict": "labkit.hashing.sha256_state_dict"}}
+
+__all__ = ["REFERENCE", "ManifestError", "ReproduceReport", "RunContext", "measure",
+           "read_manifest", "reproduce", "run_experiment", "seed_everything", "sha256_file",
+           "sha256_json", "sha256_state_dict", "write_manifest"]

@@ -8,6 +8,10 @@ from .tokenizer import CharTokenizer
 
 # Lab -> {public name: dotted path} of what the lab rebuilds (docs/ARCHITECTURE.md, Lab sources).
 REFERENCE = {
+    "00-setup-minigpt": {
+        "CharTokenizer.encode": "minigpt.tokenizer.CharTokenizer.encode",
+        "CharTokenizer.decode": "minigpt.tokenizer.CharTokenizer.decode",
+    },
     "05-lora-finetune": {
         "evaluate": "minigpt.generate.evaluate",
         "answers": "minigpt.generate.answers",

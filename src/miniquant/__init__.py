@@ -42,16 +42,41 @@ __getattr__ = lazy_names(__name__, _TRITON_NAMES)
 
 # Lab -> {public name: dotted path} of what the lab rebuilds (docs/ARCHITECTURE.md, Lab sources).
 REFERENCE = {
+    "01-quant-basics": {
+        "quantize_absmax_int8": "miniquant.intquant.quantize_absmax_int8",
+        "dequantize_absmax_int8": "miniquant.intquant.dequantize_absmax_int8",
+        "quantize_symmetric_per_group": "miniquant.intquant.quantize_symmetric_per_group",
+        "dequantize_symmetric_per_group": "miniquant.intquant.dequantize_symmetric_per_group",
+        "round_to_grid": "miniquant.intquant.round_to_grid",
+    },
+    "02-nf4": {
+        "nf4_codebook": "miniquant.nf4.nf4_codebook",
+        "quantize_nf4": "miniquant.nf4.quantize_nf4",
+        "quantize_codes": "miniquant.nf4._quantize_codes",
+        "scale_blocks": "miniquant.dynamic.scale_blocks",
+        "nearest_code": "miniquant.dynamic.nearest_code",
+        "nearest_code_in_cells": "miniquant.dynamic.nearest_code_in_cells",
+        "quantize_blockwise_8bit": "miniquant.dynamic.quantize_blockwise_8bit",
+        "pack_nibbles": "miniquant.nf4.pack_nibbles",
+        "unpack_nibbles": "miniquant.nf4.unpack_nibbles",
+        "NF4Weight.codes": "miniquant.nf4.NF4Weight.codes",
+        "dequantize_nf4": "miniquant.nf4.dequantize_nf4",
+        "dequantize_span": "miniquant.nf4._dequantize_span",
+        "NF4Weight.dequantize": "miniquant.nf4.NF4Weight.dequantize",
+        "nf4_bytes": "miniquant.nf4.nf4_bytes",
+    },
     "03-triton-dequant": {
         "dequantize_nf4": "miniquant.nf4.dequantize_nf4",
         "triton_dequantize_nf4": "miniquant.triton_dequant.triton_dequantize_nf4",
         "selective_dequantize_nf4": "miniquant.triton_dequant.selective_dequantize_nf4",
+        "active_scales": "miniquant.triton_dequant._active_scales",
         "unpack_nibbles": "miniquant.nf4.unpack_nibbles",
         "NF4Weight.dequantize": "miniquant.nf4.NF4Weight.dequantize",
         "NF4Weight.codes": "miniquant.nf4.NF4Weight.codes",
         "dequant_launch": "miniquant.triton_dequant._launch",
         "nf4_dequant_kernel": "miniquant.dequant_kernel._nf4_dequant_kernel",
     },
+    "06-qlora-preview": {"nf4_bytes": "miniquant.nf4.nf4_bytes"},
     "10-moe-lora": {
         "dequantize_nf4": "miniquant.nf4.dequantize_nf4",
         "triton_dequantize_nf4": "miniquant.triton_dequant.triton_dequantize_nf4",

@@ -56,6 +56,7 @@ REFERENCE = {
         "group_advantages": "minirl.advantages.group_advantages",
         "partial_credit": "minirl.rewards.partial_credit",
         "grpo_loss": "minirl.grpo.grpo_loss",
+        "grpo_aggregate": "minirl.grpo._aggregate",
         "selective_log_softmax": "minirl.logprobs.selective_log_softmax",
         "token_logprobs": "minirl.logprobs.token_logprobs",
         "reference_logprobs": "minirl.logprobs.reference_logprobs",

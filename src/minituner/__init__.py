@@ -18,9 +18,14 @@ REFERENCE = {
     "04-lora": {
         "LoRALinear": "minituner.lora.LoRALinear",
         "lora_linear": "minituner.lora.lora_linear",
+        "lora_function": "minituner.lora._LoRALinearFunction",
         "wrap_lora": "minituner.wrap.wrap_lora",
+        "wrap_modules": "minituner.wrap.wrap_modules",
         "save_adapter": "minituner.adapters.save_adapter",
+        "adapter_config": "minituner.adapters._config",
+        "adapter_module_entries": "minituner.adapters._module_entries",
         "load_adapter": "minituner.adapters.load_adapter",
+        "adapter_expected": "minituner.adapters._expected",
         "trainable_summary": "minituner.wrap.trainable_summary",
         "select_modules": "minituner.wrap.select_modules",
         "matches": "minituner.peft_format.matches",
@@ -36,6 +41,18 @@ REFERENCE = {
         "make_optimizer": "minituner.optim.make_optimizer",
         "training_run": "minituner.trainer._Run",
         "train": "minituner.trainer.train",
+    },
+    "06-qlora-preview": {
+        "wrap_minigpt_qlora": "minituner.qlora.wrap_minigpt_qlora",
+        "held_bytes": "minituner.memory.held_bytes",
+        "predict": "minituner.memory.predict",
+        "predict_training": "minituner.memory.predict_training",
+        "regime_specs": "minituner.memory.regime_specs",
+        "param_specs": "minituner.memory.param_specs",
+    },
+    "11-capstone-qlora-moe": {
+        "wrap_minigpt_qlora": "minituner.qlora.wrap_minigpt_qlora",
+        "update_norms": "minituner.lora_norms.update_norms",
     },
 }
 

@@ -1,5 +1,7 @@
 """The bridge between the trusted test kernel and the learner's kernel (course.grader: wire,
-learner_side, trusted_side): data only comes back, and what the tests see equals one process.
+learner_side, trusted_side): data only comes back, and what the tests see equals one process,
+but where that would trust the learner's side: it sets no state here (the RNG after a call),
+writes back only into declared outputs, and never passes for a tensor or a C-backed class.
 
 The kernel-backed tests start one learner kernel (no sandbox: these test the bridge, the
 sandbox has its own tests) and talk to it from this process, as the trusted kernel does.
@@ -8,7 +10,9 @@ sandbox has its own tests) and talk to it from this process, as the trusted kern
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -139,6 +143,9 @@ class Custom(Exception):
 def custom():
     raise Custom("mine")
 
+def stop(x):
+    raise StopIteration
+
 class AlwaysEqual(list):
     def __eq__(self, other):
         return True
@@ -160,6 +167,23 @@ def fill_dict(d):
 
 def noise(n):
     return torch.rand(n)
+
+def reseed():                   # a learner's side that sets its own RNG state, then draws
+    torch.manual_seed(0)
+    return torch.rand(2)
+
+def zero_x(x, y):               # a wrong axpy: x zeroed in place, y given back
+    x.zero_()
+    return y
+
+class Sub(torch.Tensor):
+    pass
+
+def sub_result():
+    return torch.ones(2).as_subclass(Sub)
+
+def generator():
+    return torch.Generator().manual_seed(1)
 
 import triton, triton.language as tl
 
@@ -188,15 +212,16 @@ torch.allclose = lambda *a, **k: True
 '''
 NAMES = ["scale", "Lin", "MatMul", "triple_into", "shout", "custom", "always_equal",
          "calls_sum", "save_to", "read_from", "fill_dict", "fill_kernel", "calls_route",
-         "clip_", "scale_grads", "noise",
+         "clip_", "scale_grads", "noise", "reseed", "zero_x", "sub_result", "generator", "stop",
          "CONST", "not_defined"]
 
 
 @pytest.fixture(scope="module")
-def learner():
+def learner(tmp_path_factory):
     kernel = Kernel(Sandbox(ROOT, unsafe=True), slot=0)
     assert kernel.run(LEARNER, timeout=120).ok
-    bridge = Bridge(kernel.connection(), timeout=60)
+    with contextlib.chdir(tmp_path_factory.mktemp("workspace")):   # the trusted kernel's cwd
+        bridge = Bridge(kernel.connection(), timeout=60)
     ns: dict = {}
     bridge.bind(ns, NAMES)
     yield bridge, ns, kernel
@@ -238,30 +263,112 @@ def test_modules_rng_attributes_and_write_back(learner):
     layer(torch.ones(2, 4)).sum().backward()
     assert layer.A.grad is not None and torch.equal(layer.B, torch.ones(2, 3))
     assert [n for n, p in layer.named_parameters() if p.requires_grad] == ["A", "B"]
-    out = torch.zeros(3)
-    ns["triple_into"](out, torch.ones(3))
-    assert torch.equal(out, torch.full((3,), 3.0))
     assert bridged.is_subclass(ns["Lin"], torch.nn.Module)
 
 
-def test_draws_are_one_stream_across_calls_and_this_side(learner):
-    """The RNG state travels only when it changed; the draws are still those of one process."""
+def test_a_seed_gives_a_call_its_draws_and_no_reply_sets_this_sides_rng(learner):
+    """Each call draws from this side's RNG state, as it would in one process; this side's
+    RNG then moves on from its own state alone, whatever the learner's side did with its own."""
     bridge, ns, kernel = learner
     torch.manual_seed(3)
-    got = [ns["noise"](2), ns["noise"](2), torch.rand(2), ns["noise"](0), ns["noise"](2)]
+    first = ns["noise"](2)
+    torch.manual_seed(3)
+    assert torch.equal(first, torch.rand(2)), "the RNG state did not travel with the call"
+    torch.manual_seed(3)
+    assert not torch.equal(ns["noise"](2), ns["noise"](2)), \
+        "two calls in a row drew the same numbers: this side's RNG must move on after a call"
+    after = []
+    for call in (lambda: ns["reseed"](), lambda: ns["scale"](1.0), lambda: ns["noise"](9)):
+        torch.manual_seed(5)
+        call()
+        after.append(torch.rand(4))
+    assert all(torch.equal(a, after[0]) for a in after), \
+        "the trusted RNG was set from the learner's side: after a call it must depend on " \
+        "this side's state only"
     bridge.pause()
     assert kernel.run("_ = torch.rand(5)", timeout=30).ok     # a learner's cell draws
-    got += [ns["noise"](2), torch.rand(2)]
     torch.manual_seed(3)
-    want = [torch.rand(2), torch.rand(2), torch.rand(2), torch.rand(0), torch.rand(2),
-            torch.rand(2), torch.rand(2)]
-    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert torch.equal(ns["noise"](2), first), "a seed here gives the call its draws"
+
+
+def test_only_declared_outputs_are_written_back(learner):
+    """A call's in-place change comes back into a buffer an `outputs` block declares (a view
+    of its storage included), never into any other tensor argument, such as an input the
+    test computes its expectation from."""
+    _, ns, _ = learner
+    out = torch.zeros(3)
+    ns["triple_into"](out, torch.ones(3))
+    assert torch.equal(out, torch.zeros(3)), "an undeclared buffer was written back"
+    with bridged.outputs(out):
+        ns["triple_into"](out[:2], torch.ones(2))
+    assert out.tolist() == [3.0, 3.0, 0.0], "a declared output (as a view) was not written back"
+    x, y = torch.ones(3), torch.full((3,), 2.0)
+    with bridged.outputs(out):
+        got = ns["zero_x"](x, y)
+    assert torch.equal(x, torch.ones(3)) and torch.equal(got, y), \
+        "an input the call zeroed in place was written back: only declared outputs are"
+
+
+def raised(call, error: type = Exception) -> str:
+    """The message of the `error` that call() raises; "" when it raises none."""
+    try:
+        call()
+    except error as e:
+        return str(e)
+    return ""
+
+
+def test_an_input_changed_in_place_fails_the_unchanged_rule_apart_and_beside(learner):
+    _, ns, _ = learner
+    rule = "axpy leaves x and y as they were"
+    x, y = torch.ones(3), torch.full((3,), 2.0)
+
+    def check(f):
+        with bridged.unchanged(rule, x=x, y=y):
+            f(x, y)
+
+    assert raised(lambda: check(ns["zero_x"]), AssertionError) == \
+        f"{rule}: x was changed in place", "apart: an input changed in place passed `unchanged`"
+    assert raised(lambda: check(ns["scale"])) == "", "a call that changes nothing failed it"
+    bridge, bridged.BRIDGE = bridged.BRIDGE, None       # beside: the learner's code is here
+    try:
+        def zero_x(x, y):
+            x.zero_()
+            return y
+
+        assert raised(lambda: check(zero_x), AssertionError) == \
+            f"{rule}: x was changed in place", "beside: an input changed in place passed it"
+    finally:
+        bridged.BRIDGE = bridge
+
+
+def test_a_tensor_subclass_result_is_refused_and_a_proxy_claims_no_c_class(learner):
+    """A proxy that says it is a tensor (or a generator, a storage) would have torch's C++
+    read its memory as one: a tensor subclass is refused, and a proxy's class is never one
+    whose instances hold C data (a plain Remote then: torch raises TypeError)."""
+    _, ns, _ = learner
+    assert "Sub, a subclass of torch.Tensor: give a plain" in raised(ns["sub_result"],
+                                                                     wire.InvalidReply), \
+        "a tensor-subclass result was not refused"
+    g = ns["generator"]()
+    assert type(g) is Remote and not isinstance(g, torch.Generator), \
+        "a proxy claimed torch.Generator: torch's C++ would read its memory as one"
+    with pytest.raises(TypeError):
+        torch.rand(2, generator=g)
+    for hierarchy in ("torch.Tensor torch._C.TensorBase builtins.object",
+                      "torch.storage.UntypedStorage torch._C.StorageBase builtins.object",
+                      "numpy.ndarray builtins.object"):
+        claimed = Remote(None, wire.Handle(1, hierarchy, False)).__class__
+        assert claimed is object, f"a proxy for a {hierarchy.split()[0]} claims {claimed}"
+    assert Remote(None, wire.Handle(1, "collections.OrderedDict builtins.dict builtins.object",
+                                    False)).__class__ is dict
 
 
 def test_a_kernels_writes_come_back_whole_storage_and_shared_objects_change(learner):
     _, ns, _ = learner
     buffer = torch.zeros(6)
-    ns["fill_kernel"][(1,)](buffer[1:5], 4, BLOCK=8)     # no version bump; writes past it
+    with bridged.outputs(buffer):
+        ns["fill_kernel"][(1,)](buffer[1:5], 4, BLOCK=8)     # no version bump; writes past it
     assert buffer.tolist() == [0, 1, 2, 3, 4, 5]
     d = bridged.share({})
     ns["fill_dict"](d)
@@ -274,9 +381,12 @@ def test_a_parameters_grad_travels_and_comes_back_changed(learner):
     _, ns, _ = learner
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.tensor([-5.0, 0.5, 5.0])
-    ns["clip_"]([p], 1.0)                           # in place
-    assert p.grad.tolist() == [-1.0, 0.5, 1.0]
-    ns["scale_grads"]([p])                          # replaced
+    ns["clip_"]([p], 1.0)                           # not declared: not written back
+    assert p.grad.tolist() == [-5.0, 0.5, 5.0], "an undeclared tensor's .grad was written back"
+    with bridged.outputs(p):
+        ns["clip_"]([p], 1.0)                       # in place
+        assert p.grad.tolist() == [-1.0, 0.5, 1.0]
+        ns["scale_grads"]([p])                      # replaced
     assert p.grad.tolist() == [-2.0, 1.0, 2.0]
     layer = ns["Lin"](torch.nn.Linear(4, 2))
     assert bridged.is_instance(layer, ns["Lin"]) and not bridged.is_instance(layer,
@@ -323,6 +433,8 @@ def test_errors_arrive_as_builtin_bases_or_learner_error(learner, capsys):
     assert "printed by the learner" in capsys.readouterr().out
     with pytest.raises(LearnerError, match="Custom: mine"):
         ns["custom"]()
+    assert "StopIteration" in raised(lambda: list(map(ns["stop"], [1, 2])), LearnerError), \
+        "a learner's StopIteration ended the test's own loop: it must arrive as LearnerError"
 
 
 def test_the_learners_patches_and_objects_cannot_pass_a_check(learner):
@@ -353,7 +465,12 @@ def test_forbid_files_and_in_process_checks_reach_the_learners_kernel(learner, t
     assert ns["calls_sum"](torch.ones(2)) == 2
     folder = bridged.learner_dir()
     ns["save_to"](folder)
-    assert (bridged.fetch_dir(folder) / "a.txt").read_text() == "hi"
+    before = set(Path(tempfile.gettempdir()).glob("lab-fetched-*"))
+    fetched = bridged.fetch_dir(folder)
+    assert (fetched / "a.txt").read_text() == "hi"
+    assert fetched.parent == bridged.BRIDGE.workspace \
+        and set(Path(tempfile.gettempdir()).glob("lab-fetched-*")) == before, \
+        "fetch_dir's folder must be made in the trusted kernel's workspace, not in /tmp"
     (tmp_path / "b.txt").write_text("yo")
     assert ns["read_from"](bridged.send_dir(tmp_path)) == "yo"
 

@@ -13,7 +13,12 @@ decides a grade (tests, their setup, jupyter-only tags), not the solutions.
 from __future__ import annotations
 
 import csv
+import json
+import subprocess
+import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import nbformat
 import pytest
@@ -22,6 +27,7 @@ from course.authoring.build import source_notebook
 from course.grader import grading, journal, jupyter_kernel, sandbox
 from course.grader.autograde import Cell, Test, plan
 from course.grader.feedback import render
+from course.grader.printable import LINE_CONTROL, printable
 from labkit.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,8 +67,9 @@ def test_grades_csv_holds_no_formula_and_reads_back(tmp_path, evil):
     grading.write_csv([row], path)
     with open(path, newline="", encoding="utf-8") as f:
         raw = list(csv.reader(f))[1]
-    assert raw[0] == raw[4] == "'" + evil, raw
-    assert [(r.student, r.status) for r in grading.read_csv(path)] == [(evil, evil)]
+    shown = printable(evil)                     # a tab or carriage return is a space there
+    assert raw[0] == raw[4] == "'" + shown, raw
+    assert [(r.student, r.status) for r in grading.read_csv(path)] == [(shown, shown)]
     text = path.read_bytes()
     grading.merge_into(path, [])                            # a merge adds no second quote
     assert path.read_bytes() == text
@@ -220,5 +227,241 @@ def test_the_journal_key_covers_the_tests_setup_and_tags_not_the_solutions():
         cell.source += "\n# edited"
         assert (grading.tests_digest(source) != digest) is changed, kind
         cell.source = saved
-    kinds["other"][-1].metadata["tags"] = ["jupyter-only"]
+    plain = next(c for c in reversed(kinds["other"])
+                 if "jupyter-only" not in c.metadata.get("tags", []))
+    plain.metadata["tags"] = ["jupyter-only"]
     assert grading.tests_digest(source) != digest, "a jupyter-only tag changes the key"
+
+
+# No run erases a grade (grading.settle): a fake grade_one scores a notebook by the "score" in
+# its metadata; what is not a notebook goes through the real one ("not a readable notebook").
+LAB1 = "01-quant-basics"
+
+
+def notebook(path: Path, score: float, notes: tuple = ()) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nbformat.v4.new_notebook(metadata={"score": score, "notes": list(notes)}),
+                   path)
+    return path
+
+
+@pytest.fixture
+def fake_grading(monkeypatch):
+    """grade(subs, out) with the fake grade_one, one job, no kernels; the rows."""
+    real = grading.grade_one
+
+    def fake(student, lab, path, source_nb, box, slot, timeout, out):
+        try:
+            meta = json.loads(path.read_text())["metadata"]
+        except (ValueError, KeyError):
+            return real(student, lab, path, source_nb, box, slot, timeout, out)
+        page = journal.feedback_path(out, student, lab)
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text("page")
+        return grading.GradeRow(student, lab, meta["score"], grading.max_points(source_nb),
+                                "; ".join(["graded", *meta["notes"]]))
+
+    monkeypatch.setattr(grading, "grade_one", fake)
+    return lambda subs, out: grading.grade(subs, ROOT, out, jobs=1, unsafe_no_sandbox=True,
+                                           course=out / "course")
+
+
+def rows_of(out: Path) -> dict:
+    return {(r.student, r.lab): r for r in grading.read_csv(out / "grades.csv")}
+
+
+def journaled(out: Path, student: str, lab: str) -> tuple:
+    row = json.loads(journal.entry_path(out, student, lab).read_text())["row"]
+    return row["score"], row["status"]
+
+
+def test_a_second_week_into_the_same_output_erases_no_grade(tmp_path, fake_grading, capsys):
+    """Lab 00 graded, then Lab 01 into the same output while bob's folder also holds a junk
+    file named like Lab 00: every Lab 00 grade stays, "not submitted" goes only where
+    nothing was recorded, the junk is reported, and the journal says what grades.csv says."""
+    week1, week2, out = tmp_path / "week1", tmp_path / "week2", tmp_path / "out"
+    notebook(week1 / "ann" / f"{LAB}.ipynb", 11)
+    notebook(week1 / "bob" / f"{LAB}.ipynb", 7)
+    fake_grading(week1, out)
+    for student in ("ann", "bob", "cy"):
+        notebook(week2 / student / f"{LAB1}.ipynb", 3)
+    (week2 / "bob" / f"{LAB} (2).ipynb").write_bytes(b"\x00\xff junk")
+    capsys.readouterr()
+    fake_grading(week2, out)
+    said, rows = capsys.readouterr().out, rows_of(out)
+    for student, score in [("ann", 11), ("bob", 7)]:
+        row = rows[(student, LAB)]
+        assert (row.score, row.status) == (score, "graded"), (
+            f"no run erases a grade: grading Lab 01 made {student}'s recorded Lab 00 grade "
+            f"{score} / 11 into {row.score:g} ({row.status})")
+        assert journaled(out, student, LAB) == (row.score, row.status), \
+            "the journal must say what grades.csv says"
+    assert rows[("cy", LAB)].status == "not submitted", \
+        '"not submitted" where nothing was ever recorded'
+    assert (f"bob {LAB}: not a readable notebook (UnicodeDecodeError); kept the recorded "
+            "7 / 11") in said, "an unreadable file is reported, and the recorded grade kept"
+    assert {rows[(s, LAB1)].score for s in ("ann", "bob", "cy")} == {3}
+
+
+def test_a_lower_grade_says_why_and_a_rerun_keeps_it(tmp_path, fake_grading, capsys):
+    subs, out = tmp_path / "subs", tmp_path / "out"
+    notebook(subs / "ann" / f"{LAB}.ipynb", 11)
+    fake_grading(subs, out)
+    notebook(subs / "ann" / f"{LAB}.ipynb", 5, ("cell 3 hit the 300 s time limit",))
+    capsys.readouterr()
+    fake_grading(subs, out)
+    said, row = capsys.readouterr().out, rows_of(out)[("ann", LAB)]
+    why = "; lower than the recorded 11 / 11 (the submission changed)"
+    assert (row.score, row.status) == (5, "graded; cell 3 hit the 300 s time limit" + why), \
+        "a grade lower than the recorded one names that one and why it changed"
+    assert f"ann {LAB}: 5 / 11{why}" in said, "the console says a grade went down"
+    assert journaled(out, "ann", LAB) == (row.score, row.status), \
+        "the journal must say what grades.csv says"
+    before = (out / "grades.csv").read_bytes()
+    fake_grading(subs, out)
+    assert (out / "grades.csv").read_bytes() == before, "a rerun keeps the note, once"
+
+
+def test_a_merge_never_erases_a_grade_and_says_when_it_lowers_one(tmp_path, capsys):
+    path = tmp_path / "grades.csv"
+    grading.write_csv([grading.GradeRow("ann", LAB, 11, 11, "graded"),
+                       grading.GradeRow("bob", LAB, 9, 11, "graded"),
+                       grading.GradeRow("cy", LAB, 0, 11, "not submitted")], path)
+    shard = [grading.GradeRow("ann", LAB, 0, 11, "not submitted"),
+             grading.GradeRow("bob", LAB, 0, 11, "not a readable notebook (ValueError)"),
+             grading.GradeRow("cy", LAB, 0, 11, "not a readable notebook (ValueError)")]
+    grading.merge_into(path, shard, "merged from b.csv")
+    rows = rows_of(tmp_path)
+    assert [(rows[(s, LAB)].score, rows[(s, LAB)].status) for s in ("ann", "bob", "cy")] == [
+        (11, "graded"), (9, "graded"), (0, "not a readable notebook (ValueError)")], \
+        "a row without a grade never replaces a grade (it may replace another such row)"
+    assert f"bob {LAB}: not a readable notebook (ValueError); kept the recorded 9 / 11" in \
+        capsys.readouterr().out
+    lower = [grading.GradeRow("ann", LAB, 4, 11, "graded")]
+    grading.merge_into(path, lower, "merged from c.csv")
+    assert rows_of(tmp_path)[("ann", LAB)].status == \
+        "graded; lower than the recorded 11 / 11 (merged from c.csv)", "--merge says why"
+    text = path.read_bytes()
+    grading.merge_into(path, lower, "merged from c.csv")
+    assert path.read_bytes() == text, "merging the same rows again changes nothing"
+
+
+# Nothing the grader prints or writes carries a terminal escape, a control character or a
+# bidi override (course.grader.printable). EVIL is a student folder's name.
+EVIL = "eve\x1b]0;pwned\x07\x1b[2J\u202etxe.\x9b31m\x1b]8;;x\x1b\\link\x1b]8;;\x1b\\"
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("ann\x1b[31mred\x1b[0m", "annred"), ("\x1b]8;;http://x\x1b\\click\x1b]8;;\x1b\\", "click"),
+    ("title\x1b]0;pwned\x07", "title"), ("a\x1b(Bb\x1bc", "ab"),
+    ("a\u202eevil\u2066\u2069", "aevil"),
+    ("c1\x9b2J\x85\x90dcs\x9c", "c1"), ("tab\tnew\nline\r\n", "tab new line "),
+    ("lone\x1b", "lone"), ("nul\x00del\x7f", "nuldel"), ("José García", "José García")])
+def test_printable_strips_escapes_and_controls(text, shown):
+    assert printable(text) == shown
+    assert printable(printable(text)) == shown, "a second pass changes nothing"
+    assert not LINE_CONTROL.search(printable(text, lines=True))
+
+
+def test_escapes_never_reach_the_csv_the_page_or_the_console(tmp_path, fake_grading, capsys):
+    subs, out = tmp_path / "subs", tmp_path / "out"
+    notebook(subs / EVIL / f"{LAB}.ipynb", 11,
+             ("grade_id not in this lab, run as ordinary cells: \x1b[31mtest_x\x1b]0;t\x07",))
+    fake_grading(subs, out)
+    cell = Cell("code", "print(1)", outputs=[stream("\x1b[31mred\x1b]8;;http://x\x07a\u202e")])
+    page = render(EVIL, LAB, 0, 11, "graded; \x1b[2J", [cell])
+    for where, text in [("the console", capsys.readouterr().out), ("the feedback page", page),
+                        ("grades.csv", (out / "grades.csv").read_text(encoding="utf-8"))]:
+        assert not LINE_CONTROL.search(text), (
+            f"{where} holds {LINE_CONTROL.findall(text)}: everything the grader prints or "
+            "writes goes through course.grader.printable")
+    assert ("evetxe.link", LAB) in rows_of(out), "the student is named as outputs show them"
+
+
+def test_two_folders_printing_alike_are_refused(tmp_path):
+    for name in ("ann", "ann\x1b[0m"):
+        (tmp_path / name).mkdir()
+    with pytest.raises(InputError, match="would share the row 'ann' in grades.csv"):
+        grading.find_submissions(tmp_path, [LAB])
+
+
+# What the grader holds of a kernel's output is bounded in bytes, whatever the kernel sends
+# (jupyter_kernel.connect, relay.py): a fake kernel's iopub floods a client that reads nothing.
+FAKE_KERNEL = """
+import sys, zmq
+iopub = zmq.Context().socket(zmq.XPUB)
+iopub.bind(sys.argv[1])
+iopub.recv()                              # a subscriber is there
+frame = b"x" * (8 << 20)
+if sys.argv[2] == "many":                 # 30 messages of 8 MiB
+    for _ in range(30):
+        iopub.send(frame, copy=False)
+else:                                     # one message of 40 frames of 8 MiB
+    iopub.send_multipart([frame] * 40, copy=False)
+print("sent", flush=True)
+sys.stdin.readline()                      # the grader drained what it did not read: a reply
+iopub.send(b"hello")
+sys.stdin.read()
+"""
+
+
+def rss_mib() -> float:
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
+@pytest.mark.parametrize("flood, through", [("many", "client"), ("many", "relay"),
+                                            ("multipart", "relay")])
+def test_a_flood_of_output_is_held_in_bytes(tmp_path, flood, through):
+    """320 MiB sent while the grader reads nothing: it holds a few messages' worth, and once
+    it has drained them (as Kernel.run does before a request), the kernel's next message
+    arrives."""
+    from course.grader.relay import Relay
+
+    info = {"transport": "ipc", "ip": str(tmp_path / "kernel"), "shell_port": 1,
+            "iopub_port": 2, "stdin_port": 3, "control_port": 4, "hb_port": 5, "key": "k",
+            "signature_scheme": "hmac-sha256"}
+    kernel = subprocess.Popen([sys.executable, "-c", FAKE_KERNEL, f"ipc://{info['ip']}-2",
+                               flood], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    relay = Relay(info) if through == "relay" else None
+    client = jupyter_kernel.connect(relay.connection() if relay else info)
+    try:
+        client.start_channels(shell=False, stdin=False, hb=False, control=False)
+        before = rss_mib()
+        assert kernel.stdout.readline() == b"sent\n"
+        time.sleep(2)                       # what ZMQ would take in has arrived
+        held = rss_mib() - before
+        assert held < 100, (
+            f"the grader holds {held:.0f} MiB of output it has not read: what it holds of a "
+            "kernel's output must be bounded in bytes (QUEUED messages per socket; a "
+            "relay passing only messages of at most MAX_MESSAGE bytes)")
+        socket, deadline = client.iopub_channel.socket, time.monotonic() + 20
+        while socket.poll(1000) and time.monotonic() < deadline:
+            socket.recv_multipart(copy=False)
+        kernel.stdin.write(b"reply\n")
+        kernel.stdin.flush()
+        assert socket.poll(10_000) and socket.recv_multipart()[-1] == b"hello", \
+            "after the flood, the kernel's next message must still arrive"
+    finally:
+        client.stop_channels()
+        client.context.destroy(linger=0)
+        kernel.kill()
+        if relay:
+            relay.close()
+
+
+def test_past_its_read_cap_a_requests_output_is_dropped_unread_and_said_once(monkeypatch):
+    from jupyter_client.session import Session
+
+    monkeypatch.setattr(jupyter_kernel, "MAX_READ", 1_000)
+    kernel = object.__new__(jupyter_kernel.Kernel)
+    kernel.client = SimpleNamespace(session=Session(key=b"k"))
+    kernel.budget = [jupyter_kernel.MAX_SUBMISSION_BYTES]
+    outputs, taken = [], [0]
+    packed = json.dumps({"name": "stdout", "text": "y" * 600}).encode()
+    for _ in range(5):
+        msg = {"header": {"msg_type": "stream"}, "content": packed}
+        kernel._take(outputs, msg, len(packed), taken)
+    assert [o["name"] for o in outputs] == ["stdout", "labkit"], (
+        "past MAX_READ bytes a request's output is dropped unread, said once")
+    assert taken == [5 * len(packed)], "every message's bytes are counted"

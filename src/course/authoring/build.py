@@ -9,12 +9,14 @@ The build never writes over a notebook it did not write: labs/.generated.sha256 
 `sha256sum` format) records the sha256 of each release as the build last wrote it, and a
 labs/ notebook that matches neither that record nor the fresh build holds someone's edits,
 so the build refuses and names it. Learners work in their own copies in work/ (learner.py).
+It refuses as well a lab with a graded test that has no hidden part (`require_hidden`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +43,11 @@ INSTRUCTOR_TAG = "instructor"
 # calls the library's version of what the lab asks for, which is a stub there (a comparison,
 # a benchmark), or reads what such a cell made.
 JUPYTER_ONLY_TAG = "jupyter-only"
+# A test cell's hidden part: stripped from the release, run only when graded. Every graded
+# test needs one, with inputs of its own: a visible part alone gives its points to an answer
+# memorised for the inputs the learner can read.
+HIDDEN = re.compile(r"^[ \t]*### BEGIN HIDDEN TESTS[ \t]*\n(.*?)"
+                    r"^[ \t]*### END HIDDEN TESTS[ \t]*$\n?", re.MULTILINE | re.DOTALL)
 # What nbgrader puts in place of a solution region in the release (and check-exercises too).
 CODE_STUB = "raise NotImplementedError()"
 NBGRADER_CONFIG = '''\
@@ -104,6 +111,24 @@ def graded_test_cells(nb) -> list:
     return [c for c in nb.cells if c.cell_type == "code"
             and (m := c.metadata.get("nbgrader", {})).get("grade")
             and not m.get("solution") and m.get("grade_id")]
+
+
+def without_hidden(nb) -> list[str]:
+    """The grade_ids of the graded tests of `nb` that have no hidden part (or an empty one)."""
+    return [c.metadata["nbgrader"]["grade_id"] for c in graded_test_cells(nb)
+            if not any(m.group(1).strip() for m in HIDDEN.finditer(c.source))]
+
+
+def require_hidden(root: Path, names: list[str]) -> None:
+    """Raise InputError naming each lab and graded test without a hidden part."""
+    bare = {n: ids for n in names
+            if (ids := without_hidden(source_notebook(root / "solutions" / f"{n}.py")))}
+    if bare:
+        raise InputError("every graded test needs a hidden part with inputs of its own (between "
+                         "`### BEGIN HIDDEN TESTS` and `### END HIDDEN TESTS`, in `# case:` "
+                         "blocks), or an answer memorised for the visible inputs earns its "
+                         "points; none in " + "; ".join(
+                             f"solutions/{n}.py: {', '.join(ids)}" for n, ids in bare.items()))
 
 
 def write_notebook(nb: nbformat.NotebookNode, path: Path) -> None:
@@ -214,6 +239,7 @@ def build_course(root: Path, check: bool = False) -> list[str]:
     names = lab_names(root)
     if not names:
         raise InputError(f"no lab sources found in {root / 'solutions'} (expected NN-name.py)")
+    require_hidden(root, names)
     course = generate_assignments(root, names)
     fresh = {n: release_notebook(course / "release" / n / f"{n}.ipynb") for n in names}
     digests = {n: text_sha256(text) for n, text in fresh.items()}

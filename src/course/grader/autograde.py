@@ -10,14 +10,18 @@ trusted_side.py, learner_side.py, wire.py).
     run_plan(cells, sandbox):
         the learner's kernel (sandboxed; what the lab asks them to write is a stub there,
         stubs.py) and the trusted kernel (the grader's own Python, connected to it)
-        for each cell:
+        for each cell, in order:
             student code -> the learner's kernel (time limit; a cell that swallows the
                             interrupt or kills the kernel: a fresh one, its cells replayed)
             test         -> the trusted kernel: the source's setup cells before it
                             (tests_setup.py), the learner's names bound, its visible chunks
-                            (their output shown), then its hidden chunks case by case (the
-                            learner's printing dropped; a failure names only the case); it
-                            earns its points when every chunk ran without error
+                            (their output shown); when they pass, the namespace they leave
+                            is kept for its hidden chunks
+        then, after the learner's last cell, each test whose visible part passed:
+            its kept namespace put back, its hidden chunks case by case (a failure names
+            only the case); it earns its points when every chunk passed. No cell of the
+            learner's runs after their code has seen a hidden input, and nothing their
+            process prints from then on is shown.
 """
 
 from __future__ import annotations
@@ -36,6 +40,26 @@ from .tests_setup import HIDDEN, cases, definitions, learner_names, meta, setup_
 from .zygote import Zygote
 
 MAX_RESTARTS = 3
+# The hidden chunks run after the learner's last cell, when later tests have rebound names
+# and changed objects: the trusted kernel keeps each test's namespace (a shallow copy, the
+# RNG state, the bridge's copies of learner tensors to write back) when its visible part
+# passed, and puts it back before its hidden part. Only dunder names, which no lab uses.
+_TRUSTED_HELPERS = """
+def __restore__(namespace, kept):
+    import torch
+    space, rng, copies = kept
+    bridge = namespace["__bridge__"]
+    now = {name: namespace[name] for name in ("__bridge__", "__kept__", "__restore__")}
+    bridge.bind({}, [])             # the learner's side forgets the graphs kept for backward
+    namespace.clear()
+    namespace.update(space)
+    namespace.update(now)
+    torch.set_rng_state(rng)
+    bridge.copies[:] = copies
+__kept__ = {}
+"""
+_KEEP = ("__kept__[{gid!r}] = (dict(globals()), __import__('torch').get_rng_state(), "
+         "list(__bridge__.copies))")
 _ZYGOTES: dict[Sandbox, Zygote] = {}   # one per kind of trusted kernel, for the whole run
 _ZYGOTES_LOCK = threading.Lock()
 
@@ -70,6 +94,10 @@ class Test:
         chunks = [(h, c) for h, c in chunks if c.strip()] or [(False, "pass")]
         visible = "".join(c for h, c in chunks if not h)
         return cls(meta(cell)["grade_id"], float(meta(cell).get("points", 0)), chunks, visible)
+
+    @property
+    def has_hidden(self) -> bool:
+        return any(hidden for hidden, _ in self.chunks)
 
 
 @dataclass
@@ -174,6 +202,9 @@ class Run:
         self.uid = sandbox.uid(slot)              # one per submission (restarts keep it)
         self.setup_done = 0
         self.hidden_now = False                   # the trusted kernel's __bridge__.hidden
+        self.generation = 0                       # the learner's kernels started so far
+        self.kept: dict[str, int] = {}            # grade_id -> generation, of the tests
+                                                  # whose namespace the trusted kernel keeps
 
     def start(self) -> None:
         """Fresh kernels: the learner's with the bridge's server and the lab's stubs, the
@@ -184,11 +215,11 @@ class Run:
         self.trusted = Kernel(trusted, self.slot, self.budget, wait=False,
                               zygote=_zygote(trusted))
         self.start_learner(before_import=self._preload)
-        self.setup_done, self.hidden_now = 0, False
+        self.setup_done, self.hidden_now, self.kept = 0, False, {}
 
     def _preload(self) -> None:
         self.trusted.wait_until_ready()
-        self.trusted.send("import course.grader.trusted_side")
+        self.trusted.send("import course.grader.trusted_side\n" + _TRUSTED_HELPERS)
 
     def start_learner(self, before_import=None) -> None:
         """A fresh learner's kernel, and the trusted kernel's bridge to it (what the trusted
@@ -196,6 +227,7 @@ class Run:
         if self.learner is not None:
             self.learner.close()
         self.learner = Kernel(self.sandbox, self.slot, self.budget, self.uid)
+        self.generation += 1
         if before_import is not None:
             before_import()
         start = (f"import course.grader.learner_side\nimport course.grader.stubs\n"
@@ -240,6 +272,11 @@ class Run:
             self.setup_done += 1
         self.bind()
 
+    def keep(self, test: Test) -> None:
+        """Keep the namespace `test`'s visible part left, for its hidden part."""
+        self.trusted.send(_KEEP.format(gid=test.grade_id))
+        self.kept[test.grade_id] = self.generation
+
     def close(self) -> None:
         for kernel in (self.learner, self.trusted):
             if kernel is not None:
@@ -248,33 +285,60 @@ class Run:
 
 
 def _run_test(run: Run, cell: Cell, replay: bool = False) -> None:
-    """Run a test cell's chunks in the trusted kernel; it earns its points when all pass."""
+    """Run a test cell's visible chunks in the trusted kernel. When they pass, the test earns
+    its points, or, with hidden chunks to run after the learner's last cell, its namespace is
+    kept for them (`_run_hidden`)."""
     try:
-        _run_chunks(run, cell, replay)
+        _run_visible(run, cell, replay)
     finally:
         run.pause()
 
 
-def _run_chunks(run: Run, cell: Cell, replay: bool) -> None:
+def _run_visible(run: Run, cell: Cell, replay: bool) -> None:
     run.prepare(cell.test)
     run.quiet(replay)
     for hidden, code in cell.test.chunks:
-        if hidden and not run.hidden:
+        if hidden:
             continue
-        parts = cases(code) if hidden else [("", code)]
-        run.quiet(hidden or replay)
-        for label, part in parts:
-            reply = run.trusted.run(part, run.timeout, history=not (hidden or replay))
-            if not (hidden or replay):
-                cell.outputs += reply.outputs
-            cell.status, cell.error = reply.status, reply.error
-            if not reply.ok:
-                cell.hidden_failed, cell.hidden_case = hidden, label if hidden else ""
-                if run.trusted.alive():     # the helpers below the failure, for later tests
-                    code = definitions("\n".join(c for _, c in cell.test.chunks))
-                    run.trusted.run(code, run.timeout, silent=True, history=False)
-                return
-    cell.earned = cell.test.points
+        reply = run.trusted.run(code, run.timeout, history=not replay)
+        if not replay:
+            cell.outputs += reply.outputs
+        cell.status, cell.error = reply.status, reply.error
+        if not reply.ok:
+            if run.trusted.alive():         # the helpers below the failure, for later tests
+                code = definitions("\n".join(c for _, c in cell.test.chunks))
+                run.trusted.run(code, run.timeout, silent=True, history=False)
+            return
+    if run.hidden and cell.test.has_hidden:
+        run.keep(cell.test)
+    elif not replay:
+        cell.earned = cell.test.points
+
+
+def _run_hidden(run: Run, cell: Cell) -> None:
+    """A test's hidden chunks, case by case, in the namespace its visible part left, the
+    learner's printing dropped; the test earns its points when all pass. If the learner's
+    kernel was restarted since, the objects the visible part made there are gone: the
+    learner's names are bound afresh and the visible part runs again, quietly, first."""
+    test = cell.test
+    run.quiet(True)
+    failed, reply = "hidden tests", run.trusted.run(
+        f"__restore__(globals(), __kept__.pop({test.grade_id!r}))", run.timeout, silent=True,
+        history=False)
+    parts = [case for hidden, code in test.chunks if hidden for case in cases(code)]
+    if run.kept.pop(test.grade_id) != run.generation:
+        run.bind()
+        parts = [("hidden tests", code) for hidden, code in test.chunks if not hidden] + parts
+    for label, part in parts if reply.ok else []:
+        reply = run.trusted.run(part, run.timeout, history=False)
+        if not reply.ok:
+            failed = label
+            break
+    cell.status, cell.error = reply.status, reply.error
+    if reply.ok:
+        cell.earned = test.points
+    else:
+        cell.hidden_failed, cell.hidden_case = True, failed
 
 
 def _restart(run: Run, cells: list[Cell], upto: int) -> None:
@@ -315,60 +379,96 @@ def cell_name(i: int, cell: Cell, quote: bool = False) -> str:
 def run_plan(cells: list[Cell], notes: list[str], sandbox: Sandbox, source_nb, slot: int = 0,
              timeout: float = 300, total_timeout: float = 3600, hidden: bool = True,
              lab: str = "") -> Outcome:
-    """Execute the planned cells (see the module docstring); never raises for bad code."""
+    """Execute the planned cells, then the hidden tests (see the module docstring); never
+    raises for bad code. A test whose hidden part never ran (the total time ran out) earns
+    nothing: its visible part alone could be answered from memory."""
     outcome = Outcome(cells, list(notes))
     run = Run(sandbox, source_nb, slot, timeout, hidden, lab)
-    deadline, restarts, crashed = time.monotonic() + total_timeout, 0, set()
+    deadline = time.monotonic() + total_timeout
     try:
         run.start()
-        for i, cell in enumerate(cells):
-            if cell.kind == "markdown":
-                continue
-            if cell.status == "jupyter-only":
-                continue
-            if time.monotonic() > deadline:
-                outcome.timed_out = (f"the submission ran longer than {total_timeout:g} s in "
-                                     "all; the tests after that point did not run")
-                break
-            if cell.kind == "code" and restarts > MAX_RESTARTS and (
-                    not cell.exercise or cell.exercise in crashed):
-                continue            # after the cap: the tests and exercises that never crashed
-            if cell.kind == "test":
-                _run_test(run, cell)
-                if not run.learner.alive():
-                    cell.status = "dead"
-                    cell.error = (f"your code crashed while this test ran it: "
-                                  f"{run.learner.cause_of_death()}")
-            else:
-                reply = run.learner.run(cell.source, timeout)
-                cell.outputs, cell.status, cell.error = reply.outputs, reply.status, reply.error
-                if cell.status == "dead":
-                    cell.error = run.learner.cause_of_death()
-            if cell.status in ("killed", "dead") or not run.alive():
-                # A crash costs only that cell: a test's or an exercise's first crash is
-                # free (the source has few), other cells of the learner get MAX_RESTARTS.
-                if cell.kind == "code" and cell.exercise and cell.exercise not in crashed:
-                    crashed.add(cell.exercise)
-                else:
-                    restarts += cell.kind == "code"
-                what = (f"{cell_name(i, cell)} "
-                        + ("swallowed the time-limit interrupt (or sent more output than the "
-                           "grader takes in one message)" if cell.status == "killed"
-                           else f"ended the kernel: {cell.error or 'the kernel died'}"))
-                if restarts > MAX_RESTARTS:
-                    outcome.notes.append(f"{what}; {MAX_RESTARTS} restarts used up: your "
-                                         "other cells after it did not run; the exercises "
-                                         "and tests did")
-                else:
-                    outcome.notes.append(f"{what}; the kernel was restarted and grading went "
-                                         "on without it")
-                _restart(run, cells, i)
-            elif cell.status == "timeout":
-                outcome.notes.append(f"{cell_name(i, cell)} hit the {timeout:g} s time limit "
-                                     "and was interrupted")
+        _run_cells(run, outcome, deadline, total_timeout)
+        if not outcome.timed_out:
+            _run_hidden_tests(run, outcome, deadline, total_timeout)
     finally:
         run.close()
+    for cell in cells:
+        if cell.kind == "test" and cell.status == "ok" and cell.test.grade_id in run.kept:
+            cell.status, cell.error = "not run", "its hidden tests did not run"
     return outcome
+
+
+def _over_time(total_timeout: float, what: str) -> str:
+    return f"the submission ran longer than {total_timeout:g} s in all; {what} did not run"
+
+
+def _run_cells(run: Run, outcome: Outcome, deadline: float, total_timeout: float) -> None:
+    """Every cell in order: the learner's in their kernel, the tests' visible parts."""
+    cells, restarts, crashed = outcome.cells, 0, set()
+    for i, cell in enumerate(cells):
+        if cell.kind == "markdown" or cell.status == "jupyter-only":
+            continue
+        if time.monotonic() > deadline:
+            outcome.timed_out = _over_time(total_timeout, "the tests after that point, and "
+                                           "the hidden tests (after your last cell),")
+            return
+        if cell.kind == "code" and restarts > MAX_RESTARTS and (
+                not cell.exercise or cell.exercise in crashed):
+            continue                # after the cap: the tests and exercises that never crashed
+        if cell.kind == "test":
+            _run_test(run, cell)
+            if not run.learner.alive():
+                cell.status = "dead"
+                cell.error = (f"your code crashed while this test ran it: "
+                              f"{run.learner.cause_of_death()}")
+        else:
+            reply = run.learner.run(cell.source, run.timeout)
+            cell.outputs, cell.status, cell.error = reply.outputs, reply.status, reply.error
+            if cell.status == "dead":
+                cell.error = run.learner.cause_of_death()
+        if cell.status in ("killed", "dead") or not run.alive():
+            # A crash costs only that cell: a test's or an exercise's first crash is
+            # free (the source has few), other cells of the learner get MAX_RESTARTS.
+            if cell.kind == "code" and cell.exercise and cell.exercise not in crashed:
+                crashed.add(cell.exercise)
+            else:
+                restarts += cell.kind == "code"
+            what = (f"{cell_name(i, cell)} "
+                    + ("swallowed the time-limit interrupt (or sent more output than the "
+                       "grader takes in one message)" if cell.status == "killed"
+                       else f"ended the kernel: {cell.error or 'the kernel died'}"))
+            if restarts > MAX_RESTARTS:
+                outcome.notes.append(f"{what}; {MAX_RESTARTS} restarts used up: your other "
+                                     "cells after it did not run; the exercises and tests did")
+            else:
+                outcome.notes.append(f"{what}; the kernel was restarted and grading went on "
+                                     "without it")
+            _restart(run, cells, i)
+        elif cell.status == "timeout":
+            outcome.notes.append(f"{cell_name(i, cell)} hit the {run.timeout:g} s time limit "
+                                 "and was interrupted")
+
+
+def _run_hidden_tests(run: Run, outcome: Outcome, deadline: float,
+                      total_timeout: float) -> None:
+    """The hidden part of every test whose visible part passed, after the learner's last
+    cell. A note on a crash here names the test, never the cause: an exit status the
+    learner's code chose could carry a hidden input."""
+    for i, cell in enumerate(outcome.cells):
+        if cell.kind != "test" or cell.status != "ok" or cell.test.grade_id not in run.kept:
+            continue
+        if time.monotonic() > deadline:
+            outcome.timed_out = _over_time(total_timeout, "the hidden tests after that point")
+            return
+        _run_hidden(run, cell)
+        if cell.status in ("killed", "dead") or not run.alive():
+            cell.status, cell.error = "dead", "the kernel ended during the hidden tests"
+            outcome.notes.append(f"{cell_name(i, cell)} ended the kernel in its hidden tests; "
+                                 "the kernel was restarted and grading went on without it")
+            _restart(run, outcome.cells, len(outcome.cells))
+        elif cell.status == "timeout":
+            outcome.notes.append(f"{cell_name(i, cell)} hit the {run.timeout:g} s time limit "
+                                 "in its hidden tests")
 
 
 def grade_notebook(student_nb, source_nb, sandbox: Sandbox, slot: int = 0,

@@ -2,7 +2,8 @@
 
 Safe to hand back: hidden tests never appear (neither their source nor anything they or the
 student's code printed while they ran; a failure shows only the label of its case), and
-everything the student's notebook produced is escaped text. The only markup is ours; images
+everything the student's notebook produced is escaped text, without terminal escapes,
+control characters or bidi overrides (`printable`). The only markup is ours; images
 are embedded only as base64 PNG/JPEG, checked character by character. No script, no link.
 """
 
@@ -11,11 +12,10 @@ from __future__ import annotations
 import base64
 import binascii
 import html
-import re
 
 from .autograde import Cell
+from .printable import printable
 
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 IMAGES = ("image/png", "image/jpeg")
 STYLE = """
 body { font-family: sans-serif; max-width: 60em; margin: 2em auto; color: #222; }
@@ -28,7 +28,9 @@ pre { background: #f6f6f6; padding: .6em; white-space: pre-wrap; overflow-wrap: 
 
 
 def _text(text: str) -> str:
-    return html.escape(ANSI.sub("", text), quote=True)
+    """Escaped HTML of `text`, without terminal escapes, control characters or bidi
+    overrides (course.grader.printable)."""
+    return html.escape(printable(text, lines=True), quote=True)
 
 
 def _image(mime: str, data: object) -> str:

@@ -9,7 +9,9 @@ sandbox (course.grader.sandbox), `jobs` at a time. The tests come from solutions
 student's file or a database the student could reach). Each final row is journaled at once
 (course.grader.journal), bound to the hashes of the submission, the lab's tests and the grader; a
 re-run grades only what changed. Then `grades.csv` is merged with the rows of earlier runs,
-the feedback pages are written, and the scores are recorded in nbgrader's gradebook.db.
+the feedback pages are written, and the scores are recorded in nbgrader's gradebook.db. Each
+row's `nearest` column names the source its code is closest to (course.grader.similarity): a
+hint for a person, never a grade.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import io
 import os
 import queue
 import re
+import shutil
+import tempfile
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from hashlib import sha256
 from pathlib import Path
 
@@ -32,10 +37,12 @@ from labkit.atomic import atomic_write_text
 from labkit.errors import InputError
 
 from ..authoring.build import CELL_TIMEOUT_S, graded_test_cells, lab_names, source_notebook
-from . import cgroup, journal
+from ..authoring.edition import grading_src
+from . import cgroup, journal, similarity
 from .autograde import grade_notebook
 from .feedback import render
 from .gradebook import record
+from .printable import printable
 from .sandbox import Sandbox
 
 MAX_NOTEBOOK_BYTES = 50 << 20
@@ -51,9 +58,13 @@ class GradeRow:
     status: str        # "graded[; notes]", "timed out: ...", "not submitted", ...
     seconds: float = 0.0                         # wall time grading it (not in grades.csv)
     tests: dict = field(default_factory=dict)    # {grade_id: points earned}, for gradebook.db
+    # The submission's nearest source and its score, for a person to read, never a grade:
+    # "reference 0.93", "student alice 0.71", "" (similarity.py; set after grading)
+    nearest: str = ""
 
     def as_list(self) -> list:
-        return [self.student, self.lab, f"{self.score:g}", f"{self.max_score:g}", self.status]
+        return [self.student, self.lab, f"{self.score:g}", f"{self.max_score:g}", self.status,
+                self.nearest]
 
 
 def student_root(submissions: Path) -> Path:
@@ -83,18 +94,26 @@ def _newest(paths: list[Path], lab: str) -> Path:
 
 def find_submissions(submissions: Path, labs: list[str]
                      ) -> tuple[list[str], dict[tuple[str, str], Path], dict[str, list[str]]]:
-    """Students; {(student, lab): notebook}; per student, notes on files not graded."""
+    """Students (their folders' names as `printable` shows them); {(student, lab):
+    notebook}; per student, notes on files not graded."""
     students, found, notes = [], {}, {}
     root = student_root(submissions)
     keys: dict[str, str] = {}
+    folders: dict[str, str] = {}
     for student_dir in sorted(p for p in root.iterdir() if not p.name.startswith(".")):
-        student = student_dir.name
+        # The student is named as every output shows them: no escapes or control characters.
+        student = printable(student_dir.name) or "?"
         if student_dir.is_symlink():    # could be another student's folder, or solutions/
             notes.setdefault(student, []).append("the student folder is a symbolic link: "
                                                  "not graded")
             continue
         if not student_dir.is_dir():
             continue
+        if student in folders:
+            raise InputError(f"student folders {folders[student]!r} and {student_dir.name!r} "
+                             f"would share the row {student!r} in grades.csv (control "
+                             "characters are left out of names): rename one")
+        folders[student] = student_dir.name
         if (key := journal.student_key(student)) in keys:
             raise InputError(f"students {keys[key]!r} and {student!r} would share the "
                              f"feedback and journal folder {key!r}: rename one")
@@ -176,44 +195,92 @@ FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 
 def neutralise(cell: str) -> str:
-    """A text cell no spreadsheet evaluates: a leading ' before a formula character."""
-    return "'" + cell if cell.startswith(FORMULA_START) else cell
+    """A text cell no spreadsheet evaluates and no terminal obeys: `printable`, then a
+    leading ' before a formula character (after any spaces)."""
+    cell = printable(cell)
+    return "'" + cell if cell.lstrip().startswith(FORMULA_START) else cell
 
 
 def _restore(cell: str) -> str:
-    return cell[1:] if cell.startswith("'") and cell[1:].startswith(FORMULA_START) else cell
+    quoted = cell.startswith("'") and cell[1:].lstrip().startswith(FORMULA_START)
+    return cell[1:] if quoted else cell
 
 
 def read_csv(path: Path) -> list[GradeRow]:
-    """The rows of an earlier grades.csv (none if there is none)."""
+    """The rows of an earlier grades.csv (none if there is none; one written before the
+    `nearest` column gives "" there)."""
     if not path.is_file():
         return []
     with open(path, newline="", encoding="utf-8") as f:
         return [GradeRow(_restore(r["student"]), _restore(r["lab"]), float(r["score"]),
-                         float(r["max_score"]), _restore(r["status"]))
+                         float(r["max_score"]), _restore(r["status"]),
+                         nearest=_restore(r.get("nearest") or ""))
                 for r in csv.DictReader(f)]
 
 
 def write_csv(rows: list[GradeRow], path: Path) -> None:
     buf = io.StringIO()
     writer = csv.writer(buf)
-    writer.writerow(["student", "lab", "score", "max_score", "status"])
-    writer.writerows([neutralise(r.student), neutralise(r.lab), score, top, neutralise(status)]
+    writer.writerow(["student", "lab", "score", "max_score", "status", "nearest"])
+    writer.writerows([neutralise(r.student), neutralise(r.lab), score, top, neutralise(status),
+                      neutralise(nearest)]
                      for r in sorted(rows, key=lambda r: (r.student, r.lab))
-                     for _, _, score, top, status in [r.as_list()])
+                     for _, _, score, top, status, nearest in [r.as_list()])
     atomic_write_text(path, buf.getvalue())
 
 
-def merge_into(path: Path, rows: list[GradeRow]) -> list[GradeRow]:
-    """Write `path` as its own rows updated with `rows` (a later row for the same student
-    and lab wins); the merged rows. Shards of a class merge the same way."""
-    merged = {(r.student, r.lab): r for r in [*read_csv(path), *rows]}
+LOWER = "; lower than the recorded "
+
+
+def is_grade(row: GradeRow) -> bool:
+    """A score read from a notebook of the lab ("graded", "timed out"), as opposed to "not
+    submitted", "not a readable notebook" or "grading error"."""
+    return row.status.startswith(("graded", "timed out"))
+
+
+def settle(row: GradeRow, recorded: GradeRow | None, why: str) -> tuple[GradeRow, str]:
+    """The row to keep for row's (student, lab) where grades.csv holds `recorded`, and what
+    the console is to say ("" for nothing). No row erases a grade: "not submitted" never
+    replaces a recorded row, an unreadable file or a grading error only a recorded row that
+    is no grade either (said); a lower grade replaces a grade with the recorded score and
+    `why` in its status ("graded; lower than the recorded 11 / 11 (the submission
+    changed)", said), and a row that is the recorded one less that note keeps it."""
+    if recorded is None:
+        return row, ""
+    if not is_grade(row):
+        if row.status == "not submitted":
+            return recorded, ""
+        if not is_grade(recorded):
+            return row, ""
+        return recorded, (f"{row.student} {row.lab}: {row.status}; kept the recorded "
+                          f"{recorded.score:g} / {recorded.max_score:g}")
+    same = (row.score, row.max_score) == (recorded.score, recorded.max_score)
+    if same and recorded.status.startswith(row.status + LOWER):
+        return recorded, ""
+    if not is_grade(recorded) or row.score * recorded.max_score >= recorded.score * row.max_score:
+        return row, ""
+    was = f"{recorded.score:g} / {recorded.max_score:g} ({why})"
+    return (replace(row, status=row.status + LOWER + was),
+            f"{row.student} {row.lab}: {row.score:g} / {row.max_score:g}{LOWER}{was}")
+
+
+def merge_into(path: Path, rows: list[GradeRow], why: str = "merged") -> list[GradeRow]:
+    """Write `path` as its own rows updated with `rows`, in order, each settled against the
+    row it would replace (`settle`, `why` naming where it comes from; what it says is
+    printed); the merged rows. Shards of a class merge the same way."""
+    merged = {(r.student, r.lab): r for r in read_csv(path)}
+    for row in rows:
+        merged[(row.student, row.lab)], line = settle(row, merged.get((row.student, row.lab)),
+                                                      why)
+        if line:
+            print(printable(line))
     write_csv(list(merged.values()), path)
     return sorted(merged.values(), key=lambda r: (r.student, r.lab))
 
 
 def summary_table(rows: list[GradeRow]) -> str:
-    """Students × labs, each cell "score / max"; then every row whose status is not plain."""
+    """Students × labs, each cell "score / max"; then every row whose status is not plain;
+    each line `printable`."""
     students = sorted({r.student for r in rows})
     labs = sorted({r.lab for r in rows})
     cell = {(r.student, r.lab): f"{r.score:g} / {r.max_score:g}" for r in rows}
@@ -227,16 +294,25 @@ def summary_table(rows: list[GradeRow]) -> str:
     if problems:
         lines.append("problems:")
         lines += [f"  {r.student} {r.lab}: {r.status}" for r in problems]
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 class _Grader:
-    """What every job shares: the course, the sources, the sandbox and the slots."""
+    """What every job shares: the course, the sources, the sandbox, the slots, and the rows
+    grades.csv held when the run began (`recorded`, which no row of the run erases)."""
 
     def __init__(self, root: Path, out: Path, labs: list[str], sandbox: Sandbox, jobs: int,
-                 timeout: int):
+                 timeout: int, force: bool = False):
         self.root, self.out, self.sandbox, self.timeout = root, out, sandbox, timeout
+        # Each lab's learner kernels see the student edition it is graded in as <course>/src
+        # (course.authoring.edition), built once per run here and removed with the grader.
+        editions = Path(tempfile.mkdtemp(prefix="course-editions-"))
+        weakref.finalize(self, shutil.rmtree, editions, ignore_errors=True)
+        self.sandboxes = {lab: sandbox if sandbox.unsafe else replace(
+            sandbox, src=grading_src(root, editions / lab, lab)) for lab in labs}
+        self.force = force
         self.sources = {lab: source_notebook(root / "solutions" / f"{lab}.py") for lab in labs}
+        self.recorded = {(r.student, r.lab): r for r in read_csv(out / "grades.csv")}
         self.slots: queue.Queue[int] = queue.Queue()
         for slot in range(jobs):
             self.slots.put(slot)
@@ -244,19 +320,54 @@ class _Grader:
     def key(self, notebook: Path, lab: str) -> dict:
         return journal.grading_key(notebook, tests_digest(self.sources[lab]), self.timeout)
 
-    def grade(self, student: str, lab: str, notebook: Path) -> GradeRow:
-        """Grade in a free slot and journal the row; an internal error is not journaled."""
+    def settle(self, row: GradeRow, why: str = "", key: dict | None = None
+               ) -> tuple[GradeRow, str]:
+        """`settle` against the recorded row; the row kept is journaled under `key` when it
+        is this run's own (the journal says what grades.csv says)."""
+        recorded = self.recorded.get((row.student, row.lab))
+        kept, line = settle(row, recorded, why)
+        if key is not None and kept is not recorded:
+            journal.save(self.out, row.student, row.lab, key, asdict(kept))
+        return kept, line
+
+    def known(self, student: str, lab: str, notebook: Path | None
+              ) -> tuple[GradeRow, str] | None:
+        """The settled row of a (student, lab) that needs no grading (no notebook, one that
+        cannot be read, or one unchanged since the journal's run); None: grade it."""
+        top = max_points(self.sources[lab])
+        if notebook is None:
+            return self.settle(GradeRow(student, lab, 0, top, "not submitted"))
+        try:
+            key = self.key(notebook, lab)
+        except OSError as e:        # gone, or unreadable, since it was found
+            return self.settle(GradeRow(student, lab, 0, top,
+                                        f"not a readable notebook ({type(e).__name__})"))
+        saved = not self.force and journal.load(self.out, student, lab, key)
+        if not saved:
+            return None
+        row = GradeRow(**saved)
+        kept, line = self.settle(row, "unchanged since the journal's run; the recorded grade "
+                                      "came from elsewhere")
+        if kept.status != row.status and kept is not self.recorded.get((student, lab)):
+            journal.save(self.out, student, lab, key, asdict(kept))   # lowered: noted there too
+        return kept, line
+
+    def grade(self, student: str, lab: str, notebook: Path) -> tuple[GradeRow, str]:
+        """Grade in a free slot; the row settled and journaled (an internal error is not
+        journaled: the next run retries it), and what the console is to say."""
         slot = self.slots.get()
         try:
-            row = grade_one(student, lab, notebook, self.sources[lab], self.sandbox, slot,
-                            self.timeout, self.out)
+            key = self.key(notebook, lab)
+            why = (journal.changes(self.out, student, lab, key) or "graded again with the "
+                   "same submission, tests, grader and time limit")
+            row = grade_one(student, lab, notebook, self.sources[lab], self.sandboxes[lab],
+                            slot, self.timeout, self.out)
         except Exception as e:  # our failure, not the student's: report it, retry next run
-            return GradeRow(student, lab, 0, max_points(self.sources[lab]),
-                            f"grading error (will be retried): {type(e).__name__}: {e}")
+            return self.settle(GradeRow(student, lab, 0, max_points(self.sources[lab]),
+                               f"grading error (will be retried): {type(e).__name__}: {e}"))
         finally:
             self.slots.put(slot)
-        journal.save(self.out, student, lab, self.key(notebook, lab), asdict(row))
-        return row
+        return self.settle(row, why, key)
 
 
 def grade(submissions: Path, root: Path, out: Path | None = None,
@@ -274,43 +385,47 @@ def grade(submissions: Path, root: Path, out: Path | None = None,
     why_not = "no sandbox" if unsafe_no_sandbox else cgroup.why_not()
     sandbox = Sandbox(root, unsafe=unsafe_no_sandbox, cgroups=not why_not)
     sandbox.check()
-    print("resource limits: " + ("memory, tasks and CPU weight per submission (a cgroup v2 each)"
-                                 if not why_not else f"per process only ({why_not})"))
+    print(cgroup.summary(sandbox.limits, why_not, os.geteuid() == 0 and not unsafe_no_sandbox))
     graded_labs = sorted({lab for _, lab in found}) or labs
-    grader = _Grader(root, out, graded_labs, sandbox, jobs, timeout)
-    rows, todo = [], []
+    grader = _Grader(root, out, graded_labs, sandbox, jobs, timeout, force)
+    rows, todo, said = [], [], []
     for student in students:
         for lab in graded_labs:
-            notebook = found.get((student, lab))
-            saved = notebook and not force and journal.load(out, student, lab,
-                                                            grader.key(notebook, lab))
-            if notebook is None:
-                rows.append(GradeRow(student, lab, 0, max_points(grader.sources[lab]),
-                                     "not submitted"))
-            elif saved:
-                rows.append(GradeRow(**saved))
+            if (known := grader.known(student, lab, found.get((student, lab)))) is None:
+                todo.append((student, lab, found[(student, lab)]))
             else:
-                todo.append((student, lab, notebook))
-    print(f"{len(rows)} row(s) need no grading (not submitted, or unchanged since the "
-          f"journal's run); grading {len(todo)} submission(s), {jobs} at a time"
+                rows.append(known[0])
+                said += [known[1]] if known[1] else []
+    print(f"{len(rows)} row(s) need no grading (not submitted, unreadable, or unchanged since "
+          f"the journal's run); grading {len(todo)} submission(s), {jobs} at a time"
           + (" WITHOUT A SANDBOX" if unsafe_no_sandbox else " in bubblewrap sandboxes"))
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=jobs) as pool, \
             tqdm(total=len(todo), unit="submission", desc="grading") as bar:
         futures = [pool.submit(grader.grade, *job) for job in todo]
         for future in as_completed(futures):
-            row = future.result()
+            row, line = future.result()
             rows.append(row)
+            said += [line] if line else []
             bar.update()
-            bar.write(f"{row.student:<20} {row.lab:<24} {row.score:g}/{row.max_score:g}  "
-                      f"{row.status}  [{row.seconds:.1f} s]")
+            bar.write(printable(line or f"{row.student:<20} {row.lab:<24} {row.score:g}/"
+                                f"{row.max_score:g}  {row.status}  [{row.seconds:.1f} s]"))
     elapsed = time.perf_counter() - start
     rows.sort(key=lambda r: (r.student, r.lab))
+    nearest, similar = similarity.nearest_sources(root, found, grader.sources)
+    for row in rows:    # a row kept from grades.csv keeps what it says of its own submission
+        if row is not grader.recorded.get((row.student, row.lab)):
+            row.nearest = nearest.get((row.student, row.lab), "")
     record(course or root / "build" / "course", root, rows, gradebook_wait)
-    merge_into(out / "grades.csv", rows)           # this run's rows win
+    # This run's rows, settled against the recorded ones already (_Grader.settle).
+    write_csv(list({**grader.recorded, **{(r.student, r.lab): r for r in rows}}.values()),
+              out / "grades.csv")
     print(summary_table(rows))
+    print(similarity.summary(rows, similar))
+    for line in said:
+        print(printable(line))
     for student, lines in sorted(notes.items()):
-        print(f"{student}: not graded: " + "; ".join(lines))
+        print(printable(f"{student}: not graded: " + "; ".join(lines)))
     if todo:
         print(f"graded {len(todo)} submission(s) in {elapsed:.1f} s with {jobs} job(s): "
               f"{60 * len(todo) / elapsed:.2f} submissions per minute")

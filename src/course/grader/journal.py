@@ -20,7 +20,7 @@ from pathlib import Path
 from labkit.atomic import atomic_write_text
 from labkit.hashing import sha256_file
 
-GRADER_FILES = ("autograde.py", "jupyter_kernel.py", "learner_side.py", "remote.py",
+GRADER_FILES = ("autograde.py", "jupyter_kernel.py", "learner_side.py", "relay.py", "remote.py",
                 "sandbox.py", "stubs.py", "tests_setup.py", "trusted_side.py", "wire.py",
                 "zygote.py")
 
@@ -66,6 +66,24 @@ def load(out: Path, student: str, lab: str, key: dict) -> dict | None:
     if entry.get("feedback") and not feedback_path(out, student, lab).is_file():
         return None
     return row
+
+
+# What a change of each part of the key means, for a grade lower than the recorded one.
+CHANGES = {"submission_sha256": "the submission changed", "tests_sha256": "the lab's tests changed",
+           "grader_sha256": "the grader changed", "timeout_s": "the time limit changed"}
+
+
+def changes(out: Path, student: str, lab: str, key: dict) -> str:
+    """What differs between the journaled key of (student, lab) and `key`, in words ("the
+    submission changed, the grader changed"; "" when nothing does), or that there is no
+    entry. Read it before `save` replaces the entry."""
+    try:
+        old = json.loads(entry_path(out, student, lab).read_text()).get("key")
+    except (OSError, ValueError, AttributeError):
+        old = None
+    if not isinstance(old, dict):
+        return "no journal entry for the recorded grade"
+    return ", ".join(words for part, words in CHANGES.items() if old.get(part) != key.get(part))
 
 
 def save(out: Path, student: str, lab: str, key: dict, row: dict) -> None:

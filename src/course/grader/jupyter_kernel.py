@@ -7,6 +7,15 @@ file, with its hidden tests, never enters the sandbox.
 A cell over its time limit is interrupted; if it is still running `GRACE_S` later (a bare
 `except:` swallowed the KeyboardInterrupt) the kernel is killed, with every process it
 started, and `Reply.status` says so, for the caller to restart and replay.
+
+What the grader holds of a kernel's output is bounded in bytes, whatever the kernel sends:
+a sandboxed kernel is reached through a relay process of its own (relay.py), which passes
+on only whole messages of at most MAX_MESSAGE bytes and holds at most relay.MAX_HELD bytes
+a socket while the grader is not reading; each of the grader's sockets queues at most
+QUEUED messages (ZMQ's receive high-water mark); the grader reads every output message,
+counts its bytes and unpacks only those of the request it waits for, up to MAX_READ bytes a
+request (the rest is dropped unread, with one note in the cell's output); what came for no
+request is drained unread. Then `_cap` keeps at most MAX_CELL_BYTES characters a cell.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from jupyter_client import BlockingKernelClient
 from jupyter_client.session import new_id_bytes
 
 from .cgroup import Cgroup
+from .relay import MAX_MEMORY, MAX_MESSAGE, Relay
 from .sandbox import RUN, Sandbox
 from .zygote import Zygote
 
@@ -41,7 +51,12 @@ MAX_CELL_BYTES = 4_000_000         # every mime type of every output of one requ
 MAX_SUBMISSION_BYTES = 16_000_000  # the same over a whole submission (every request)
 # The only mime types kept (the rest is dropped: HTML and scripts are a hostile page's means).
 KEPT_MIME = ("text/plain", "image/png", "image/jpeg")
-MAX_MESSAGE = 64 << 20     # a larger message from the kernel drops its connection
+QUEUED = 2                 # messages queued for the grader per socket (ZMQ's RCVHWM); the
+                           # kernel's frames over relay.MAX_MESSAGE bytes drop the connection
+MAX_READ = 16 << 20        # bytes of one request's output messages unpacked; the rest dropped
+MAX_STATUS = 4096          # bytes of a status message's content (an idle one is ~30)
+DRAIN_S = 1.0              # the longest the grader drains unread output before a request
+OUTPUTS = ("stream", "display_data", "execute_result", "error")
 
 
 @dataclass
@@ -91,6 +106,17 @@ def _cap(outputs: list, output: dict, budget: list[int] | None = None) -> None:
     outputs.append(output)
     if budget is not None:
         budget[0] -= size(output)
+
+
+def connect(info: dict) -> BlockingKernelClient:
+    """A client of the kernel `info` describes, each of its sockets holding at most QUEUED
+    messages of frames of at most MAX_MESSAGE bytes (channels not started yet)."""
+    context = zmq.Context()
+    context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)   # every socket the client opens
+    context.setsockopt(zmq.RCVHWM, QUEUED)
+    client = BlockingKernelClient(context=context)
+    client.load_connection_info(info)
+    return client
 
 
 def remove_tree(path: Path) -> None:
@@ -145,10 +171,10 @@ class Kernel:
                 argv, stdin=subprocess.DEVNULL,
                 stdout=self.log, stderr=subprocess.STDOUT, cwd=self.private,
                 env=sandbox.env(self.private) if sandbox.unsafe else {}, start_new_session=True)
-        context = zmq.Context()
-        context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)   # every socket the client opens
-        self.client = BlockingKernelClient(context=context)
-        self.client.load_connection_info({**info, "ip": str(self.private / "kernel")})
+        # A sandboxed kernel is reached through a relay of its own (see the module docstring).
+        here = {**info, "ip": str(self.private / "kernel")}
+        self.relay = None if sandbox.unsafe else Relay(here)
+        self.client = connect(self.relay.connection() if self.relay else here)
         if wait:
             self.wait_until_ready()
 
@@ -158,7 +184,8 @@ class Kernel:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the sandboxed kernel did not start: {self.stderr()}")
             time.sleep(0.05)
-        self.client.start_channels()
+        # Never asked for input: stdin is not listened to; the relay passes no heartbeat.
+        self.client.start_channels(stdin=False, hb=self.relay is None)
         self.client.wait_for_ready(timeout=max(1.0, deadline - time.monotonic()))
         self.sandbox.seal(self.private)
 
@@ -177,12 +204,15 @@ class Kernel:
         return self.log.read().decode(errors="replace")[-500:]
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.proc.poll() is None and (self.relay is None or self.relay.alive())
 
     def cause_of_death(self) -> str:
         """Why the kernel's process ended, in a learner's words (from its exit status: a
         signal's number, or 128 + it through bubblewrap)."""
         code = self.proc.poll()
+        if code is None and self.relay is not None and not self.relay.alive():
+            return (f"it sent more in one message than the grader takes (over "
+                    f"{MAX_MEMORY >> 20} MiB at once)")
         if code is None:
             return "the kernel stopped answering"
         number = -code if code < 0 else code - 128 if code > 128 else 0
@@ -204,7 +234,7 @@ class Kernel:
         self._drain()
         msg_id = self.client.execute(code, silent=silent, store_history=history and not silent,
                                      user_expressions=expressions or {}, allow_stdin=False)
-        reply = Reply("ok")
+        reply, taken = Reply("ok"), [0]       # taken: bytes of this request's outputs read
         deadline, interrupted = time.monotonic() + timeout, None
         while True:
             if not self.alive():
@@ -218,40 +248,77 @@ class Kernel:
                 return Reply("killed", reply.outputs, f"still running {GRACE_S:g} s after "
                              "the interrupt (an except clause swallowed it)")
             try:
-                msg = self.client.get_iopub_msg(timeout=0.2)
+                msg, size = self._message(0.2)
             except queue.Empty:
                 continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind = msg["msg_type"]
-            if kind == "clear_output":
+            if msg is None or msg["parent"] != msg_id:
+                continue                # another request's, or no message: dropped unread
+            if msg["kind"] == "clear_output":
                 reply.outputs.clear()
-            elif kind in ("stream", "display_data", "execute_result", "error"):
-                try:
-                    _cap(reply.outputs, nbformat.v4.output_from_msg(msg), self.budget)
-                except (KeyError, TypeError, ValueError, AttributeError):
-                    continue        # a malformed message from a tampered kernel: dropped
-            elif kind == "status" and msg["content"]["execution_state"] == "idle":
+            elif msg["kind"] in OUTPUTS:
+                self._take(reply.outputs, msg, size, taken)
+            elif msg["kind"] == "status" and self._idle(msg):
                 return self._finish(msg_id, reply, timed_out=interrupted is not None)
 
+    def _message(self, timeout: float) -> tuple[dict | None, int]:
+        """The next message on iopub with its content left packed, as jupyter_client's
+        `deserialize` makes it plus "kind" and "parent" (its msg_type, and its parent's
+        msg_id), and its size in bytes; None for what is not a signed Jupyter message.
+        queue.Empty when none comes within `timeout` s."""
+        socket = self.client.iopub_channel.socket
+        if not socket.poll(int(timeout * 1000)):
+            raise queue.Empty
+        frames = socket.recv_multipart(copy=False)
+        size = sum(len(frame) for frame in frames)
+        try:
+            _, parts = self.client.session.feed_identities(frames, copy=False)
+            msg = self.client.session.deserialize(parts, content=False, copy=False)
+            msg["kind"], msg["parent"] = msg["msg_type"], msg["parent_header"].get("msg_id")
+        except Exception:   # a tampered kernel's bytes (unsigned, not JSON, not a dict)
+            return None, size
+        return msg, size
+
+    def _take(self, outputs: list, msg: dict, size: int, taken: list[int]) -> None:
+        """Keep `msg`'s output (`_cap`), unpacked only while this request's output messages
+        came to at most MAX_READ bytes; past that they are dropped unread, said once."""
+        taken[0] += size
+        if taken[0] > MAX_READ:
+            _cap(outputs, {"output_type": "stream", "name": "labkit", "text": ""}, [0])
+            return
+        try:
+            msg["content"] = self.client.session.unpack(msg["content"])
+            _cap(outputs, nbformat.v4.output_from_msg(msg), self.budget)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            pass                    # a malformed message from a tampered kernel: dropped
+
+    def _idle(self, msg: dict) -> bool:
+        if len(msg["content"]) > MAX_STATUS:
+            return False
+        try:
+            return self.client.session.unpack(msg["content"]).get("execution_state") == "idle"
+        except (ValueError, TypeError, AttributeError):
+            return False
+
     def _drain(self) -> None:
-        """Drop what the kernel published for others since our last request (the trusted
-        kernel's bridge asks it too): unread, it would fill the socket's queue, and the
-        next request's own messages would be dropped."""
-        while True:
-            try:
-                self.client.get_iopub_msg(timeout=0)
-            except queue.Empty:
-                return
+        """Drop, unread, what the kernel published since our last request (for the trusted
+        kernel's bridge, or after a reply): left there, it would hold the socket's queue and
+        the next request's own messages would wait behind it. At most DRAIN_S long, as a
+        kernel may publish without end."""
+        socket = self.client.iopub_channel.socket
+        deadline = time.monotonic() + DRAIN_S
+        while time.monotonic() < deadline and socket.poll(0):
+            socket.recv_multipart(copy=False)
 
     def _finish(self, msg_id: str, reply: Reply, timed_out: bool) -> Reply:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
                 msg = self.client.get_shell_msg(timeout=1)
-            except queue.Empty:
+                ours = msg["parent_header"].get("msg_id") == msg_id
+                ours = ours and isinstance(msg["content"], dict)
+            except Exception:   # none yet (queue.Empty), or a tampered kernel's bytes
                 continue
-            if msg["parent_header"].get("msg_id") == msg_id:
+            if ours:
                 content = msg["content"]
                 reply.expressions = content.get("user_expressions", {})
                 if timed_out:
@@ -272,6 +339,8 @@ class Kernel:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        if self.relay is not None:
+            self.relay.close()
         if self.group is not None:
             self.group.remove()
         self.client.stop_channels()

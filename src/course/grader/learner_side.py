@@ -9,10 +9,11 @@ costs a message each way, not a cell). A request is a base64 pickle of one of
                           globals among `names`)
     getattr h name | setattr h name value | delattr h name | getitem h key
     setitem h key value | len h | iter h | contains h value | repr h | bool h | deepcopy h
-    call h args kwargs   (tensors in args as wire.Slot; the torch RNG state, unless unchanged
-                          since this side's last answer, and grad mode of the trusted side;
-                          tensors the call changed in place are sent back, and the RNG
-                          state if the call drew from it)
+    call h args kwargs   (tensors in args as wire.Slot; the torch RNG state, grad mode and
+                          default dtype of the trusted side; which tensors are the declared
+                          outputs: the tensors the call changed in place are named, declared
+                          ones sent back whole with their .grad; nothing else of this side's
+                          state travels back)
     backward gid grads   (the gradients of a call's outputs -> those of its inputs)
 
 and its answer is wire.pack's text, with what the learner's code printed meanwhile.
@@ -68,7 +69,8 @@ def _fill(value, tensors: list):
 
 
 def _call(request: dict) -> dict:
-    """Call the target; the result, the tensors changed in place, the RNG state after it."""
+    """Call the target; the result, the tensors it changed in place (index -> the whole
+    storage of a declared output, None for any other) and the .grad it set on an output."""
     flags = request["requires_grad"]
     tensors = [t.requires_grad_(True) if rg else t
                for t, rg in zip(request["tensors"], flags, strict=True)]
@@ -80,19 +82,18 @@ def _call(request: dict) -> dict:
     before = [_storage(t).clone() for t in tensors]
     grads = [None if t.grad is None else (t.grad, t.grad.clone()) for t in tensors]
     args, kwargs = _fill(request["args"], tensors), _fill(request["kwargs"], tensors)
-    if request["rng"] is not None:      # None: the state this side already has
-        torch.set_rng_state(request["rng"])
-    rng = torch.get_rng_state()
+    torch.set_rng_state(request["rng"])
     torch.set_default_dtype(request["dtype"])
     with torch.set_grad_enabled(request["grad"]):
         result = _objects[request["target"]](*args, **kwargs)
-    changed = {i: _storage(t) for i, (t, b) in enumerate(zip(tensors, before, strict=True))
+    outputs = request["outputs"]
+    changed = {i: _storage(t) if outputs[i] else None
+               for i, (t, b) in enumerate(zip(tensors, before, strict=True))
                if not torch.equal(_storage(t), b)}
     new_grads = {i: t.grad for i, (t, g) in enumerate(zip(tensors, grads, strict=True))
-                 if (g is None) != (t.grad is None) or (g is not None and (
-                     t.grad is not g[0] or not torch.equal(t.grad, g[1])))}
-    return {"value": result, "changed": changed, "grads": new_grads,
-            "rng": None if torch.equal(torch.get_rng_state(), rng) else torch.get_rng_state()}
+                 if outputs[i] and ((g is None) != (t.grad is None) or (g is not None and (
+                     t.grad is not g[0] or not torch.equal(t.grad, g[1]))))}
+    return {"value": result, "changed": changed, "grads": new_grads}
 
 
 def _storage(t: torch.Tensor) -> torch.Tensor:
@@ -261,7 +262,7 @@ def answer(payload: str) -> str:
                 index = {id(t): i for i, t in enumerate(followed)}
                 encoder.follow = lambda t: index.pop(id(t), None)  # the first copy only
                 tree = encoder({"value": done["value"], "changed": done["changed"],
-                                "grads": done["grads"], "rng": done["rng"], "gid": gid})
+                                "grads": done["grads"], "gid": gid})
             elif request["op"] == "share":  # the tests' object, kept here: the reply is its handle
                 encoder.shared = _fill(request["value"], request["tensors"])
                 tree = encoder({"value": encoder.shared})

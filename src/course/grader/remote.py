@@ -11,6 +11,8 @@ from . import wire
 KNOWN_ROOTS = ("torch", "builtins", "collections", "minigpt", "miniquant", "minimoe",
                "minituner", "minirl", "gpucompile", "triton", "numpy")
 
+HEAP_TYPE = 1 << 9             # Py_TPFLAGS_HEAPTYPE: a class made by a class statement
+
 
 class _Pickler(pickle.Pickler):
     def persistent_id(self, obj):
@@ -19,7 +21,8 @@ class _Pickler(pickle.Pickler):
 
 def _known_class(names: str):
     """The first class of `names` ("module.Qualname ...", the learner's object's class
-    hierarchy as its side reports it) that lives in a known package; Remote if none does."""
+    hierarchy as its side reports it) that lives in a known package and is `_claimable`;
+    Remote if none does."""
     for name in names.split()[:32]:
         module, _, qual = name.rpartition(".")
         if module.split(".")[0] not in KNOWN_ROOTS or module not in sys.modules:
@@ -27,9 +30,17 @@ def _known_class(names: str):
         obj = sys.modules[module]
         for part in qual.split("."):
             obj = getattr(obj, part, None)
-        if isinstance(obj, type):
+        if isinstance(obj, type) and _claimable(obj):
             return obj
     return Remote
+
+
+def _claimable(cls: type) -> bool:
+    """Whether a proxy may report `cls` as its class: only when no class of its hierarchy
+    keeps C data in its instances, but builtins' (CPython checks those by the object's real
+    type). torch's C++ takes an object whose class is a tensor, storage or generator on its
+    word (isinstance) and reads its memory as one: a proxy never claims those."""
+    return all(c.__flags__ & HEAP_TYPE or c.__module__ == "builtins" for c in cls.__mro__)
 
 
 class Remote:

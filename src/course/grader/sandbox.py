@@ -1,7 +1,8 @@
 """The bubblewrap sandbox one submission's kernel runs in (threat model: labs/INSTRUCTORS.md).
 
-    bwrap  read-only: /usr /etc (+ /bin /lib... links), Python, the venv, <course>/src,
-                      <course>/experiments (the published base weights)
+    bwrap  read-only: /usr /etc (+ /bin /lib... links), Python, the venv, <course>/src
+                      (`Sandbox.src` mounted there: grading mounts the student edition's,
+                      course.authoring.edition), <course>/experiments (the base weights)
            /home/student, /tmp: tmpfs of their own, size-limited (Limits.home_bytes,
                       tmp_bytes), the kernel's working folder and scratch
            /run/course: a private folder of the grader's holding the connection file and
@@ -14,8 +15,9 @@
     -> prlimit  address space, file size, processes, open files, no core files
     -> python -m ipykernel_launcher -f /run/course/kernel.json
 
-Where cgroups v2 allow it, the whole sandbox also runs in a cgroup of its own (cgroup.py):
-memory, tasks and CPU weight counted for all its processes and tmpfs pages together.
+Where cgroups allow it (v2, or v1's memory and pids hierarchies), the whole sandbox also runs
+in a cgroup of its own (cgroup.py): memory and tasks (and on v2 CPU weight) counted for all
+its processes and tmpfs pages together.
 
 Without bubblewrap the grader refuses to run unless `unsafe` is set; then the kernel runs as
 the grader's user with the same limits and a private cwd, but sees the whole machine.
@@ -40,6 +42,9 @@ SANDBOX_UID = 60000                 # + slot: a uid per parallel job, so limits 
 # what the kernel keeps per uid (its keyring) cannot reach the next submission.
 FRESH_UIDS = itertools.count()
 UID_CYCLE = 100_000
+# Run in a sandbox by `check`: Python starts, and where the venv finds the packages, if at all.
+PROBE = ("import importlib.util, torch\nspec = importlib.util.find_spec('miniquant')\n"
+         "print(spec.origin if spec else '')")
 INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: `sudo apt-get install bubblewrap`; "
                 "Fedora: `sudo dnf install bubblewrap`), or pass --unsafe-no-sandbox to grade "
                 "without one (student code then runs with your permissions)")
@@ -85,9 +90,11 @@ class Sandbox:
     course: Path             # the course checkout (src/ and experiments/ are read from it)
     unsafe: bool = False     # no bubblewrap: limits only
     limits: Limits = Limits()
-    cgroups: bool = False    # a cgroup v2 per kernel (grading.grade turns it on where it works)
+    cgroups: bool = False    # a cgroup per kernel (grading.grade turns it on where it works)
     own_env: bool = False    # unsafe only: the user's own environment (`make check` on their
                              # machine, where the kernel is to see what their Jupyter sees)
+    src: Path | None = None  # mounted as <course>/src instead of it (sandboxed only: the venv's
+                             # editable install imports the packages from that path)
 
     def env(self, home: Path = INSIDE) -> dict[str, str]:
         """The kernel's whole environment: nothing of the grader's leaks in (with `own_env`,
@@ -124,7 +131,8 @@ class Sandbox:
             elif host.is_dir():
                 args += ["--ro-bind", str(host), str(host)]
         for path in _ro_binds(self.course):
-            args += _dirs_for(path) + ["--ro-bind", str(path), str(path)]
+            source = self.src if self.src and path == self.course / "src" else path
+            args += _dirs_for(path) + ["--ro-bind", str(source), str(path)]
         args += _dirs_for(INSIDE) + ["--perms", "1777", "--size", str(self.limits.home_bytes),
                                      "--tmpfs", str(INSIDE), "--chdir", str(INSIDE)]
         args += _dirs_for(RUN) + ["--bind", str(private), str(RUN)]
@@ -165,7 +173,7 @@ class Sandbox:
         probe.mkdir(exist_ok=True)
         try:
             self.prepare(probe, 0)
-            proc = subprocess.run(self.command([sys.executable, "-c", "import torch"], probe, 0),
+            proc = subprocess.run(self.command([sys.executable, "-c", PROBE], probe, 0),
                                   capture_output=True, text=True, timeout=120, env={})
         finally:
             shutil.rmtree(probe, ignore_errors=True)
@@ -174,3 +182,9 @@ class Sandbox:
                              f"Python ({proc.stderr.strip()[-300:]}); on some systems "
                              "unprivileged user namespaces are disabled "
                              "(sysctl kernel.unprivileged_userns_clone=1); " + INSTALL_HINT)
+        src, found = self.course / "src", Path(proc.stdout.strip())
+        if src not in found.parents:      # the src mounted there would not be the one imported
+            where = f"in {found.parent}" if found.is_absolute() else "nowhere"
+            raise InputError(f"the sandbox finds the course packages {where}, not in {src}: "
+                             "install the course editable from this checkout (`pip install -e "
+                             ".`, as `make venv` does)")

@@ -22,10 +22,8 @@ import builtins
 import re
 import threading
 
-from ..authoring.build import jupyter_only
+from ..authoring.build import HIDDEN, jupyter_only
 
-HIDDEN = re.compile(r"^[ \t]*### BEGIN HIDDEN TESTS[ \t]*\n(.*?)"
-                    r"^[ \t]*### END HIDDEN TESTS[ \t]*$\n?", re.MULTILINE | re.DOTALL)
 CASE = re.compile(r"^# case: *(.+?) *$", re.MULTILINE)
 
 

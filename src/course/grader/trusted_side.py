@@ -5,10 +5,14 @@ learner's kernel holds under it (`Bridge.bind`): data values (numbers, strings, 
 containers of them) as exact copies, anything else as a `Remote`, a proxy whose every use is
 a request to the learner's kernel (course.grader.learner_side) answered with data:
 
-    remote(*args)      arguments travel by value (pickled; tensors in place of any tensor
-                       the call changes in place are written back); the torch RNG state and
-                       grad mode travel with the call, so seeds give the draws they would
-                       in one process; with grad enabled, the outputs that carry a graph are
+    remote(*args)      arguments travel by value (pickled); what the call writes in a
+                       tensor argument is written back only into the buffers an `outputs`
+                       block declares (and their .grad); any other tensor it changes in
+                       place stays as it was here, recorded for `unchanged`. This side's
+                       torch RNG state and grad mode travel with the call, so a seed gives
+                       the draws it would in one process; nothing comes back to set them,
+                       and after the call this side's RNG moves on from its own state alone
+                       (`_move_on`). With grad enabled, the outputs that carry a graph are
                        joined to this side's autograd (`_RemoteCall`): backward sends their
                        gradients back and returns those of the inputs
     remote.name        getattr (tensors come back as copies, .grad included)
@@ -18,6 +22,8 @@ a request to the learner's kernel (course.grader.learner_side) answered with dat
 
 A learner's exception comes back as its builtin base (`ValueError`, ...) or `LearnerError`.
 While `Bridge.hidden` is set (hidden tests), nothing the learner's kernel prints is shown.
+Nothing of this process's state (RNG, defaults, grad mode, globals) is ever set from what the
+learner's side answers: answers are data, put only where a test asked for them.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from . import wire
+from .buffers import Buffers
 from .remote import Remote, _Pickler
 
 REPLY_TIMEOUT_S = 300.0
@@ -86,6 +93,13 @@ def _ship(t: torch.Tensor) -> torch.Tensor:
     return shipped
 
 
+def _move_on() -> None:
+    """This side's RNG after a call: a fresh stream seeded from its own state, as if the call
+    had drawn (the next call, or a draw here, does not repeat its draws); never anything the
+    learner's side says."""
+    torch.default_generator.manual_seed(int(torch.randint(1 << 62, ())))
+
+
 def _swap(value, swaps: dict):
     """`value` with each tensor whose id is in `swaps` replaced (autograd's outputs)."""
     if isinstance(value, torch.Tensor) and id(value) in swaps:
@@ -101,7 +115,8 @@ class Bridge:
     """A Jupyter client of the learner's kernel, asking one request at a time of its
     serve_loop (see course.grader.learner_side); `pause` ends that loop."""
 
-    def __init__(self, connection: dict, timeout: float = REPLY_TIMEOUT_S):
+    def __init__(self, connection: dict, timeout: float = REPLY_TIMEOUT_S,
+                 workspace: Path | None = None):
         import zmq
         from jupyter_client import BlockingKernelClient
 
@@ -113,7 +128,9 @@ class Bridge:
         self.timeout, self.hidden = timeout, False
         self.loop: str | None = None      # msg_id of the learner's serve_loop execution
         self.owed = 0                     # its answers to read before the next request's
-        self.rng: torch.Tensor | None = None   # the learner side's RNG state, when known
+        # the trusted kernel's own folder (its cwd, removed with it): fetch_dir's copies
+        self.workspace = Path.cwd() if workspace is None else Path(workspace)
+        self.buffers = Buffers()          # what calls write back, what they changed without
         self.proxies: weakref.WeakValueDictionary[int, Remote] = weakref.WeakValueDictionary()
         self.requests = 0
         # copies of the learner's tensor attributes handed out in this test cell: (copy,
@@ -142,7 +159,6 @@ class Bridge:
         """Pickle `request`, send it to the learner's serve_loop, decode the answer."""
         if write_back and self.copies:
             self._write_back()
-        self.rng = None                 # any request may draw on the learner's side
         buffer = io.BytesIO()
         _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(request)
         self.requests += 1
@@ -212,7 +228,6 @@ class Bridge:
         still owed are dropped, END sent, its execution's reply awaited (10 s at most; a
         kernel still busy then is the grader's to interrupt, as for any cell)."""
         deadline = time.monotonic() + 10
-        self.rng = None                 # the learner's cells may draw
         try:
             if self.loop is not None:
                 self._ready(deadline)
@@ -250,30 +265,25 @@ class Bridge:
     def call(self, remote: Remote, args: tuple, kwargs: dict):
         tensors: list = []
         args, kwargs = _slots(list(args), tensors), _slots(dict(kwargs), tensors)
-        grad = torch.is_grad_enabled()
+        grad, declared = torch.is_grad_enabled(), [self.buffers.declares(t) for t in tensors]
         request = {"op": "call", "target": object.__getattribute__(remote, "_number"),
                    "args": args, "kwargs": kwargs, "grad": grad,
                    "tensors": [_ship(t) for t in tensors],
                    "requires_grad": [t.requires_grad for t in tensors],
                    "grads": [t.grad.detach() if t.is_leaf and t.grad is not None else None
                              for t in tensors],
-                   "rng": self._rng(), "dtype": torch.get_default_dtype()}
-        decoded = self._send(request)
+                   "outputs": declared, "rng": torch.get_rng_state(),
+                   "dtype": torch.get_default_dtype()}
+        try:
+            decoded = self._send(request)
+        finally:
+            _move_on()
         value = self._value(decoded)
-        if value["rng"] is not None:                    # the call drew random numbers
-            torch.set_rng_state(value["rng"])
-        self.rng = torch.get_rng_state()
-        for i, new in value["changed"].items():         # whole storages, as bytes
-            if type(i) is int and 0 <= i < len(tensors) and new.dtype == torch.uint8 \
-                    and new.numel() == tensors[i].untyped_storage().nbytes():
-                tensors[i].untyped_storage().copy_(new.untyped_storage())
-        for i, grad in value["grads"].items():          # a .grad the call set or changed
-            if type(i) is int and 0 <= i < len(tensors) and tensors[i].is_leaf:
-                t = tensors[i]
-                if grad is None or (grad.shape == t.shape and grad.dtype == t.dtype):
-                    t.grad = grad
+        if type(value.get("changed")) is not dict or type(value.get("grads")) is not dict:
+            raise wire.InvalidReply("a call's reply names what it changed in two dicts")
+        self.buffers.take_back(tensors, declared, value["changed"], value["grads"])
         result = value["value"]
-        if value["gid"] is None or not decoded.outputs:
+        if value.get("gid") is None or not decoded.outputs:
             return result
         outputs = [decoded.outputs[i] for i in sorted(decoded.outputs)]
         inputs = [t for t in tensors if t.requires_grad]
@@ -282,16 +292,11 @@ class Bridge:
         joined = _RemoteCall.apply(self, box, anchor, *inputs)
         return _swap(result, {id(o): j for o, j in zip(outputs, joined, strict=True)})
 
-    def _rng(self) -> torch.Tensor | None:
-        """This side's RNG state for a call; None when the learner's side already has it
-        (it answered the last request, a call that left it so)."""
-        state = torch.get_rng_state()
-        return None if self.rng is not None and torch.equal(state, self.rng) else state
-
     def bind(self, namespace: dict, names: list[str]) -> None:
         """Each of `names` the learner's kernel defines, into `namespace` (see the module
         docstring); a name it does not define is removed, as if never defined."""
         self.copies.clear()
+        self.buffers.touched.clear()
         found = self.ask("bind", names=list(names))
         for name in names:
             if type(found) is dict and name in found:
@@ -352,8 +357,12 @@ class Bridge:
         return self.ask("learner_dir")
 
     def fetch_dir(self, path: str) -> Path:
+        """The files under the learner's `path`, in a new folder of `workspace` (which goes
+        with the trusted kernel: nothing stays in this machine's /tmp)."""
         files = self.ask("read_dir", path=path)
-        local = Path(tempfile.mkdtemp(prefix="lab-fetched-"))
+        if type(files) is not dict:
+            raise wire.InvalidReply("a folder's files come as a dict")
+        local = Path(tempfile.mkdtemp(prefix="lab-fetched-", dir=self.workspace))
         for name, data in files.items():
             parts = PurePosixPath(name).parts if type(name) is str else ()
             if type(name) is not str or type(data) is not bytes or not parts or ".." in parts \

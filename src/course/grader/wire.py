@@ -21,7 +21,9 @@ unknown tag, a tensor name not in the blob, too deep a tree or too large a messa
     {"dt": "float32"} {"dev": "cpu"} {"sz": [...]} {"sl": [start, stop, step]} {"E": 0}
                                      torch.dtype, torch.device, torch.Size, slice, Ellipsis
     {"h": number, "c": "module.Class ..." (its class hierarchy), "k": callable}
-                                     an object of the learner's: a handle to it
+                                     an object of the learner's: a handle to it (never
+                                     one of a torch.Tensor subclass: refused, a proxy is
+                                     no tensor to torch's C++)
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ MAX_REPLY = 64 << 20         # characters of one reply (the kernel's message cap
 MAX_DEPTH = 64
 MAX_PRINTED = 20_000         # characters of the learner's printing kept per request
 MAX_NODES = 200_000
+TENSOR_BASE = "torch._C.TensorBase"     # in the class hierarchy of every tensor subclass
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
@@ -201,6 +204,11 @@ def decode(text: str, handle) -> Decoded:
                 return Ellipsis
         elif set(node) == {"h", "c", "k"} and type(node["h"]) is int \
                 and type(node["c"]) is str and type(node["k"]) is bool:
+            names = node["c"][:2000].split()
+            if TENSOR_BASE in names:      # only a plain tensor is data; a proxy is no tensor
+                raise InvalidReply(
+                    f"your code gave a {names[0].rpartition('.')[2][:80]}, a subclass of "
+                    "torch.Tensor: give a plain torch.Tensor (`.as_subclass(torch.Tensor)`)")
             return handle(Handle(node["h"], node["c"][:2000], node["k"]))
         elif set(node) == {"t", "p", "r", "g", "o", "d"} and type(node["p"]) is bool \
                 and type(node["r"]) is bool:
@@ -239,6 +247,8 @@ REPLY_MARK = "\x1ecourse-reply\x1e"   # how an input prompt carrying an answer s
 END = "\x1eend\x1e"                   # the request that ends learner_side.serve_loop
 # Exceptions the trusted side raises as themselves when the learner's code raises them (or a
 # subclass); any other is a LearnerError. Tests may expect `except ValueError` and the like.
+# Not StopIteration: raised by a call inside the test's map() or next(), it would end the
+# test's own iteration early, silently.
 BUILTIN_ERRORS = ("AssertionError", "AttributeError", "IndexError", "KeyError", "LookupError",
-                  "NotImplementedError", "OverflowError", "RuntimeError", "StopIteration",
-                  "TypeError", "ValueError", "ZeroDivisionError", "ArithmeticError")
+                  "NotImplementedError", "OverflowError", "RuntimeError", "TypeError",
+                  "ValueError", "ZeroDivisionError", "ArithmeticError")

@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterable, Iterator
 from . import bridged
 
 WHY = "this exercise rebuilds it, so it is switched off here"
-COURSE_PACKAGES = ("miniquant", "minimoe", "minigpt", "minituner", "minirl", "gpucompile")
+COURSE_PACKAGES = ("miniquant", "minimoe", "minigpt", "minituner", "minirl", "gpucompile",
+                   "labkit")
 
 Binding = tuple[object, str]     # (a module, class or namespace dict, the name bound there)
 

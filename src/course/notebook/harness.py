@@ -1,6 +1,8 @@
 """The lab test harness: the helpers the lab notebooks' test cells share, imported instead of
 pasted (`from course.notebook.harness import ...`).
 
+- `outputs`, `unchanged`: a block whose calls write into the test's buffers, and one that
+  must leave the test's tensors as they were (see `bridged.py`: they hold apart too).
 - `swap`, `forbid`, `refuse`: switch library functions out by object (see `forbid.py`);
   `reference(lab)`: what a lab rebuilds, from the packages' REFERENCE tables, to forbid.
 - `Spy`, `spy_on`: count a kernel's launches or a function's calls while a block runs;
@@ -24,17 +26,19 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from .bridged import outputs, unchanged
 from .forbid import Refuse, forbid, refuse, swap
 
 __all__ = ["Refuse", "Spy", "accept_routing", "assert_close", "assert_no_atomics",
            "assert_rejects", "describe", "expert_problem", "expert_routing", "forbid", "leaf",
-           "gpu_arch", "loop_grads", "must_reach", "pairs_of", "randn", "randomize_lora",
-           "reference", "refuse", "require_triton", "spy_on", "swap", "triton_mode",
-           "triton_setup"]
+           "gpu_arch", "loop_grads", "must_reach", "outputs", "pairs_of", "randn",
+           "randomize_lora", "reference", "refuse", "require_triton", "spy_on", "swap",
+           "triton_mode", "triton_setup", "unchanged"]
 
 
 # The packages whose REFERENCE tables name what the labs rebuild (lab -> public name -> path).
-REFERENCE_PACKAGES = ("miniquant", "minimoe", "minigpt", "minituner", "minirl", "gpucompile")
+REFERENCE_PACKAGES = ("miniquant", "minimoe", "minigpt", "minituner", "minirl", "gpucompile",
+                      "labkit")
 
 
 def resolve(path: str) -> object:

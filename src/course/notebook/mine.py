@@ -21,6 +21,8 @@ your pieces swapped back to the reference one at a time and names the one whose 
 agreement.
 
 Grading never reads work/: a graded notebook runs on the reference alone (`use` says so).
+In a student edition (course.authoring.edition) a reference whose lab is not released is a
+stub: `use` names such a piece as the stub of that lab, which raises when the run reaches it.
 """
 
 from __future__ import annotations
@@ -220,6 +222,26 @@ class Choice:
     yours: bool
     why: str
     calls: int = 0      # calls the packages handed to your code inside the `use` block
+    stub: str = ""      # not yours, and the reference is a stub until this lab is released
+
+
+def unreleased(target: str) -> str:
+    """The lab whose stub stands at `target` ("module:function") in a student edition (its
+    module's `__unreleased__`), or "" where the reference is there."""
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), "__unreleased__", {}).get(name, "")
+
+
+def _mark_stubs(choices: list[Choice]) -> list[Choice]:
+    """Name, in each choice that falls to an unreleased reference, the lab of its stub."""
+    from .pieces import PIECES
+
+    for piece, c in zip(PIECES, choices, strict=True):
+        if not c.yours and (lab := unreleased(piece.target)):
+            c.stub, c.why = lab, (f"{c.why}; the reference is not released: a stub in this "
+                                  f"student edition (Lab {lab[:2]} asks you to write it), "
+                                  "which raises if the run reaches it")
+    return choices
 
 
 def choose(root: Path) -> list[Choice]:
@@ -292,6 +314,7 @@ def use(which: str = "mine", root: Path | None = None, quiet: bool = False,
                 for piece, choice in mine:
                     choice.yours, choice.why = False, (
                         f"{piece.lab}'s saved code failed to load: {type(e).__name__}: {e}")[:200]
+        _mark_stubs(choices)
         if not quiet:
             print(describe(choices))
         yield choices
@@ -306,8 +329,11 @@ def ran(choices: list[Choice]) -> dict[str, int]:
 
 def describe(choices: list[Choice]) -> str:
     width = max(len(c.piece) for c in choices)
-    return "\n".join(f"  {c.piece:<{width}}  {'yours    ' if c.yours else 'reference'}  {c.why}"
-                     for c in choices)
+    return "\n".join(f"  {c.piece:<{width}}  {_kind(c):<9}  {c.why}" for c in choices)
+
+
+def _kind(c: Choice) -> str:
+    return "yours" if c.yours else f"stub {c.stub[:2]}" if c.stub else "reference"
 
 
 def describe_calls(choices: list[Choice]) -> str:
@@ -360,7 +386,7 @@ def blame(run: Callable[[], object], agrees: Callable[[object], bool],
 def status(root: Path) -> int:
     """`python -m course mine`: which pieces are yours now."""
     print(f"pieces `use(\"mine\")` swaps in ({mine_dir(root)}):")
-    print(describe(choose(root)))
+    print(describe(_mark_stubs(choose(root))))
     return 0
 
 
