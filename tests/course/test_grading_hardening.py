@@ -296,6 +296,9 @@ def test_a_second_week_into_the_same_output_erases_no_grade(tmp_path, fake_gradi
             f"{score} / 11 into {row.score:g} ({row.status})")
         assert journaled(out, student, LAB) == (row.score, row.status), \
             "the journal must say what grades.csv says"
+    page = journal.feedback_path(out, "bob", LAB)
+    assert page.is_file() and page.read_text() == "page", \
+        "the junk file took away the feedback page of bob's recorded Lab 00 grade"
     assert rows[("cy", LAB)].status == "not submitted", \
         '"not submitted" where nothing was ever recorded'
     assert (f"bob {LAB}: not a readable notebook (UnicodeDecodeError); kept the recorded "

@@ -167,9 +167,10 @@ def _status(outcome) -> str:
 
 def grade_one(student: str, lab: str, notebook: Path, source_nb, sandbox: Sandbox,
               slot: int, timeout: int, out: Path) -> GradeRow:
-    """Grade one submission and write its feedback page; never raises for a bad submission."""
+    """Grade one submission and write its feedback page; never raises for a bad submission.
+    A submission that is no readable notebook writes no page: the one there, if any, is the
+    recorded grade's, which such a row never replaces (`settle`)."""
     start, max_score = time.perf_counter(), max_points(source_nb)
-    journal.feedback_path(out, student, lab).unlink(missing_ok=True)
     try:
         if notebook.stat().st_size > MAX_NOTEBOOK_BYTES:
             raise ValueError(f"{notebook.stat().st_size} bytes, over {MAX_NOTEBOOK_BYTES}")
