@@ -25,4 +25,5 @@ from course.grader.jupyter_kernel import Kernel
 def test_cause_of_death(code, words):
     kernel = Kernel.__new__(Kernel)
     kernel.proc = SimpleNamespace(poll=lambda: code)
+    kernel.relay = None           # no relay: the kernel's own process decides
     assert words in kernel.cause_of_death()
