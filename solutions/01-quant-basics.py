@@ -217,6 +217,8 @@ def dequantize_absmax_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 # %% nbgrader={"grade": true, "grade_id": "test_absmax_int8", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # What the tests switch off while your code runs, here in a locked cell: the later test
 # cells use it too.
+import numpy as np  # noqa: E402
+
 from course.notebook.harness import forbid  # noqa: E402
 
 
@@ -245,11 +247,37 @@ def reference_disabled():
                 getattr(intquant, name).__code__ = code
 
 
+def _naive_absmax(w, dim=None):
+    """The expected (codes, scale, dequantized), one slice at a time in numpy float32: each
+    slice along `dim` (the whole tensor when None) gets absmax / 127, its codes rint(w /
+    scale) (numpy's rint also sends a tie to the even integer), clipped to ±127, or 0 when the
+    slice is all zeros."""
+    x = w.detach().float().numpy()
+    moved = x.reshape(1, -1) if dim is None else np.moveaxis(x, dim, -1)
+    lines = moved.reshape(-1, moved.shape[-1])                    # [n_slices, slice length]
+    codes = np.zeros(lines.shape, dtype=np.int8)
+    deq = np.zeros(lines.shape, dtype=np.float32)
+    scales = np.zeros(len(lines), dtype=np.float32)
+    for i, line in enumerate(lines):
+        scales[i] = np.abs(line).max() / np.float32(127)          # float32 division
+        if scales[i] > 0:
+            codes[i] = np.clip(np.rint(line / scales[i]), -127, 127)
+        deq[i] = codes[i].astype(np.float32) * scales[i]
+    if dim is None:
+        return (torch.from_numpy(codes).reshape(w.shape), torch.tensor(scales[0]),
+                torch.from_numpy(deq).reshape(w.shape))
+    back = [torch.from_numpy(np.ascontiguousarray(np.moveaxis(a.reshape(shape), -1, dim)))
+            for a, shape in ((codes, moved.shape), (scales, moved.shape[:-1] + (1,)),
+                             (deq, moved.shape))]
+    return tuple(back)
+
+
 def _check_absmax(w, dim=None, want_q=None, want_scale=None):
-    """Compare with the reference (and with hand-worked codes/scale when given)."""
+    """Compare with a loop over slices in numpy (and with hand-worked codes/scale when given)."""
     where = f"quantize_absmax_int8(w of shape {tuple(w.shape)}, {w.dtype}, dim={dim})"
-    ref_q, ref_scale = quantize_absmax_int8_ref(w, dim=dim)
-    ref_deq = dequantize_absmax_int8_ref(ref_q, ref_scale)
+    loop_q, loop_scale, loop_deq = _naive_absmax(w, dim)
+    x = w.float().clone()                                   # before your call, which gets w
+    signed_max = x.amax() if dim is None else x.amax(dim=dim, keepdim=True)
     with reference_disabled():
         got = quantize_absmax_int8(w, dim=dim)
         assert isinstance(got, tuple) and len(got) == 2, f"{where}: expected (q, scale)"
@@ -258,34 +286,28 @@ def _check_absmax(w, dim=None, want_q=None, want_scale=None):
     # the scale first: a wrong scale makes every code wrong
     assert isinstance(scale, torch.Tensor) and scale.dtype == torch.float32, \
         f"{where}: scale should be a float32 tensor, got {getattr(scale, 'dtype', type(scale))}"
-    assert scale.shape == ref_scale.shape, \
-        f"{where}: scale should have shape {tuple(ref_scale.shape)}, got {tuple(scale.shape)}" + \
+    assert scale.shape == loop_scale.shape, \
+        f"{where}: scale should have shape {tuple(loop_scale.shape)}, got {tuple(scale.shape)}" + \
         ("" if dim is None else " (the absmax along dim is kept as a size-1 dimension, "
                                 "keepdim=True, so that it broadcasts)")
-    x = w.float()
-    signed_max = x.amax() if dim is None else x.amax(dim=dim, keepdim=True)
     why = (" (that is max(w) / 127: the absmax is the largest magnitude, max |w|, which may "
            "belong to a negative weight)" if torch.allclose(scale, signed_max / 127) else
            " (that is absmax / 128: qmax = 2**(8-1) - 1 = 127)"
-           if torch.allclose(scale, ref_scale * 127 / 128) else "")
+           if torch.allclose(scale, loop_scale * 127 / 128) else "")
     if want_scale is not None:
         torch.testing.assert_close(scale, want_scale, msg=lambda m: f"{where} scale{why}: {m}")
-    torch.testing.assert_close(scale, ref_scale, rtol=0, atol=0,
+    torch.testing.assert_close(scale, loop_scale, rtol=0, atol=0,
                                msg=lambda m: f"{where}: scale should be absmax / 127{why}:\n{m}")
-    ratio = x / torch.where(ref_scale > 0, ref_scale, torch.ones_like(ref_scale))
+    ratio = x / torch.where(loop_scale > 0, loop_scale, torch.ones_like(loop_scale))
     if want_q is not None:
         _codes_equal(q, want_q, where + " (worked by hand)", ratio)
-    _codes_equal(q, ref_q, where, ratio)
+    _codes_equal(q, loop_q, where, ratio)
     assert isinstance(deq, torch.Tensor) and deq.dtype == torch.float32, \
         f"dequantize_absmax_int8 should return float32, got {getattr(deq, 'dtype', type(deq))}"
-    torch.testing.assert_close(deq, ref_deq, msg=lambda m: f"dequantize_absmax_int8 after "
+    torch.testing.assert_close(deq, loop_deq, msg=lambda m: f"dequantize_absmax_int8 after "
                                                            f"{where}:\n{m}")
     return q, scale, deq
 
-
-# the reference, under names of its own (the tests call it; your code may not)
-quantize_absmax_int8_ref = miniquant.quantize_absmax_int8
-dequantize_absmax_int8_ref = miniquant.dequantize_absmax_int8
 
 # worked by hand: absmax 127 makes the scale exactly 1, so w / scale is w
 _check_absmax(torch.tensor([2.5, 3.5, -2.5, 0.5, 127.0]),
@@ -302,7 +324,7 @@ _q, _s, _deq = _check_absmax(torch.zeros(3, 4), want_q=torch.zeros(3, 4, dtype=t
                              want_scale=torch.tensor(0.0))
 assert not _deq.isnan().any(), "dequantizing an all-zero tensor gave NaN"
 # 254 weights built to sit on (or within an ulp of) the midpoints between two codes:
-# dividing by the scale, as specified, decides them as the reference does
+# dividing by the scale, as specified, decides them as the loop does
 _s = torch.tensor(0.3) / 127
 _check_absmax(torch.cat([(torch.arange(-127, 127) + 0.5) * _s, torch.tensor([0.3])]))
 # random weights
@@ -314,7 +336,8 @@ try:
 except AssertionError as _e:
     raise AssertionError(f"{_e}\nRule: compute in float32 (w.float() first), whatever the "
                          "dtype of w; the scale is a float32 tensor") from _e
-print("quantize_absmax_int8 (per tensor) matches the hand-worked cases and miniquant")
+print("quantize_absmax_int8 (per tensor) matches the hand-worked cases and a loop over "
+      "slices in numpy")
 
 ### BEGIN HIDDEN TESTS
 # case: random weights of several shapes (error bound, code range)
@@ -354,11 +377,11 @@ _w[2] *= 50
 _q, _s, _ = _check_absmax(_w, dim=-1)
 # each row is quantized as if it were alone
 for _r in range(6):
-    _qr, _sr = quantize_absmax_int8_ref(_w[_r])
+    _qr, _sr, _ = _naive_absmax(_w[_r])
     assert torch.equal(_q[_r], _qr) and _s[_r, 0] == _sr, \
         f"row {_r}: expected the per-tensor result of that row alone (scale {_sr}), " \
         f"got scale {_s[_r, 0]}"
-print("quantize_absmax_int8 (per row) matches the hand-worked case and miniquant")
+print("quantize_absmax_int8 (per row) matches the hand-worked case and a loop over rows")
 
 ### BEGIN HIDDEN TESTS
 # case: a matrix, per column and dim=1
@@ -496,28 +519,28 @@ def dequantize_symmetric_per_group(q: torch.Tensor, scales: torch.Tensor,
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_per_group_quantize", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
-quantize_per_group_ref = miniquant.quantize_symmetric_per_group
-dequantize_per_group_ref = miniquant.dequantize_symmetric_per_group
-
-
 def _naive_per_group(w, bits, group_size):
-    """One group at a time, one element at a time: (codes list, scales tensor)."""
-    qmax = 2 ** (bits - 1) - 1
-    flat = w.reshape(-1).float()
-    codes, scales = [], []
-    for start in range(0, flat.numel(), group_size):
-        group = flat[start:start + group_size]
-        scale = group.abs().max() / qmax
-        scales.append(scale)
-        for x in group:
-            codes.append(int(torch.round(x / scale).clamp(-qmax, qmax)) if scale > 0 else 0)
-    return codes, torch.stack(scales)
+    """The expected (codes int8 of w's shape, scales float32 [n_groups]), one group of the
+    row-major flat w at a time, in numpy float32: scale = absmax / qmax, codes rint(w / scale)
+    (numpy's rint also sends a tie to the even integer) clipped to ±qmax, 0 in a zero group."""
+    qmax = np.float32(2 ** (bits - 1) - 1)
+    flat = w.detach().float().reshape(-1).numpy()
+    codes = np.zeros(flat.shape, dtype=np.int8)
+    scales = np.zeros(-(-flat.size // group_size), dtype=np.float32)
+    for g, start in enumerate(range(0, flat.size, group_size)):
+        group = flat[start:start + group_size]                    # the last may be partial
+        scales[g] = np.abs(group).max() / qmax                    # float32 division
+        if scales[g] > 0:
+            codes[start:start + group_size] = np.clip(np.rint(group / scales[g]), -qmax, qmax)
+    return torch.from_numpy(codes).reshape(w.shape), torch.from_numpy(scales)
 
 
-def _check_per_group(w, bits, group_size, want_q=None, want_scales=None, naive=True):
+def _check_per_group(w, bits, group_size, want_q=None, want_scales=None):
     where = (f"quantize_symmetric_per_group(w of shape {tuple(w.shape)}, {w.dtype}, "
              f"bits={bits}, group_size={group_size})")
-    ref_q, ref_scales = quantize_per_group_ref(w, bits=bits, group_size=group_size)
+    loop_q, loop_scales = _naive_per_group(w, bits, group_size)
+    x = w.float().clone()                                   # before your call, which gets w
+    absmax = torch.stack([g.abs().max() for g in x.reshape(-1).split(group_size)])
     with reference_disabled():
         got = quantize_symmetric_per_group(w, bits=bits, group_size=group_size)
     assert isinstance(got, tuple) and len(got) == 2, f"{where}: expected (q, scales)"
@@ -530,23 +553,18 @@ def _check_per_group(w, bits, group_size, want_q=None, want_scales=None, naive=T
         f"{where}: scales should have shape ({n_groups},) = ceil({w.numel()}/{group_size}), " \
         f"got {tuple(scales.shape)}"
     qmax = 2 ** (bits - 1) - 1
-    absmax = torch.stack([g.abs().max() for g in w.reshape(-1).float().split(group_size)])
     why = next((f" (that is absmax / {other}: qmax = 2**(bits-1) - 1 = {qmax})"
                 for other in (2 ** bits - 1, 2 ** (bits - 1))
                 if torch.allclose(scales, absmax / other)), "")
     if want_scales is not None:
         torch.testing.assert_close(scales, want_scales, msg=lambda m: f"{where} scales{why}: {m}")
-    torch.testing.assert_close(scales, ref_scales, rtol=0, atol=0,
+    torch.testing.assert_close(scales, loop_scales, rtol=0, atol=0,
                                msg=lambda m: f"{where}: scales should be absmax / qmax{why}:\n{m}")
-    per = ref_scales.repeat_interleave(group_size)[: w.numel()].reshape(w.shape)
-    ratio = w.float() / torch.where(per > 0, per, torch.ones_like(per))
+    per = loop_scales.repeat_interleave(group_size)[: w.numel()].reshape(w.shape)
+    ratio = x / torch.where(per > 0, per, torch.ones_like(per))
     if want_q is not None:
         _codes_equal(q, want_q, where + " (worked by hand)", ratio)
-    if naive:
-        codes, naive_scales = _naive_per_group(w, bits, group_size)
-        _codes_equal(q, torch.tensor(codes, dtype=torch.int8).reshape(w.shape),
-                     where + " vs a loop over groups", ratio)
-    _codes_equal(q, ref_q, where + " vs miniquant", ratio)
+    _codes_equal(q, loop_q, where + " vs a loop over groups", ratio)
     return q, scales
 
 
@@ -561,12 +579,12 @@ _check_per_group(torch.tensor([[7.0, 3.5, -1.0, 14.0, -7.0, 0.5, 2.0]]), 4, 3,
 _check_per_group(torch.cat([torch.full((8,), 100.0), torch.tensor([0.5, -0.25])]), 8, 8,
                  want_scales=torch.tensor([100.0, 0.5]) / 127)
 # weights on (or within an ulp of) the midpoints between codes, in groups of 2·qmax + 1:
-# dividing by the scale, as specified, decides them as the reference does
+# dividing by the scale, as specified, decides them as the loop does
 for _bits in (8, 4):
     _qmax = 2 ** (_bits - 1) - 1
     _w = torch.cat([torch.cat([(torch.arange(-_qmax, _qmax) + 0.5) * (_a / _qmax), _a[None]])
                     for _a in torch.tensor([0.3, 1.7, 0.05, 3.3])])
-    _check_per_group(_w, _bits, 2 * _qmax + 1, naive=_bits == 4)
+    _check_per_group(_w, _bits, 2 * _qmax + 1)
 # random weights; groups that span rows and do not divide the length
 _g = torch.Generator().manual_seed(0)
 _check_per_group(torch.randn(5, 13, generator=_g), 8, 8)
@@ -602,7 +620,7 @@ for _kw, _rule in (({"bits": 1}, "bits must be an integer in 2..8"),
         continue
     raise AssertionError(f"quantize_symmetric_per_group(torch.ones(4), {_kw}) should raise "
                          f"ValueError: {_rule}")
-print("quantize_symmetric_per_group matches the hand-worked cases, a loop and miniquant")
+print("quantize_symmetric_per_group matches the hand-worked cases and a loop over groups")
 
 ### BEGIN HIDDEN TESTS
 # case: every bit width 2..8, shapes and group sizes (partial groups, one group, size 1)
@@ -619,8 +637,8 @@ for _bits in range(2, 9):
 _check_per_group((torch.randn(9, 14, generator=_g) * 4).to(torch.bfloat16), 4, 32)
 _check_per_group((torch.randn(9, 14, generator=_g) * 4).to(torch.float16), 8, 20)
 # case: the real weight, transposed (not contiguous) and as it is
-_check_per_group(W.T, 4, 64, naive=False)
-_check_per_group(W, 8, 100, naive=False)
+_check_per_group(W.T, 4, 64)
+_check_per_group(W, 8, 100)
 # case: an all-zero group in the middle
 _w = torch.randn(24, generator=_g)
 _w[8:16] = 0
@@ -637,19 +655,30 @@ for _kw in ({"bits": 1}, {"bits": 9}, {"bits": 4.0}, {"group_size": 0}, {"group_
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_per_group_dequantize", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _naive_dequantize(q, scales, group_size):
+    """The expected ŵ, one group of the row-major flat q at a time, in numpy float32: each
+    code times its group's scale."""
+    flat = q.reshape(-1).numpy().astype(np.float32)
+    out = np.zeros(flat.shape, dtype=np.float32)
+    for g, start in enumerate(range(0, flat.size, group_size)):
+        out[start:start + group_size] = flat[start:start + group_size] * scales[g].numpy()
+    return torch.from_numpy(out).reshape(q.shape)
+
+
 def _check_per_group_round_trip(w, bits, group_size):
-    """Dequantize the reference's codes; compare with miniquant; check |w - ŵ| <= scale / 2."""
+    """Dequantize the loop's codes; compare with the loop's ŵ; check |w - ŵ| <= scale / 2."""
     where = (f"dequantize_symmetric_per_group after quantizing w of shape {tuple(w.shape)} "
              f"with bits={bits}, group_size={group_size}")
-    q, scales = quantize_per_group_ref(w, bits=bits, group_size=group_size)
-    want = dequantize_per_group_ref(q, scales, group_size=group_size)
+    q, scales = _naive_per_group(w, bits, group_size)
+    want = _naive_dequantize(q, scales, group_size)
+    per_element = scales.repeat_interleave(group_size)[: w.numel()].reshape(w.shape)
     with reference_disabled():
         got = dequantize_symmetric_per_group(q, scales, group_size=group_size)
     assert isinstance(got, torch.Tensor) and got.dtype == torch.float32, \
         f"{where}: expected a float32 tensor, got {getattr(got, 'dtype', type(got).__name__)}"
     assert got.shape == w.shape, f"{where}: expected shape {tuple(w.shape)}, got {tuple(got.shape)}"
-    torch.testing.assert_close(got, want, msg=lambda m: f"{where}, vs miniquant:\n{m}")
-    per_element = scales.repeat_interleave(group_size)[: w.numel()].reshape(w.shape)
+    torch.testing.assert_close(got, want,
+                               msg=lambda m: f"{where}, vs a loop over groups:\n{m}")
     # half a step, plus float32's rounding of code × scale (a weight on a tie: 0.5 step + 1 ulp)
     excess = ((w.float() - got).abs() - got.abs() * torch.finfo(torch.float32).eps
               - per_element / 2)
@@ -675,7 +704,8 @@ torch.testing.assert_close(_deq, torch.tensor([[7.0, 4.0, -1.0, 14.0, -8.0, 0.0,
 _g = torch.Generator().manual_seed(0)
 _check_per_group_round_trip(torch.randn(5, 13, generator=_g), 4, 8)
 _check_per_group_round_trip(torch.randn(3, 4, 9, generator=_g), 8, 7)
-print("dequantize_symmetric_per_group matches miniquant; every error is within scale/2")
+print("dequantize_symmetric_per_group matches a loop over groups; every error is within "
+      "scale/2")
 
 ### BEGIN HIDDEN TESTS
 # case: several bit widths, shapes and group sizes
@@ -733,9 +763,9 @@ plt.show()
 #
 # * `group_size=None` means one group holding the whole tensor (per-tensor quantization).
 # * an all-zero `w` has error `0.0` (not NaN).
-# * Use your own functions from Exercise 2. (If yours do not pass yet, you may call
-#   `miniquant.quantize_symmetric_per_group` here instead: this exercise is about the
-#   measurement.)
+# * Use your own functions from Exercise 2: finish them first (in a student repository,
+#   `miniquant.quantize_symmetric_per_group` is a stub until Lab 01's solutions are
+#   released).
 #
 # <details><summary>Hint 1: the idea</summary>
 #
@@ -773,16 +803,14 @@ def quant_error(w: torch.Tensor, bits: int = 8, group_size: int | None = 64) -> 
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_quant_error", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-def _ref_error(w, bits, group_size):
-    x = w.float()
-    gs = x.numel() if group_size is None else group_size
-    q, s = quantize_per_group_ref(x, bits=bits, group_size=gs)
-    return ((x - dequantize_per_group_ref(q, s, gs)).norm() / x.norm()).item()
-
-
 def _check_error(w, bits, group_size, want=None):
     call = f"quant_error(w of shape {tuple(w.shape)}, {w.dtype}, bits={bits}, " \
            f"group_size={group_size})"
+    x = w.float().clone()                                   # before your call, which gets w
+    gs = x.numel() if group_size is None else group_size
+    # the definition, on the ŵ of the loops over groups above: ‖w − ŵ‖_F / ‖w‖_F
+    x_hat = _naive_dequantize(*_naive_per_group(x, bits, gs), gs)
+    want = ((x - x_hat).norm() / x.norm()).item() if want is None else want
     try:
         got = quant_error(w, bits=bits, group_size=group_size)
     except (ValueError, TypeError) as e:
@@ -790,10 +818,6 @@ def _check_error(w, bits, group_size, want=None):
             " (group_size=None means one group holding the whole tensor)"
             if group_size is None else "")) from e
     assert type(got) is float, f"{call}: expected a Python float, got {type(got).__name__}"
-    want = _ref_error(w, bits, group_size) if want is None else want
-    x = w.float()
-    gs = x.numel() if group_size is None else group_size
-    x_hat = dequantize_per_group_ref(*quantize_per_group_ref(x, bits=bits, group_size=gs), gs)
     why = (" (an all-zero w has error 0.0, not NaN: check ‖w‖ = 0 before dividing)"
            if math.isnan(got) else
            " (that is the squared ratio: divide the norms, not their squares)"
@@ -825,9 +849,9 @@ for _bits in (2, 3, 4, 6, 8):
 # case: a bfloat16 weight, and a 3-d weight
 _check_error(W.to(torch.bfloat16), 4, 64)
 _check_error(torch.randn(3, 4, 9, generator=_g), 5, 10)
-# case: group_size=None against per-tensor absmax int8
-_qt, _st = quantize_absmax_int8_ref(W)
-_want = ((W - dequantize_absmax_int8_ref(_qt, _st)).norm() / W.norm()).item()
+# case: group_size=None against per-tensor absmax int8 (miniquant's)
+_qt, _st = miniquant.quantize_absmax_int8(W)
+_want = ((W - miniquant.dequantize_absmax_int8(_qt, _st)).norm() / W.norm()).item()
 _check_error(W, 8, None, want=_want)
 # case: the error across bit widths 2..8
 _errs = [quant_error(W, bits=_b, group_size=64) for _b in range(2, 9)]
@@ -1000,8 +1024,9 @@ def _ks(q, group_size, magnitude=True):
 
 def _check_wasted(q, bits, group_size, want=None):
     call = f"wasted_fraction(q of shape {tuple(q.shape)}, bits={bits}, group_size={group_size})"
-    got = wasted_fraction(q, bits, group_size)
     want = _naive_wasted(q, bits, group_size) if want is None else want
+    mags, signed = _ks(q, group_size), _ks(q, group_size, False)      # before your call
+    got = wasted_fraction(q, bits, group_size)
     assert isinstance(got, torch.Tensor) and got.dtype == torch.float32, \
         f"{call}: expected a float32 tensor, got {getattr(got, 'dtype', type(got).__name__)}"
     assert got.shape == want.shape, \
@@ -1011,9 +1036,9 @@ def _check_wasted(q, bits, group_size, want=None):
     levels = 2 * (2 ** (bits - 1) - 1) + 1
     k = ((1 - got) * levels - 1) / 2                     # the k your values stand for
     why = (" (that k is the largest |code| of each group, the outlier itself: k is the "
-           "second largest)" if torch.allclose(k, _ks(q, group_size)[:, 0], atol=1e-3) else
+           "second largest)" if torch.allclose(k, mags[:, 0], atol=1e-3) else
            " (that k comes from signed codes: take magnitudes |q|, a large negative code "
-           "counts too)" if torch.allclose(k, _ks(q, group_size, False)[:, 1], atol=1e-3)
+           "counts too)" if torch.allclose(k, signed[:, 1], atol=1e-3)
            else "")
     torch.testing.assert_close(got, want, msg=lambda m: f"{call}{why}:\n{m}")
 
@@ -1029,7 +1054,7 @@ _check_wasted(torch.tensor([[-7, 2], [7, 0]], dtype=torch.int8), 4, 4, want=torc
 # real codes, with one outlier injected
 _w = torch.randn(6, 40, generator=torch.Generator().manual_seed(0))
 _w[2, 5] = 30.0
-_q, _ = quantize_per_group_ref(_w, bits=8, group_size=32)
+_q, _ = _naive_per_group(_w, bits=8, group_size=32)
 _check_wasted(_q, 8, 32)
 # group_size 1: every group has one element, so k = 0 everywhere
 try:
@@ -1048,7 +1073,7 @@ for _bits in (2, 4, 8):
     for _shape, _gs in [((1,), 64), ((65,), 64), ((5, 13), 8), ((3, 4, 9), 7), ((10, 10), 1),
                         ((10, 10), 1000)]:
         _w = torch.randn(*_shape, generator=_g)
-        _check_wasted(quantize_per_group_ref(_w, bits=_bits, group_size=_gs)[0], _bits, _gs)
+        _check_wasted(miniquant.quantize_symmetric_per_group(_w, _bits, _gs)[0], _bits, _gs)
 # case: an all-zero group
 _check_wasted(torch.zeros(8, dtype=torch.int8), 3, 8, want=torch.tensor([1 - 1 / 7]))
 # case: group_size 1 at 3 bits
@@ -1057,7 +1082,7 @@ _check_wasted(torch.tensor([3, -3, 1], dtype=torch.int8), 3, 1,
 # case: the real weight with one outlier injected
 _wo = W.clone()
 _wo[3, 17] = 20 * W.abs().max()
-_q, _ = quantize_per_group_ref(_wo, bits=8, group_size=64)
+_q, _ = miniquant.quantize_symmetric_per_group(_wo, bits=8, group_size=64)
 _check_wasted(_q, 8, 64)
 _frac = wasted_fraction(_q, 8, 64)
 _hit = (3 * W.shape[1] + 17) // 64

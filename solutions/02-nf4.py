@@ -448,6 +448,8 @@ def _bnb_indices(w, blocksize):
 def _check_indices(w, blocksize=64, what=""):
     where = f"{what}shape {tuple(w.shape)} {w.dtype}, blocksize {blocksize}"
     want_idx, want_absmax = _bnb_indices(w, blocksize)
+    flat = w.reshape(-1).float().clone()                # before your call, which gets w
+    signed = torch.stack([b.max() for b in flat.split(blocksize)])
     got = nf4_indices(w, blocksize)
     assert isinstance(got, tuple) and len(got) == 2, \
         f"{where}: expected a tuple (idx, absmax), got {type(got).__name__}"
@@ -464,8 +466,6 @@ def _check_indices(w, blocksize=64, what=""):
         + (" (the work is in float32, whatever w's dtype)"
            if getattr(absmax, "dtype", None) == w.dtype != torch.float32 else "")
     bad = (absmax != want_absmax).nonzero().flatten()
-    flat = w.reshape(-1).float()
-    signed = torch.stack([b.max() for b in flat.split(blocksize)])
     why = " (that is each block's largest value: the absmax is the largest magnitude, " \
           "max |w|)" if len(bad) and torch.equal(absmax[bad], signed[bad]) else ""
     assert len(bad) == 0, \
@@ -475,16 +475,13 @@ def _check_indices(w, blocksize=64, what=""):
     bad = (idx != want_idx).nonzero().flatten()
     if len(bad):
         i = bad[0].item()
-        x = w.reshape(-1)[i].float().item()
+        x = flat[i].item()
         raise AssertionError(
             f"{where}: {len(bad)} of {w.numel()} codes differ from bitsandbytes'; first at flat "
             f"position {i} (block {i // blocksize}, value {x!r}, block absmax "
             f"{want_absmax[i // blocksize].item()!r}): expected code {want_idx[i].item()} "
             f"({CODE[want_idx[i]].item():+.6f}), got {idx[i].item()} "
             f"({CODE[min(int(idx[i]), 15)].item():+.6f})")
-    ref = miniquant.quantize_nf4(w, blocksize)
-    assert torch.equal(idx, ref.codes()) and torch.equal(absmax, ref.absmax), \
-        f"{where}: agrees with bitsandbytes but not with miniquant.quantize_nf4?"
 
 
 # worked by hand: one partial block with absmax 1; 0.5 is below the midpoint 0.5017 of
@@ -498,12 +495,12 @@ _check_indices(randn(100, seed=2), blocksize=32)
 _check_indices(randn(5, 13, seed=3, dtype=torch.float16))
 # Off-limits: the reference and bitsandbytes are switched off while yours runs.
 _w = randn(7, 9, seed=6)
-_want = miniquant.quantize_nf4(_w, 32)
+_want = _bnb_indices(_w, 32)                        # bitsandbytes' codes and absmax, before
 with forbid([(miniquant.nf4, "quantize_nf4"), (miniquant.dynamic, "scale_blocks"),
              (miniquant.dynamic, "nearest_code"), (miniquant.dynamic, "quantize_blockwise_8bit"),
              (bnbF, "quantize_4bit")], globals(), why="nf4_indices must not call it"):
     _got = nf4_indices(_w, 32)
-assert torch.equal(_got[0], _want.codes()) and torch.equal(_got[1], _want.absmax), \
+assert torch.equal(_got[0], _want[0]) and torch.equal(_got[1], _want[1]), \
     "with the reference switched off, nf4_indices gave other codes or absmax"
 print("nf4_indices agrees with bitsandbytes' codes and absmax on the visible cases")
 
@@ -820,31 +817,48 @@ def nf4_dequantize(idx: torch.Tensor, absmax: torch.Tensor, blocksize: int, shap
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_nf4_dequantize", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-def _check_dequant(w, blocksize=64, double_quant=False, what=""):
-    q = miniquant.quantize_nf4(w, blocksize, double_quant=double_quant)
-    want = miniquant.dequantize_nf4(q)
-    where = f"{what}shape {tuple(w.shape)} {w.dtype}, blocksize {blocksize}"
-    got = nf4_dequantize(q.codes(), q.absmax, blocksize, w.shape, w.dtype)
-    assert isinstance(got, torch.Tensor) and got.shape == w.shape and got.dtype == w.dtype, \
-        f"{where}: expected a {w.dtype} tensor of shape {tuple(w.shape)}, got " \
+def _loop_dequant(idx, absmax, blocksize, shape, dtype=torch.float32):
+    """The expected values, one block at a time: CODE[code] * that block's absmax, a float32
+    product, cast to dtype once at the end."""
+    flat = idx.reshape(-1).long()
+    blocks = [CODE[flat[start:start + blocksize]] * absmax[b]
+              for b, start in enumerate(range(0, flat.numel(), blocksize))]
+    return torch.cat(blocks).reshape(shape).to(dtype)
+
+
+def _check_codes_dequant(idx, absmax, blocksize, shape, dtype, where):
+    """nf4_dequantize(idx, absmax, ...) against the loop over blocks, value for value."""
+    want = _loop_dequant(idx, absmax, blocksize, shape, dtype)     # before your call
+    n = idx.numel()
+    values = CODE[idx.long()]
+    cast_first = values.to(dtype) * absmax.repeat_interleave(blocksize)[:n].to(dtype)
+    cycled = (values * absmax.repeat(blocksize)[:n]).to(dtype)
+    idx0, absmax0 = idx.clone(), absmax.clone()
+    got = nf4_dequantize(idx, absmax, blocksize, shape, dtype)
+    assert isinstance(got, torch.Tensor) and got.shape == shape and got.dtype == dtype, \
+        f"{where}: expected a {dtype} tensor of shape {tuple(shape)}, got " \
         f"{getattr(got, 'dtype', type(got).__name__)} {tuple(getattr(got, 'shape', ()))}"
     bad = (got != want).reshape(-1).nonzero().flatten()
     if len(bad):
         i = bad[0].item()
-        values, n = CODE[q.codes().long()], w.numel()
-        cast_first = values.to(w.dtype) * q.absmax.repeat_interleave(blocksize)[:n].to(w.dtype)
-        cycled = values * q.absmax.repeat(blocksize)[:n]
-        why = (f" (the factors were cast to {w.dtype} before the product: form the product in "
+        why = (f" (the factors were cast to {dtype} before the product: form the product in "
                "float32 and cast once, at the end)"
                if torch.equal(got.reshape(-1), cast_first) else
                " (element i takes absmax[i // blocksize], as repeat_interleave gives; repeat "
                "cycles through the blocks)"
-               if torch.equal(got.reshape(-1), cycled.to(w.dtype)) else "")
+               if torch.equal(got.reshape(-1), cycled) else "")
         raise AssertionError(
-            f"{where}: {len(bad)} of {w.numel()} values differ from miniquant.dequantize_nf4; "
-            f"first at flat position {i} (code {q.codes()[i].item()}, block {i // blocksize}, "
-            f"absmax {q.absmax[i // blocksize].item()!r}): expected "
+            f"{where}: {len(bad)} of {n} values differ from CODE[idx] * absmax of each block "
+            f"(a loop over blocks); first at flat position {i} (code {idx0[i].item()}, block "
+            f"{i // blocksize}, absmax {absmax0[i // blocksize].item()!r}): expected "
             f"{want.reshape(-1)[i].item()!r}, got {got.reshape(-1)[i].item()!r}{why}")
+
+
+def _check_dequant(w, blocksize=64, what=""):
+    """Dequantize bitsandbytes' codes and absmax of w (Exercise 2's oracle)."""
+    idx, absmax = _bnb_indices(w, blocksize)
+    _check_codes_dequant(idx, absmax, blocksize, w.shape, w.dtype,
+                         f"{what}shape {tuple(w.shape)} {w.dtype}, blocksize {blocksize}")
 
 
 # by hand: codes 15, 0, 7, 12 of one (partial) block with absmax 2
@@ -865,25 +879,36 @@ _check_dequant(randn(5, 13, seed=14, dtype=torch.bfloat16))
 # Off-limits: the reference and bitsandbytes are switched off while yours runs.
 import miniquant.triton_dequant  # noqa: E402  (loaded lazily: its entry point is switched off too)
 
-_q = miniquant.quantize_nf4(randn(3, 30, seed=11), 32)
-_want = miniquant.dequantize_nf4(_q)
+_idx, _am = _bnb_indices(randn(3, 30, seed=11), 32)
+_want = _loop_dequant(_idx, _am, 32, (3, 30))
 with forbid([(miniquant.nf4, "dequantize_nf4"), (miniquant.NF4Weight, "dequantize"),
              (miniquant.triton_dequant, "triton_dequantize_nf4"), (bnbF, "dequantize_4bit")],
             globals(),
             why="nf4_dequantize must not call it"):
-    _got = nf4_dequantize(_q.codes(), _q.absmax, 32, (3, 30))
+    _got = nf4_dequantize(_idx, _am, 32, (3, 30))
 assert torch.equal(_got, _want), \
     "with the reference switched off, nf4_dequantize gave other values for a (3, 30) weight"
-print("nf4_dequantize equals miniquant.dequantize_nf4 bit for bit on the visible cases")
+print("nf4_dequantize equals CODE[idx] * absmax, block by block, bit for bit on the visible "
+      "cases")
 
 ### BEGIN HIDDEN TESTS
 # case: shapes, blocksizes and dtypes
 for _shape, _bs, _dtype in [((1,), 64, torch.float32), ((2, 96), 64, torch.float16),
                             ((6, 80), 64, torch.bfloat16), ((4, 16, 24), 128, torch.float32),
                             ((3, 1001), 256, torch.float16)]:
-    _check_dequant(randn(*_shape, seed=_bs + 1, dtype=_dtype), _bs, what="hidden: ")
+    _w = randn(*_shape, seed=_bs + 1, dtype=_dtype)
+    _check_dequant(_w, _bs, what="hidden: ")
+    _q = miniquant.quantize_nf4(_w, _bs)
+    assert torch.equal(nf4_dequantize(_q.codes(), _q.absmax, _bs, _shape, _dtype),
+                       miniquant.dequantize_nf4(_q)), \
+        f"shape {_shape} {_dtype}, blocksize {_bs}: differs from miniquant.dequantize_nf4"
 # case: the absmax of a double-quantized weight
-_check_dequant(randn(64 * 300 + 5, seed=15), 64, double_quant=True, what="double quant: ")
+_q = miniquant.quantize_nf4(randn(64 * 300 + 5, seed=15), 64, double_quant=True)
+_check_codes_dequant(_q.codes(), _q.absmax, 64, (64 * 300 + 5,), torch.float32,
+                     "double quant: shape (19205,) torch.float32, blocksize 64")
+assert torch.equal(nf4_dequantize(_q.codes(), _q.absmax, 64, (64 * 300 + 5,)),
+                   miniquant.dequantize_nf4(_q)), \
+    "double quant: differs from miniquant.dequantize_nf4"
 # case: a float32 weight, dequantized to bfloat16
 _q = miniquant.quantize_nf4(randn(9, 7, seed=16), 32)
 _got = nf4_dequantize(_q.codes(), _q.absmax, 32, (9, 7), torch.bfloat16)
@@ -1041,29 +1066,49 @@ def nf4_bits_per_param(numel: int, blocksize: int = 64, double_quant: bool = Fal
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_double_quantize_absmax", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def _loop_dq(absmax, nested_block=256):
+    """The expected (codes, scales, offset), by the rules above, one nested block at a time;
+    a code is the number of DYNAMIC_CODE's midpoints strictly below the scaled value (ties
+    low), counted by comparing with all 255 of them."""
+    offset = absmax.float().mean()                          # torch.mean in float32
+    centred = absmax.float() - offset
+    mids = (DYNAMIC_CODE[:-1] + DYNAMIC_CODE[1:]) / 2
+    codes, scales = [], []
+    for start in range(0, centred.numel(), nested_block):
+        block = centred[start:start + nested_block]
+        if len(block) == nested_block:          # full: times the reciprocal, true scale kept
+            scales.append(block.abs().max())
+            scaled = block * (1 / scales[-1].clamp(min=1e-38))
+        else:                                   # trailing partial: divided, floor kept
+            scales.append(block.abs().max().clamp(min=1e-38))
+            scaled = block / scales[-1]
+        codes.append((mids[None, :] < scaled[:, None]).sum(dim=1))
+    return torch.cat(codes).to(torch.uint8), torch.stack(scales), offset
+
+
 def _check_dq(w, blocksize=64, what=""):
-    q = miniquant.quantize_nf4(w, blocksize, double_quant=True)
-    absmax = miniquant.quantize_nf4(w, blocksize).absmax
+    absmax = _bnb_indices(w, blocksize)[1]              # bitsandbytes' absmax of w's blocks
+    want_codes, want_scales, want_offset = _loop_dq(absmax)        # before your call
     where = f"{what}{absmax.numel()} blocks"
     got = double_quantize_absmax(absmax)
     assert isinstance(got, tuple) and len(got) == 3, \
         f"{where}: expected a tuple (codes, scales, offset), got {type(got).__name__}"
     codes, scales, offset = got
-    for name, t, dtype, numel in (("codes", codes, torch.uint8, q.n_blocks),
-                                  ("scales", scales, torch.float32, q.absmax_scales.numel()),
+    for name, t, dtype, numel in (("codes", codes, torch.uint8, want_codes.numel()),
+                                  ("scales", scales, torch.float32, want_scales.numel()),
                                   ("offset", offset, torch.float32, 1)):
         assert isinstance(t, torch.Tensor) and t.dtype == dtype and t.numel() == numel, \
             f"{where}: {name} should be {dtype} with {numel} element(s), got " \
             f"{getattr(t, 'dtype', type(t).__name__)} with {getattr(t, 'numel', lambda: '?')()}"
-    assert torch.equal(offset.reshape(()), q.absmax_offset.reshape(())), \
-        f"{where}: offset expected {q.absmax_offset.item()!r}, got {offset.reshape(()).item()!r}"
-    assert torch.equal(scales, q.absmax_scales), \
-        f"{where}: scales expected {q.absmax_scales.tolist()}, got {scales.tolist()}"
-    bad = (codes != q.absmax_codes).nonzero().flatten()
+    assert torch.equal(offset.reshape(()), want_offset), \
+        f"{where}: offset expected {want_offset.item()!r}, got {offset.reshape(()).item()!r}"
+    assert torch.equal(scales, want_scales), \
+        f"{where}: scales expected {want_scales.tolist()}, got {scales.tolist()}"
+    bad = (codes != want_codes).nonzero().flatten()
     assert len(bad) == 0, \
-        f"{where}: {len(bad)} of {q.n_blocks} codes differ from quantize_nf4(double_quant=True)" \
-        f"; first at block {bad[0].item()}: expected {q.absmax_codes[bad[0]].item()}, got " \
-        f"{codes[bad[0]].item()}"
+        f"{where}: {len(bad)} of {want_codes.numel()} codes differ from the nearest entries of " \
+        f"DYNAMIC_CODE (a loop over nested blocks); first at block {bad[0].item()}: expected " \
+        f"{want_codes[bad[0]].item()}, got {codes[bad[0]].item()}"
 
 
 # by hand: absmax [1, 3] -> offset 2, centred [-1, 1], one partial nested block of scale 1;
@@ -1125,17 +1170,16 @@ assert (_c == 127).all() and _s.tolist() == [0.0, torch.tensor(1e-38).item()] \
 _check_dq(randn(64 * 300 + 5, seed=18))            # 301 blocks: one full nested block + 45
 _check_dq(randn(4, 128, 512, seed=19))             # 4096 blocks: 16 full nested blocks
 # Off-limits: the reference and bitsandbytes are switched off while yours runs.
-_w = randn(64 * 300 + 5, seed=26)
-_q = miniquant.quantize_nf4(_w, double_quant=True)
-_am = miniquant.quantize_nf4(_w).absmax
+_am = _bnb_indices(randn(64 * 300 + 5, seed=26), 64)[1]
+_want = _loop_dq(_am)
 with forbid([(miniquant.nf4, "quantize_nf4"), (miniquant.dynamic, "quantize_blockwise_8bit"),
              (miniquant.dynamic, "scale_blocks"), (miniquant.dynamic, "nearest_code"),
              (bnbF, "quantize_blockwise")], globals(),
             why="double_quantize_absmax must not call it"):
     _c, _s, _o = double_quantize_absmax(_am)
-assert torch.equal(_c, _q.absmax_codes) and torch.equal(_s, _q.absmax_scales), \
+assert torch.equal(_c, _want[0]) and torch.equal(_s, _want[1]), \
     "with the reference switched off, double_quantize_absmax gave other codes or scales"
-print("double_quantize_absmax equals quantize_nf4(..., double_quant=True) on the visible cases")
+print("double_quantize_absmax follows the rules (a loop over nested blocks) on the visible cases")
 
 ### BEGIN HIDDEN TESTS
 # case: a single block
@@ -1174,8 +1218,18 @@ assert _c[:2].tolist() == [255, 237] and _s.tolist() == [65521.0], \
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_nf4_bits_per_param", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+def _bnb_bits(shape, blocksize=64, double_quant=False):
+    """8 * bytes / numel of what bitsandbytes stores for an NF4 weight of that shape: the
+    packed codes, the absmax (float32, or uint8 codes with double quantization) and, with
+    double quantization, the nested float32 scales and the float32 offset."""
+    packed, state = bnbF.quantize_4bit(torch.zeros(shape), blocksize=blocksize,
+                                       quant_type="nf4", compress_statistics=double_quant)
+    held = [packed, state.absmax] + ([state.state2.absmax, state.offset] if double_quant else [])
+    return 8 * sum(t.numel() * t.element_size() for t in held) / math.prod(shape)
+
+
 def _check_bits(shape, blocksize=64, double_quant=False):
-    want = miniquant.quantize_nf4(torch.zeros(shape), blocksize, double_quant).bits_per_param
+    want = _bnb_bits(shape, blocksize, double_quant)
     numel = math.prod(shape)
     got = nf4_bits_per_param(numel, blocksize, double_quant)
     assert isinstance(got, float), f"expected a Python float, got {type(got).__name__}"
@@ -1186,7 +1240,7 @@ def _check_bits(shape, blocksize=64, double_quant=False):
         if math.isclose(got, 8 * floor_bytes / numel, rel_tol=1e-12) else ""
     assert math.isclose(got, want, rel_tol=1e-12), \
         f"numel {numel}, blocksize {blocksize}, double_quant {double_quant}: expected " \
-        f"{want!r} bits/param (NF4Weight.bits_per_param), got {got!r}{why}"
+        f"{want!r} bits/param (what bitsandbytes stores), got {got!r}{why}"
 
 
 _n = 64 * 256 * 16
@@ -1198,9 +1252,19 @@ assert math.isclose(_got, _dq, rel_tol=1e-12), \
     f"double quant: expected {_dq} (4 + 8/64 + 32/(64*256) + 32/n), got {_got}" + (
         " (32/n is missing: the float32 offset is stored too)"
         if math.isclose(_got, _dq - 32 / _n, rel_tol=1e-12) else "")
+# worked by hand: 1000 weights in blocks of 64 are 500 bytes of codes and 16 blocks (15 full,
+# one of 40): 16 float32 absmax (64 bytes, 564 in all), or 16 uint8 codes + one nested
+# float32 scale + the float32 offset (24 bytes, 524 in all); with 15 blocks, 560 and 523
+for _nested, _bytes, _floor_bytes in [(False, 564, 560), (True, 524, 523)]:
+    _got = nf4_bits_per_param(1000, 64, _nested)
+    assert math.isclose(_got, 8 * _bytes / 1000, rel_tol=1e-12), \
+        f"nf4_bits_per_param(1000, 64, {_nested}): expected 8 * {_bytes} / 1000 = " \
+        f"{8 * _bytes / 1000}, got {_got}" + (
+            " (a partial last block stores a scale too: ceil(1000 / 64) = 16 blocks)"
+            if math.isclose(_got, 8 * _floor_bytes / 1000, rel_tol=1e-12) else "")
 for _args in [((1000,), 64, False), ((1000,), 64, True), ((3, 1001), 128, True)]:
     _check_bits(*_args)
-print("nf4_bits_per_param matches NF4Weight.bits_per_param on the visible cases")
+print("nf4_bits_per_param matches what bitsandbytes stores on the visible cases")
 
 ### BEGIN HIDDEN TESTS
 # case: sizes, blocksizes, with and without double quantization

@@ -402,35 +402,60 @@ for _r in (0, -2, 2.5, "4"):
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_lora_forward", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-def _twin_layers(n_in, n_out, r, alpha, dropout=0.0, use_rslora=False, bias=True, seed=0):
-    """Yours, minituner's and PEFT's layer over copies of one base, with one random A and B."""
+def _twin_layers(n_in, n_out, r, alpha, dropout=0.0, use_rslora=False, bias=True, seed=0,
+                 with_ref=False):
+    """Yours and PEFT's layer over copies of one base, with one random A and B (with_ref:
+    minituner's too, in the middle; None otherwise)."""
     torch.manual_seed(seed)
     base = nn.Linear(n_in, n_out, bias=bias)
     A, B = randn(r, n_in, seed=seed + 1) * 0.3, randn(n_out, r, seed=seed + 2) * 0.3
     with _forbid_reference():
         mine = MyLoRALinear(copy.deepcopy(base), r=r, alpha=alpha, dropout=dropout,
                             use_rslora=use_rslora)
-    ref = minituner.LoRALinear(copy.deepcopy(base), r=r, alpha=alpha, dropout=dropout,
-                               use_rslora=use_rslora)
+    ref = None
+    if with_ref:
+        ref = minituner.LoRALinear(copy.deepcopy(base), r=r, alpha=alpha, dropout=dropout,
+                                   use_rslora=use_rslora)
+        ref.load_state_dict({"lora_A": A, "lora_B": B}, strict=False)
     theirs = peft_linear(base, r, alpha, dropout, use_rslora, A, B)
-    for layer in (mine, ref):
-        layer.load_state_dict({"lora_A": A, "lora_B": B}, strict=False)
+    mine.load_state_dict({"lora_A": A, "lora_B": B}, strict=False)
     return mine, ref, theirs
 
 
-def _check_forward(n_in, n_out, r, alpha, x_shape, use_rslora=False, bias=True, what=""):
+def _dense_lora(x, W, b, A, B, s):
+    """base(x) + s·(x·Aᵀ)·Bᵀ the textbook way, in float64: x·(W + s·B·A)ᵀ + b, then cast to
+    x's dtype (the dense [out, in] product, not the factored one the layer computes)."""
+    W_eff = W.double() + s * (B.double() @ A.double())               # [out, in]
+    y = x.double() @ W_eff.t()                                       # [..., out]
+    return (y if b is None else y + b.double()).to(x.dtype)
+
+
+def _check_forward(n_in, n_out, r, alpha, x_shape, use_rslora=False, bias=True, what="",
+                   with_ref=False):
     where = f"{what}in={n_in}, out={n_out}, r={r}, alpha={alpha}, rslora={use_rslora}, " \
             f"x {tuple(x_shape)}"
-    mine, ref, theirs = _twin_layers(n_in, n_out, r, alpha, use_rslora=use_rslora, bias=bias)
+    mine, ref, theirs = _twin_layers(n_in, n_out, r, alpha, use_rslora=use_rslora, bias=bias,
+                                     with_ref=with_ref)
     x = randn(*x_shape, seed=3)
+    # expectations first: the dense float64 formula, with s = alpha / r or alpha / sqrt(r)
+    s = alpha / (math.sqrt(r) if use_rslora else r)
+    base = theirs.base_layer
+    with torch.no_grad():
+        want = _dense_lora(x, base.weight, base.bias, theirs.lora_A["default"].weight,
+                           theirs.lora_B["default"].weight, s)
+        want_peft = theirs(x)
+        want_ref = ref(x) if ref is not None else None
     with _forbid_reference():
         got = mine(x)
-    want, want_peft = ref(x), theirs(x)
     assert isinstance(got, torch.Tensor) and got.shape == want.shape, \
         f"{where}: expected output shape {tuple(want.shape)}, got " \
         f"{tuple(getattr(got, 'shape', ()))}"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: (
-        f"{where}: your forward differs from minituner.LoRALinear's:\n{m}"))
+        f"{where}: your forward differs from base(x) + s·(x·Aᵀ)·Bᵀ with s = {s!r} "
+        f"(computed densely in float64 as x·(W + s·B·A)ᵀ + b):\n{m}"))
+    if want_ref is not None:
+        torch.testing.assert_close(got, want_ref, rtol=1e-5, atol=1e-5, msg=lambda m: (
+            f"{where}: your forward differs from minituner.LoRALinear's:\n{m}"))
     torch.testing.assert_close(got, want_peft, rtol=1e-5, atol=1e-5, msg=lambda m: (
         f"{where}: your forward differs from PEFT's lora.Linear:\n{m}"))
     return mine, theirs
@@ -468,11 +493,12 @@ print("MyLoRALinear.forward matches minituner.LoRALinear and PEFT, dropout inclu
 
 ### BEGIN HIDDEN TESTS
 # case: a base without bias, 2-D x
-_check_forward(13, 7, 3, 5.0, (4, 13), bias=False, what="hidden: ")
+_check_forward(13, 7, 3, 5.0, (4, 13), bias=False, what="hidden: ", with_ref=True)
 # case: rsLoRA, 4-D x
-_check_forward(17, 33, 16, 8.0, (2, 3, 2, 17), use_rslora=True, what="hidden: ")
+_check_forward(17, 33, 16, 8.0, (2, 3, 2, 17), use_rslora=True, what="hidden: ",
+               with_ref=True)
 # case: rank 1, 1-D x
-_check_forward(9, 5, 1, 1.0, (9,), what="hidden: 1-D x, ")
+_check_forward(9, 5, 1, 1.0, (9,), what="hidden: 1-D x, ", with_ref=True)
 # case: a layer marked merged
 _mine, _, _ = _twin_layers(12, 10, 2, 4.0)
 _mine.merged = True
@@ -1330,8 +1356,33 @@ def _peft_selection(target_modules, r=8, alpha=16.0):
     return names, model.get_nb_trainable_parameters()
 
 
-def _check_wrap(target_modules, r=8, alpha=16.0, want_names=None, with_peft=True, what=""):
+def _lora_counts(names, r):
+    """(trainable, total) of small_gpt() with rank-r factors on `names`, by hand: each layer
+    adds r·in (A) + out·r (B) trainable numbers to the base model's parameters."""
+    base = small_gpt()
+    lora = sum(r * (base.get_submodule(n).in_features + base.get_submodule(n).out_features)
+               for n in names)
+    return lora, sum(p.numel() for p in base.parameters()) + lora
+
+
+def _check_wrap(target_modules, r=8, alpha=16.0, want_names=None, with_peft=True, what="",
+                with_ref=False):
     where = f"{what}wrap(small_gpt(), {target_modules!r}, r={r}, alpha={alpha})"
+    assert want_names is not None or with_peft or with_ref
+    # expectations first: PEFT's selection and counts (and minituner's, with with_ref)
+    if with_peft:
+        peft_names, peft_counts = _peft_selection(target_modules, r, alpha)
+        assert want_names is None or peft_names == want_names
+    if with_ref:
+        ref = small_gpt()
+        ref_names = minituner.wrap_lora(ref, target_modules, r=r, alpha=alpha)
+        ref_counts = minituner.trainable_summary(ref)
+    want_counts = _lora_counts(want_names if want_names is not None
+                               else peft_names if with_peft else ref_names, r)
+    if with_peft:
+        assert peft_counts == want_counts, (peft_counts, want_counts)
+    if with_ref:
+        assert ref_counts == want_counts, (ref_counts, want_counts)
     model = share(small_gpt())
     idx = torch.randint(0, 45, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -1339,18 +1390,14 @@ def _check_wrap(target_modules, r=8, alpha=16.0, want_names=None, with_peft=True
     with _forbid_reference():
         names = wrap(model, target_modules, r=r, alpha=alpha)
         counts = count_trainable(model)
-    ref = small_gpt()
-    ref_names = minituner.wrap_lora(ref, target_modules, r=r, alpha=alpha)
-    ref_counts = minituner.trainable_summary(ref)
     assert isinstance(names, list), f"{where}: expected a list of names, got {type(names).__name__}"
     if want_names is not None:
         assert names == want_names, f"{where}: expected {want_names}, got {names}"
-    assert names == ref_names, f"{where}: minituner.wrap_lora wraps {ref_names}, you returned " \
-                               f"{names}"
+    if with_ref:
+        assert names == ref_names, f"{where}: minituner.wrap_lora wraps {ref_names}, you " \
+                                   f"returned {names}"
     if with_peft:
-        peft_names, peft_counts = _peft_selection(target_modules, r, alpha)
         assert names == peft_names, f"{where}: PEFT wraps {peft_names}, you returned {names}"
-        assert ref_counts == peft_counts
     wrapped = [n for n, m in model.named_modules() if is_instance(m, MyLoRALinear)]
     assert wrapped == names, f"{where}: the model holds MyLoRALinear at {wrapped}, you " \
                              f"returned {names}"
@@ -1364,12 +1411,13 @@ def _check_wrap(target_modules, r=8, alpha=16.0, want_names=None, with_peft=True
     assert isinstance(counts, tuple) and len(counts) == 2 and all(isinstance(c, int)
                                                                   for c in counts), \
         f"count_trainable should return a tuple of two ints, got {counts!r}"
-    slips = {(ref_counts[1], ref_counts[0]): "\nLikely: the order is (trainable, total).",
-             (ref_counts[0], ref_counts[1] - ref_counts[0]):
+    slips = {(want_counts[1], want_counts[0]): "\nLikely: the order is (trainable, total).",
+             (want_counts[0], want_counts[1] - want_counts[0]):
                  "\nLikely: total must count every parameter, the adapter's own included."}
-    assert counts == ref_counts, \
-        f"{where}: count_trainable gives (trainable, total) = {counts}; expected {ref_counts} " \
-        f"(minituner.trainable_summary, and PEFT's get_nb_trainable_parameters())" \
+    assert counts == want_counts, \
+        f"{where}: count_trainable gives (trainable, total) = {counts}; expected {want_counts} " \
+        f"(r·(in + out) per wrapped layer, plus the base model's parameters; PEFT's " \
+        f"get_nb_trainable_parameters() agrees)" \
         f"{slips.get(counts, '')}"
     with torch.no_grad():
         torch.testing.assert_close(model(idx), before, rtol=0, atol=0, msg=lambda m: (
@@ -1401,15 +1449,18 @@ print("wrap selects what PEFT selects (suffix list and full-match regex), freeze
 
 ### BEGIN HIDDEN TESTS
 # case: the output head alone
-_check_wrap(["lm_head"], r=2, alpha=2.0, want_names=["lm_head"], what="hidden: ")
+_check_wrap(["lm_head"], r=2, alpha=2.0, want_names=["lm_head"], what="hidden: ",
+            with_ref=True)
 # case: a regex that also matches a block's norms and submodules
-_check_wrap(r"blocks\.1\..*", r=3, alpha=6.0, with_peft=False, what="hidden: ")
+_check_wrap(r"blocks\.1\..*", r=3, alpha=6.0, with_peft=False, what="hidden: ",
+            with_ref=True)
 # case: a regex that matches every module
-_check_wrap(r".*", r=1, alpha=1.0, with_peft=False, what="hidden: ")
+_check_wrap(r".*", r=1, alpha=1.0, with_peft=False, what="hidden: ", with_ref=True)
 # case: a multi-part suffix in the list
-_check_wrap(["k_proj", "blocks.0.mlp.down_proj"], what="hidden: ")       # a multi-part suffix
+_check_wrap(["k_proj", "blocks.0.mlp.down_proj"], what="hidden: ",      # a multi-part suffix
+            with_ref=True)
 # case: a regex with a character class
-_check_wrap(r"blocks\.0\.attn\.[qk]_proj", what="hidden: ")
+_check_wrap(r"blocks\.0\.attn\.[qk]_proj", what="hidden: ", with_ref=True)
 # case: dropout and rsLoRA passed to wrap
 _m = share(small_gpt())
 wrap(_m, ["o_proj"], r=4, alpha=8.0, dropout=0.1, use_rslora=True)
@@ -1671,7 +1722,8 @@ def load_peft_adapter(model: nn.Module, directory) -> list[str]:
 _IDX = torch.randint(0, 45, (2, 16), generator=torch.Generator().manual_seed(1))
 
 
-def _check_save(target_modules, r=4, alpha=8.0, dropout=0.0, use_rslora=False, what=""):
+def _check_save(target_modules, r=4, alpha=8.0, dropout=0.0, use_rslora=False, what="",
+                with_ref=False):
     where = f"{what}an adapter on {target_modules!r}, r={r}, alpha={alpha}, " \
             f"dropout={dropout}, rslora={use_rslora}"
     model = share(small_gpt())
@@ -1718,12 +1770,24 @@ def _check_save(target_modules, r=4, alpha=8.0, dropout=0.0, use_rslora=False, w
         f"{where}: PeftModel.from_pretrained(your adapter) computes other logits than "
         f"your model:\n{m}"))
     assert theirs.peft_config["default"].use_rslora == use_rslora
-    # and so does the reference loader
-    ref = small_gpt()
-    minituner.load_adapter(ref, d)
-    ref.eval()                         # the layers it creates start in training mode
+    # and so does a fresh base model whose weights get W + s·B·A from the file, s computed
+    # here from r, alpha and use_rslora (a dense merge: no LoRA layer involved)
+    dense = small_gpt()
+    s = alpha / (math.sqrt(r) if use_rslora else r)
     with torch.no_grad():
-        torch.testing.assert_close(ref(_IDX), ours, rtol=0, atol=1e-6)
+        for n in names:
+            w = dense.get_submodule(n).weight
+            w.copy_((w.double() + s * (tensors[f"{PREFIX}{n}.lora_B.weight"].double()
+                                       @ tensors[f"{PREFIX}{n}.lora_A.weight"].double())).float())
+        torch.testing.assert_close(dense(_IDX), ours, rtol=0, atol=1e-5, msg=lambda m: (
+            f"{where}: the base model with W + s·B·A (s = {s!r}) merged from your file computes "
+            f"other logits than your model:\n{m}"))
+    if with_ref:                       # and so does the reference loader
+        ref = small_gpt()
+        minituner.load_adapter(ref, d)
+        ref.eval()                     # the layers it creates start in training mode
+        with torch.no_grad():
+            torch.testing.assert_close(ref(_IDX), ours, rtol=0, atol=1e-6)
     assert (ours - small_gpt()(_IDX)).abs().max() > 1e-3, "the adapter should change the logits"
 
 
@@ -1745,9 +1809,11 @@ print("save_peft_adapter: PeftModel.from_pretrained loads your files and compute
 
 ### BEGIN HIDDEN TESTS
 # case: a regex target, rsLoRA
-_check_save(r"blocks\.\d+\.attn\.(k|o)_proj", r=3, alpha=6.0, use_rslora=True, what="hidden: ")
+_check_save(r"blocks\.\d+\.attn\.(k|o)_proj", r=3, alpha=6.0, use_rslora=True, what="hidden: ",
+            with_ref=True)
 # case: the output head, with dropout
-_check_save(["up_proj", "lm_head"], r=2, alpha=16.0, dropout=0.1, what="hidden: ")
+_check_save(["up_proj", "lm_head"], r=2, alpha=16.0, dropout=0.1, what="hidden: ",
+            with_ref=True)
 # case: a model without LoRA layers
 try:
     save_peft_adapter(small_gpt(), learner_dir(), ["q_proj"])

@@ -273,12 +273,15 @@ def _route_rule(w, logits, e, method, renormalize, bias):
     return _rule_of(w, cands) or " (router math in float32?)"
 
 
-def _naive_route(logits, k, method, renormalize=True, bias=None):
-    """Token by token, in Python: sort (-score, index) pairs, keep k."""
+def _naive_route(logits, k, method="softmax_topk", renormalize=True, bias=None):
+    """Token by token, in Python: the float32 scores of one token (plus the bias, added in
+    float32), its experts sorted by (-score, index) with sorted(), the first k kept; the
+    weights are the unbiased scores of those, divided by their sum if renormalize."""
     W, X = [], []
-    for row in logits.float():
-        s = (row.softmax(-1) if method == "softmax_topk" else row.sigmoid()).tolist()
-        sel = s if bias is None else [a + b for a, b in zip(s, bias.float().tolist(), strict=True)]
+    for row in logits.detach().float():                                  # [E] per token
+        scores = row.softmax(-1) if method == "softmax_topk" else row.sigmoid()
+        s = scores.tolist()
+        sel = s if bias is None else (scores + bias.detach().float()).tolist()
         chosen = sorted(range(len(s)), key=lambda e: (-sel[e], e))[:k]
         w = [s[e] for e in chosen]
         if renormalize:
@@ -289,16 +292,20 @@ def _naive_route(logits, k, method, renormalize=True, bias=None):
 
 
 def _check_route(logits, k, method="softmax_topk", renormalize=True, bias=None, naive=True,
-                 what=""):
+                 what="", library=False):
+    """my_route against the per-token loop above (library=True, for grading: against
+    minimoe.route, and the loop as well unless naive=False)."""
     where = f"{what}my_route(logits {tuple(logits.shape)} {logits.dtype}, k={k}, " \
             f"method={method!r}, renormalize={renormalize}" \
             f"{', bias=...' if bias is not None else ''})"
+    source = "minimoe.route's" if library else "a per-token loop's (sorted() on (-score, index))"
+    want_w, want_e = minimoe.route(logits, k, method, renormalize, bias=bias) if library \
+        else _naive_route(logits, k, method, renormalize, bias)
     with _forbid_reference():
         out = my_route(logits, k, method, renormalize, bias)
     assert isinstance(out, tuple) and len(out) == 2, \
         f"{where}: expected a tuple (weights, experts), got {type(out).__name__}"
     w, e = out
-    want_w, want_e = minimoe.route(logits, k, method, renormalize, bias=bias)
     T = logits.shape[0]
     assert e.shape == (T, k) and e.dtype == torch.int64, \
         f"{where}: experts should be int64 of shape {(T, k)}, got {e.dtype} {tuple(e.shape)}"
@@ -310,9 +317,9 @@ def _check_route(logits, k, method="softmax_topk", renormalize=True, bias=None, 
         f"(best first, ties to the lower index), got {e[bad[0]].tolist()}; logits of that " \
         f"token: {[round(v, 4) for v in logits[bad[0]].float().tolist()]}"
     torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-7, msg=lambda m: (
-        f"{where}: the weights differ from minimoe.route's:\n{m}"
+        f"{where}: the weights differ from {source}:\n{m}"
         f"{_route_rule(w, logits, e, method, renormalize, bias)}"))
-    if naive:
+    if library and naive:
         nw, ne = _naive_route(logits, k, method, renormalize, bias)
         assert torch.equal(e, ne), f"{where}: experts differ from a per-token loop"
         torch.testing.assert_close(w, nw, rtol=1e-5, atol=1e-6)
@@ -352,24 +359,26 @@ for _k in (0, 9):
     else:
         raise AssertionError(f"my_route(logits [3, 8], k={_k}) should raise ValueError (rule: "
                              f"1 <= k <= E)")
-print("softmax_topk: choices, order, ties and weights as minimoe.route, renormalised or not")
+print("softmax_topk: choices, order, ties and weights as a per-token loop, renormalised or "
+      "not")
 
 ### BEGIN HIDDEN TESTS
 # ties everywhere: integer logits, and all-equal logits (every token picks 0..k-1)
 # case: integer logits with many ties
-_check_route(randint(3, 40, 8, seed=3).float(), 2, naive=False, what="hidden: ")
+_check_route(randint(3, 40, 8, seed=3).float(), 2, naive=False, what="hidden: ", library=True)
 # case: all-equal logits
-_w, _e = _check_route(torch.zeros(4, 6), 3, naive=False, what="hidden: ")
+_w, _e = _check_route(torch.zeros(4, 6), 3, naive=False, what="hidden: ", library=True)
 assert _e.tolist() == [[0, 1, 2]] * 4, f"hidden: all-equal logits should pick [0, 1, 2], got {_e}"
 # case: a single token
-_check_route(randn(1, 8, seed=4), 2, what="hidden: ")                       # T = 1
+_check_route(randn(1, 8, seed=4), 2, what="hidden: ", library=True)                       # T = 1
 # case: k equal to the number of experts, not renormalised
-_w, _ = _check_route(randn(5, 4, seed=5), 4, renormalize=False, what="hidden: ")   # k = E
+_w, _ = _check_route(randn(5, 4, seed=5), 4, renormalize=False, what="hidden: ", library=True)
 assert torch.allclose(_w.sum(-1), torch.ones(5)), "hidden: k = E keeps all the softmax mass"
 # case: bfloat16 logits
-_check_route((randn(16, 8, seed=6) * 3).bfloat16(), 2, what="hidden: ")     # bf16 logits
+_check_route((randn(16, 8, seed=6) * 3).bfloat16(), 2, what="hidden: ", library=True)  # bf16 logits
 # case: float64 logits, not renormalised
-_check_route((randn(16, 8, seed=7) * 3).double(), 2, renormalize=False, what="hidden: ")
+_check_route((randn(16, 8, seed=7) * 3).double(), 2, renormalize=False, what="hidden: ",
+             library=True)
 # case: invalid k or method
 for _bad in (dict(k=0), dict(k=9), dict(k=2, method="top2")):
     try:
@@ -400,22 +409,24 @@ except ValueError:
     pass
 else:
     raise AssertionError("a bias with method='softmax_topk' should raise ValueError")
-print("sigmoid_topk: unbiased weights, a selection-only bias, as minimoe.route")
+print("sigmoid_topk: unbiased weights, a selection-only bias, as a per-token loop")
 
 ### BEGIN HIDDEN TESTS
 # case: k = 3 with a larger bias, renormalised
-_check_route(_logits, 3, "sigmoid_topk", renormalize=True, bias=_bias * 2, what="hidden: ")
+_check_route(_logits, 3, "sigmoid_topk", renormalize=True, bias=_bias * 2, what="hidden: ",
+             library=True)
 # case: a single token, k equal to the number of experts, with a bias
 _check_route(randn(1, 6, seed=12), 6, "sigmoid_topk", renormalize=False,
-             bias=randn(6, seed=13), what="hidden: ")                                # T=1, k=E
+             bias=randn(6, seed=13), what="hidden: ", library=True)  # T=1, k=E
 # case: bfloat16 logits and a bfloat16 bias
 _check_route((randn(20, 8, seed=14) * 4).bfloat16(), 2, "sigmoid_topk", renormalize=False,
-             bias=torch.linspace(-0.2, 0.2, 8).bfloat16(), what="hidden: ")          # bf16
+             bias=torch.linspace(-0.2, 0.2, 8).bfloat16(), what="hidden: ", library=True)  # bf16
 # case: two experts tied on the biased score
 # a bias that makes two experts tie on the selection score: the lower index wins
 _lg = torch.zeros(3, 4)
 _w, _e = _check_route(_lg, 1, "sigmoid_topk", renormalize=False,
-                      bias=torch.tensor([0.0, 0.25, 0.25, 0.0]), naive=False, what="hidden: ")
+                      bias=torch.tensor([0.0, 0.25, 0.25, 0.0]), naive=False, what="hidden: ",
+                      library=True)
 assert _e.flatten().tolist() == [1, 1, 1], f"hidden: tie on the biased score -> expert 1: {_e}"
 assert torch.allclose(_w, torch.full((3, 1), 0.5)), "hidden: weights are sigmoid(0) = 0.5"
 # case: gradients with a bias that requires grad
@@ -508,18 +519,34 @@ def my_router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_balancing_loss", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-def _check_balance(logits, experts, want=None, what=""):
+def _naive_balance(logits, experts):
+    """N · Σ_i f_i · P_i with a Python loop over the experts: f_i counted slot by slot,
+    P_i = the mean over the tokens of column i of the float32 softmax (differentiable)."""
+    E = logits.shape[-1]
+    p = logits.float().softmax(dim=-1)                                     # [T, E]
+    slots = experts.flatten().tolist()                                     # T·k expert ids
+    total = torch.zeros((), dtype=torch.float32)
+    for i in range(E):
+        f_i = sum(1 for s in slots if s == i) / len(slots)
+        total = total + f_i * p[:, i].mean()
+    return E * total
+
+
+def _check_balance(logits, experts, want=None, what="", library=False):
+    """my_load_balancing_loss's value and gradient against the loop above (library=True,
+    for grading: against minimoe.load_balancing_loss)."""
     E = logits.shape[-1]
     where = f"{what}my_load_balancing_loss(logits {tuple(logits.shape)} {logits.dtype}, " \
             f"experts {tuple(experts.shape)}) with E = {E}"
+    source = "minimoe" if library else "a loop over the experts"
+    ref_lg = logits.detach().clone().requires_grad_()
+    ref = (minimoe.load_balancing_loss if library else _naive_balance)(ref_lg, experts)
     lg = logits.detach().clone().requires_grad_()
     with _forbid_reference():
         got = my_load_balancing_loss(lg, experts)
     assert isinstance(got, torch.Tensor) and got.dim() == 0 and got.dtype == torch.float32, \
         f"{where}: expected a 0-d float32 tensor, got {getattr(got, 'dtype', type(got))} " \
         f"{tuple(getattr(got, 'shape', ()))}"
-    ref_lg = logits.detach().clone().requires_grad_()
-    ref = minimoe.load_balancing_loss(ref_lg, experts)
     P = logits.float().softmax(-1).mean(0)
     rule = _rule_of(got, {
         "the factor N = E (uniform routing gives exactly 1)": ref / E,
@@ -531,7 +558,7 @@ def _check_balance(logits, experts, want=None, what=""):
         assert abs(got.item() - want) < 1e-5, \
             f"{where}: expected {want}, got {got.item():.6f}{rule}"
     assert abs(got.item() - ref.item()) < 1e-5 * max(1.0, abs(ref.item())), \
-        f"{where}: expected {ref.item():.6f} (minimoe), got {got.item():.6f}{rule}"
+        f"{where}: expected {ref.item():.6f} ({source}), got {got.item():.6f}{rule}"
     assert got.requires_grad, f"{where}: no gradient reached the logits (P_i carries it)"
     got.backward()
     ref.backward()
@@ -553,35 +580,50 @@ _p = _lg.softmax(-1).mean(0)
 _check_balance(_lg, torch.tensor([[0], [0], [0], [1]]).view(2, 2),
                want=2 * (0.75 * _p[0].item() + 0.25 * _p[1].item()))
 _lg = randn(64, 8, seed=21) * 2
-_check_balance(_lg, minimoe.route(_lg, 2)[1])
+_check_balance(_lg, _naive_route(_lg, 2)[1])                 # the experts a top-2 router picks
 _check_balance((randn(24, 8, seed=25) * 3).bfloat16(), distinct_experts(24, 2, 8, seed=25),
                what="bfloat16 logits (P in float32): ")
-print("load-balancing loss: 1.0 when uniform, E when collapsed, minimoe's value and gradient")
+print("load-balancing loss: 1.0 when uniform, E when collapsed, a loop's value and gradient")
 
 ### BEGIN HIDDEN TESTS
 # case: k = 3
 _lg = randn(50, 6, seed=22)
-_check_balance(_lg, minimoe.route(_lg, 3)[1], what="hidden: ")                 # k = 3
+_check_balance(_lg, minimoe.route(_lg, 3)[1], what="hidden: ", library=True)                 # k = 3
 # case: experts that receive no slot
-_check_balance(_lg, torch.full((50, 2), 5), what="hidden: ")              # experts 0-4 unused
+_check_balance(_lg, torch.full((50, 2), 5), what="hidden: ", library=True)  # experts 0-4 unused
 # case: bfloat16 logits
 _check_balance((randn(30, 8, seed=23) * 3).bfloat16(), distinct_experts(30, 2, 8, seed=23),
-               what="hidden: ")
+               what="hidden: ", library=True)
 # case: a single token
-_check_balance(randn(1, 8, seed=24), torch.tensor([[3, 1]]), what="hidden: ")   # T = 1
+_check_balance(randn(1, 8, seed=24), torch.tensor([[3, 1]]), what="hidden: ", library=True)  # T = 1
 # case: one token per expert, equal logits
-_check_balance(torch.zeros(6, 6), torch.arange(6).view(6, 1), want=1.0, what="hidden: ")
+_check_balance(torch.zeros(6, 6), torch.arange(6).view(6, 1), want=1.0, what="hidden: ",
+               library=True)
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_z_loss", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
-def _check_z(logits, want=None, what=""):
+import math
+
+
+def _naive_z(logits):
+    """mean over the tokens of (log Σ_i e^{l_i})², token by token in Python floats
+    (float64), each log-sum-exp as m + log Σ_i e^{l_i - m} with m the token's largest logit."""
+    rows = logits.detach().double().reshape(-1, logits.shape[-1]).tolist()    # [T, E]
+    lse = [max(r) + math.log(sum(math.exp(v - max(r)) for v in r)) for r in rows]
+    return sum(v * v for v in lse) / len(lse)
+
+
+def _check_z(logits, want=None, what="", library=False):
+    """my_router_z_loss against `want`, else the loop above (library=True, for grading:
+    against minimoe.router_z_loss)."""
     where = f"{what}my_router_z_loss(logits {tuple(logits.shape)} {logits.dtype})"
+    ref = want if want is not None else minimoe.router_z_loss(logits).item() if library \
+        else _naive_z(logits)
     with _forbid_reference():
         got = my_router_z_loss(logits)
     assert isinstance(got, torch.Tensor) and got.dim() == 0 and got.dtype == torch.float32, \
         f"{where}: expected a 0-d float32 tensor, got {getattr(got, 'dtype', type(got))} " \
         f"{tuple(getattr(got, 'shape', ()))}"
-    ref = minimoe.router_z_loss(logits).item() if want is None else want
     lse = torch.logsumexp(logits.float(), dim=-1)
     rule = _rule_of(got, {"sign: the z-loss is a positive penalty, +mean(lse²)": -ref,
                           "square the log-sum-exp of each token": lse.mean(),
@@ -605,11 +647,11 @@ print("z-loss: (log E)² for zero logits, means over every leading position")
 ### BEGIN HIDDEN TESTS
 # case: very large logits
 _check_z(torch.full((2, 4), 100.0), want=(100 + torch.tensor(4.0).log().item()) ** 2,
-         what="hidden: ")                               # exp(100) overflows float32
+         what="hidden: ", library=True)                               # exp(100) overflows float32
 # case: bfloat16 logits
-_check_z((randn(16, 8, seed=32) * 5).bfloat16(), what="hidden: ")
+_check_z((randn(16, 8, seed=32) * 5).bfloat16(), what="hidden: ", library=True)
 # case: a single token and a single expert
-_check_z(randn(1, 1, seed=33), what="hidden: ")
+_check_z(randn(1, 1, seed=33), what="hidden: ", library=True)
 # case: the gradient
 _lg = randn(4, 8, seed=34).requires_grad_()
 with _forbid_reference():
@@ -684,15 +726,32 @@ def my_flatten_sort_count(expert_idxs: torch.Tensor, num_experts: int
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_flatten_sort_count", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-def _check_fsc(expert_idxs, E, want=None, what=""):
+def _naive_fsc(expert_idxs, E):
+    """In Python: the slots 0..T·k-1 sorted by (expert, slot) with sorted(), each expert's
+    slots counted one by one, the counts summed up to each expert (its end row)."""
+    flat = [int(v) for v in expert_idxs.reshape(-1).tolist()]            # slot -> expert
+    order = sorted(range(len(flat)), key=lambda s: (flat[s], s))
+    ends, seen = [], 0
+    for e in range(E):
+        seen += sum(1 for v in flat if v == e)
+        ends.append(seen)
+    return [flat[s] for s in order], order, ends
+
+
+def _check_fsc(expert_idxs, E, want=None, what="", library=False):
+    """my_flatten_sort_count against `want`, else the loop above (library=True, for
+    grading: against minimoe.flatten_sort_count)."""
     T, k = expert_idxs.shape
     where = f"{what}my_flatten_sort_count(expert_idxs {tuple(expert_idxs.shape)} " \
             f"{expert_idxs.dtype}, {E})"
+    if want is None and library:
+        ref = minimoe.flatten_sort_count(expert_idxs, E)
+    else:
+        ref = tuple(torch.tensor(v, dtype=torch.int64)
+                    for v in (want if want is not None else _naive_fsc(expert_idxs, E)))
     with _forbid_reference():
         got = my_flatten_sort_count(expert_idxs, E)
     assert isinstance(got, tuple) and len(got) == 3, f"{where}: expected a tuple of three tensors"
-    ref = minimoe.flatten_sort_count(expert_idxs, E) if want is None else \
-        tuple(torch.tensor(v, dtype=torch.int64) for v in want)
     for name, g, r in zip(("sorted_expert_idxs", "sorted_scattered_idxs", "expert_offsets"),
                           got, ref, strict=True):
         assert isinstance(g, torch.Tensor) and g.dtype == torch.int64 and g.shape == r.shape, \
@@ -731,21 +790,21 @@ except ValueError:
 else:
     raise AssertionError("my_flatten_sort_count([[0, 1], [4, 2]], 4) should raise ValueError: "
                          "expert id 4 is outside 0..3 (rule: check the ids)")
-print("flatten_sort_count: stable order, slots, inclusive end offsets — as minimoe")
+print("flatten_sort_count: stable order, slots, inclusive end offsets — as sorted() in Python")
 
 ### BEGIN HIDDEN TESTS
 # case: k = 3
-_check_fsc(distinct_experts(7, 3, 6, seed=42), 6, what="hidden: ")                  # k = 3
+_check_fsc(distinct_experts(7, 3, 6, seed=42), 6, what="hidden: ", library=True)  # k = 3
 # case: a single token
-_check_fsc(torch.tensor([[4, 1, 0]]), 6, what="hidden: ")                           # T = 1
+_check_fsc(torch.tensor([[4, 1, 0]]), 6, what="hidden: ", library=True)  # T = 1
 # case: every token to one expert
-_check_fsc(torch.full((5, 2), 2), 4, what="hidden: ")               # every token to one expert
+_check_fsc(torch.full((5, 2), 2), 4, what="hidden: ", library=True)  # every token to one expert
 # case: a single expert
-_check_fsc(torch.zeros(4, 1, dtype=torch.int64), 1, what="hidden: ")                # E = 1
+_check_fsc(torch.zeros(4, 1, dtype=torch.int64), 1, what="hidden: ", library=True)  # E = 1
 # case: int32 expert ids
-_check_fsc(distinct_experts(33, 2, 8, seed=43).int(), 8, what="hidden: ")           # int32
+_check_fsc(distinct_experts(33, 2, 8, seed=43).int(), 8, what="hidden: ", library=True)  # int32
 # case: only the last experts used
-_check_fsc(torch.tensor([[7, 6], [6, 7]]), 8, what="hidden: ")       # experts 0..5 empty
+_check_fsc(torch.tensor([[7, 6], [6, 7]]), 8, what="hidden: ", library=True)  # experts 0..5 empty
 # case: invalid inputs
 for _bad in ((torch.tensor([[0, 8]]), 8), (torch.tensor([[0, -1]]), 8), (torch.arange(4), 8)):
     try:
@@ -860,32 +919,50 @@ def _count_moe_forward_matmuls(x, w, e, wg, wu, wd):
     return counter.n
 
 
+def _naive_moe(x, w, e, wg, wu, wd):
+    """The MoE layer token by token and choice by choice, dense (three matrix-vector
+    products per (token, choice)): y_t = Σ_j w[t, j] · (silu(x_t Wg_e) ⊙ x_t Wu_e) Wd_e with
+    e = e[t, j]. x [T, C], w/e [T, k], wg/wu [E, C, F], wd [E, F, C] -> [T, C]."""
+    rows = []
+    for t in range(x.shape[0]):
+        y = torch.zeros_like(x[t])                                                  # [C]
+        for j in range(e.shape[1]):
+            i = int(e[t, j])
+            h = F.silu(x[t] @ wg[i]) * (x[t] @ wu[i])                               # [F]
+            y = y + w[t, j].to(x.dtype) * (h @ wd[i])
+        rows.append(y)
+    return torch.stack(rows)
+
+
 def _moe_forward_rule(got, x, w, e, wg, wu, wd):
     """What a wrong output of my_moe_forward most likely did, in words."""
-    terms = torch.stack([moe_loop(x, w * (torch.arange(w.shape[1]) == j), e, wg, wu, wd)
+    terms = torch.stack([_naive_moe(x, w * (torch.arange(w.shape[1]) == j), e, wg, wu, wd)
                          for j in range(w.shape[1])], dim=1)               # [T, k, C]
     last = terms.gather(1, e.argmax(1)[:, None, None].expand(-1, 1, x.shape[1]))[:, 0]
     return _rule_of(got, {
-        "gate weight: multiply each expert's output by its weight": moe_loop(
+        "gate weight: multiply each expert's output by its weight": _naive_moe(
             x, torch.ones_like(w), e, wg, wu, wd),
-        "silu of the gate projection x·W_gate, times x·W_up (not the other way)": moe_loop(
+        "silu of the gate projection x·W_gate, times x·W_up (not the other way)": _naive_moe(
             x, w, e, wu, wg, wd),
         "sum the k gated experts of each token (index_add; assigning rows keeps only the "
         "last expert)": last}, rtol=1e-4, atol=1e-5)
 
 
 def _check_moe_forward(T, C, F_, E, k, seed=0, dtype=torch.float32, experts=None, what="",
-                       count=False):
+                       count=False, library=False):
+    """my_moe_forward against the token-by-token loop above (library=True, for grading:
+    against minimoe.reference.moe_loop)."""
     x, w, e, wg, wu, wd = moe_case(T, C, F_, E, k, seed, dtype, experts)
     where = f"{what}my_moe_forward on T={T}, C={C}, F={F_}, E={E}, k={k}, {dtype}"
+    source = "minimoe.reference.moe_loop" if library else "a token-by-token loop"
+    want = (moe_loop if library else _naive_moe)(x, w, e, wg, wu, wd)
     with _forbid_reference():
         got = my_moe_forward(x, w, e, wg, wu, wd)
-    want = moe_loop(x, w, e, wg, wu, wd)
     assert isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == x.dtype, \
         f"{where}: expected a {x.dtype} tensor of shape {tuple(want.shape)}, got " \
         f"{getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))}"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: (
-        f"{where}: the output differs from minimoe.reference.moe_loop:\n{m}"
+        f"{where}: the output differs from {source}:\n{m}"
         f"{_moe_forward_rule(got, x, w, e, wg, wu, wd)}"))
     if count:
         with _forbid_reference():
@@ -905,16 +982,18 @@ print("my_moe_forward: equals the per-token loop, with at most 3 matrix products
 
 ### BEGIN HIDDEN TESTS
 # case: a single token
-_check_moe_forward(T=1, C=24, F_=40, E=8, k=2, seed=3, what="hidden: ")              # T = 1
+_check_moe_forward(T=1, C=24, F_=40, E=8, k=2, seed=3, what="hidden: ", library=True)  # T = 1
 # case: k = 3
-_check_moe_forward(T=9, C=16, F_=24, E=6, k=3, seed=4, what="hidden: ")              # k = 3
+_check_moe_forward(T=9, C=16, F_=24, E=6, k=3, seed=4, what="hidden: ", library=True)  # k = 3
 # case: experts without tokens
-_check_moe_forward(T=6, C=8, F_=12, E=4, k=2, seed=5, what="hidden: ",        # experts 0, 3 idle
+# experts 0, 3 idle
+_check_moe_forward(T=6, C=8, F_=12, E=4, k=2, seed=5, what="hidden: ", library=True,
                    experts=torch.tensor([[1, 2], [2, 1]] * 3))
 # case: a single expert
-_check_moe_forward(T=8, C=8, F_=12, E=1, k=1, seed=6, what="hidden: ")               # E = 1
+_check_moe_forward(T=8, C=8, F_=12, E=1, k=1, seed=6, what="hidden: ", library=True)  # E = 1
 # case: float64 inputs
-_check_moe_forward(T=10, C=12, F_=20, E=5, k=2, seed=7, dtype=torch.float64, what="hidden: ")
+_check_moe_forward(T=10, C=12, F_=20, E=5, k=2, seed=7, dtype=torch.float64, what="hidden: ",
+                   library=True)
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_moe_backward", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
@@ -933,12 +1012,15 @@ def _moe_grads(fn, inputs, experts, dout, forbid_ref=False):
     return [t.grad for t in leaves]
 
 
-def _check_moe_backward(T, C, F_, E, k, seed=0, dtype=torch.float32, experts=None, what=""):
+def _check_moe_backward(T, C, F_, E, k, seed=0, dtype=torch.float32, experts=None, what="",
+                        library=False):
+    """Autograd through my_moe_forward against autograd through the token-by-token loop
+    (library=True, for grading: through minimoe.reference.moe_loop)."""
     x, w, e, wg, wu, wd = moe_case(T, C, F_, E, k, seed, dtype, experts)
     dout = randn(T, C, seed=seed + 9, dtype=dtype)
     where = f"{what}gradients of my_moe_forward on T={T}, C={C}, F={F_}, E={E}, k={k}, {dtype}"
+    want = _moe_grads(moe_loop if library else _naive_moe, (x, w, wg, wu, wd), e, dout)
     got = _moe_grads(my_moe_forward, (x, w, wg, wu, wd), e, dout, forbid_ref=True)
-    want = _moe_grads(moe_loop, (x, w, wg, wu, wd), e, dout)
     for name, g, r in zip(NAMES, got, want, strict=True):
         assert g is not None, \
             f"{where}: no gradient reached {name} (is something detached, or computed " \
@@ -962,14 +1044,15 @@ print("my_moe_forward backward: dx, dgates, dw_gate, dw_up, dw_down equal the lo
 ### BEGIN HIDDEN TESTS
 # case: experts without tokens
 # experts 0 and 3 receive nothing: their gradients are exact zeros, not NaN, not missing
-_check_moe_backward(T=6, C=8, F_=12, E=4, k=2, seed=5, what="hidden: ",
+_check_moe_backward(T=6, C=8, F_=12, E=4, k=2, seed=5, what="hidden: ", library=True,
                     experts=torch.tensor([[1, 2], [2, 1]] * 3))
 # case: k = 3
-_check_moe_backward(T=9, C=16, F_=24, E=6, k=3, seed=4, what="hidden: ")
+_check_moe_backward(T=9, C=16, F_=24, E=6, k=3, seed=4, what="hidden: ", library=True)
 # case: a single token
-_check_moe_backward(T=1, C=8, F_=12, E=8, k=2, seed=3, what="hidden: ")
+_check_moe_backward(T=1, C=8, F_=12, E=8, k=2, seed=3, what="hidden: ", library=True)
 # case: float64, every token to one expert
 _check_moe_backward(T=5, C=8, F_=12, E=3, k=1, seed=8, dtype=torch.float64, what="hidden: ",
+                    library=True,
                     experts=torch.full((5, 1), 2))                     # every token to one expert
 ### END HIDDEN TESTS
 
@@ -1024,8 +1107,24 @@ def my_update_selection_bias(bias: torch.Tensor, tokens_per_expert: torch.Tensor
 from course.notebook.harness import unchanged
 
 
-def _check_bias(bias, counts, rate, want=None, what=""):
+def _naive_bias(bias, counts, rate):
+    """Expert by expert in Python: b_i + rate if c_i is below the mean count, b_i - rate if
+    above, b_i if on it; float32."""
+    load = [float(c) for c in counts.tolist()]
+    mean = sum(load) / len(load)
+    return torch.tensor([b + rate * ((c < mean) - (c > mean))
+                         for b, c in zip(bias.float().tolist(), load, strict=True)],
+                        dtype=torch.float32)
+
+
+def _check_bias(bias, counts, rate, want=None, what="", library=False):
+    """my_update_selection_bias against `want`, else the loop above (library=True, for
+    grading: against minimoe.update_selection_bias)."""
     where = f"{what}my_update_selection_bias({bias.tolist()}, {counts.tolist()}, {rate})"
+    if want is not None:
+        want = torch.tensor(want, dtype=torch.float32)
+    else:
+        want = (minimoe.update_selection_bias if library else _naive_bias)(bias, counts, rate)
     with _forbid_reference(), unchanged(f"{where}: no update in place, return a new tensor",
                                         bias=bias):
         got = my_update_selection_bias(bias, counts, rate)
@@ -1033,8 +1132,6 @@ def _check_bias(bias, counts, rate, want=None, what=""):
         and got.shape == bias.shape, \
         f"{where}: expected a float32 tensor of shape {tuple(bias.shape)}, got " \
         f"{getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))}"
-    ref = minimoe.update_selection_bias(bias, counts, rate)
-    want = ref if want is None else torch.tensor(want, dtype=torch.float32)
     b, load = bias.float(), counts.float()
     rule = _rule_of(got, {
         "sign: underloaded experts (below the mean load) move UP": 2 * b - want,
@@ -1051,16 +1148,18 @@ _check_bias(torch.zeros(4), torch.tensor([4, 22, 10, 4]), 0.01, want=[0.01, -0.0
 _check_bias(torch.tensor([0.5, -0.2, 0.0]), torch.tensor([1.0, 7.0, 1.0]), 0.1)
 _check_bias(torch.tensor([0.25, 0.0], dtype=torch.bfloat16), torch.tensor([2, 6]), 0.125,
             what="a bfloat16 bias (the result is float32): ")
-print("update_selection_bias: up for the underloaded, down for the overloaded, as minimoe")
+print("update_selection_bias: up for the underloaded, down for the overloaded, as a loop")
 
 ### BEGIN HIDDEN TESTS
 # case: a balanced load
-_check_bias(torch.linspace(-1, 1, 8), torch.full((8,), 5), 0.3, what="hidden: ")  # balanced
+# balanced
+_check_bias(torch.linspace(-1, 1, 8), torch.full((8,), 5), 0.3, what="hidden: ", library=True)
 # case: a rate of 0
-_check_bias(torch.ones(6), torch.tensor([0, 0, 0, 0, 0, 12]), 0.0, what="hidden: ")  # rate 0
+# rate 0
+_check_bias(torch.ones(6), torch.tensor([0, 0, 0, 0, 0, 12]), 0.0, what="hidden: ", library=True)
 # case: a bfloat16 bias
 _check_bias(torch.zeros(5, dtype=torch.bfloat16), torch.tensor([3, 1, 4, 1, 5]), 0.05,
-            what="hidden: ")
+            what="hidden: ", library=True)
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -1138,6 +1237,19 @@ def _yours_in_the_model():
         yield
 
 
+@contextlib.contextmanager
+def _loops_in_the_model():
+    """The per-token loops of the tests above (router, balancing loss, MoE layer) stand in
+    for minimoe's wherever the model reaches them: what the model computes, found without
+    the library functions this lab rebuilds."""
+    loops = {minimoe.route: _naive_route, minimoe.load_balancing_loss: _naive_balance,
+             minimoe.dispatch_torch: _naive_moe}
+    with contextlib.ExitStack() as stack:
+        for reference, loop in loops.items():
+            stack.enter_context(swap(reference, loop, globals()))
+        yield
+
+
 def run_moe(model, idx):
     with torch.no_grad():
         logits = model(idx)
@@ -1145,7 +1257,8 @@ def run_moe(model, idx):
 
 
 _idx = eval_batch()
-_want = run_moe(moe_model, _idx)
+with _loops_in_the_model():
+    _want = run_moe(moe_model, _idx)
 with _yours_in_the_model():
     _got = run_moe(moe_model, _idx)
 for _i, (_g, _w) in enumerate(zip(_got[1], _want[1], strict=True)):

@@ -493,13 +493,24 @@ def _launch_group(T, N, k, E=4, BLOCK_M=16, BLOCK_N=16, with_coeff=True, seed=0)
     _close(buf[:M, :N], want, where, rtol=1e-6, atol=1e-6, hint=hint)
 
 
-def _check_my_group(T, N, k, E=4, with_coeff=False, seed=0, check_spy=False):
+def _naive_group(X, ssi, fan_out, coeff=None):
+    """Sorted row by sorted row, in Python: row i = X[ssi[i] // fan_out], times
+    coeff.flatten()[ssi[i]] when a coeff is given. [M, N] in X's dtype."""
+    c = None if coeff is None else coeff.reshape(-1)
+    rows = [X[s // fan_out] if c is None else X[s // fan_out] * c[s] for s in ssi.tolist()]
+    return torch.stack(rows) if rows else X.new_empty(0, X.shape[1])
+
+
+def _check_my_group(T, N, k, E=4, with_coeff=False, seed=0, check_spy=False, library=False):
+    """my_group against the row-by-row loop above (library=True, for grading: against
+    minimoe.group)."""
     g = torch.Generator().manual_seed(seed)
     _, ssi, _ = flatten_sort_count(harness.expert_routing(T, k, E, seed), E)
     X = torch.randn(T, N, generator=g).to(DEVICE)
     coeff = (torch.rand(T, k, generator=g) + 0.5).to(DEVICE) if with_coeff else None
     ssi = ssi.to(DEVICE)
-    want = minimoe.group(X, ssi, fan_out=k, coeff=coeff)
+    want = minimoe.group(X, ssi, fan_out=k, coeff=coeff) if library else \
+        _naive_group(X, ssi, k, coeff)
     with harness.forbid(_REFERENCE, globals()):
         got = my_group(X, ssi, fan_out=k, coeff=coeff)
     where = f"my_group(X [{T}, {N}], ssi, fan_out={k}, coeff {'[T, k]' if with_coeff else None})"
@@ -522,7 +533,7 @@ for _what, _args in (("sorted_scattered_idxs of 11 entries for M = 12",
         except ValueError:
             continue
     raise AssertionError(f"my_group accepted {_what}; expected a ValueError")
-print("group_kernel and my_group match minimoe.group, strides and masks included")
+print("group_kernel and my_group match a row-by-row gather, strides and masks included")
 
 ### BEGIN HIDDEN TESTS
 # case: the kernel launched directly, several tile sizes and routings
@@ -530,8 +541,8 @@ _launch_group(1, 24, 1, E=1, BLOCK_M=16, BLOCK_N=32, seed=3)
 _launch_group(33, 40, 2, E=8, BLOCK_M=16, BLOCK_N=16, seed=4)
 _launch_group(11, 24, 3, E=8, BLOCK_M=32, BLOCK_N=16, seed=5)
 # case: my_group with and without coeff, and the wrapper launches the kernel
-_check_my_group(33, 24, 2, E=8, with_coeff=True, seed=6, check_spy=True)
-_check_my_group(4, 40, 1, with_coeff=False, seed=7, check_spy=True)
+_check_my_group(33, 24, 2, E=8, with_coeff=True, seed=6, check_spy=True, library=True)
+_check_my_group(4, 40, 1, with_coeff=False, seed=7, check_spy=True, library=True)
 # case: coeff given flat [M]
 _Xg = torch.randn(6, 24).to(DEVICE)
 _, _ssig, _ = flatten_sort_count(harness.expert_routing(6, 2, 4, 8), 4)
@@ -1010,13 +1021,18 @@ assert tuple(_Y0.shape) == (0, 40), \
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_moe_linear", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-def _check_moe_linear(T, K, N, E, k, seed=0, **routing):
+def _check_moe_linear(T, K, N, E, k, seed=0, library=False, **routing):
+    """moe_linear against linear_loop with gates, the token-by-token loop (library=True, for
+    grading: against minimoe.parallel_linear's forward, itself checked against the loop)."""
     x, W, idx = _problem(T, K, N, E, k, seed, **routing)
     g = torch.Generator().manual_seed(seed + 7)
     gates = torch.softmax(torch.randn(T, k, generator=g), -1).to(DEVICE)
-    sei, ssi, offsets = flatten_sort_count(idx, E)
-    want = minimoe.parallel_linear_from_indices(x, W, k, sei, ssi, offsets, gates=gates)
-    _close(want, linear_loop(x, W, idx, gates=gates), "parallel_linear vs linear_loop (setup)")
+    want = linear_loop(x, W, idx, gates=gates)                          # [T, N]
+    if library:
+        sei, ssi, offsets = flatten_sort_count(idx, E)
+        ref = minimoe.parallel_linear_from_indices(x, W, k, sei, ssi, offsets, gates=gates)
+        _close(ref, want, "parallel_linear vs linear_loop (setup)")
+        want = ref
     with harness.forbid(_REFERENCE, globals()):
         got = moe_linear(x, W, idx, gates)
     where = f"moe_linear, {harness.describe(x, W, idx)}"
@@ -1033,14 +1049,14 @@ _check_moe_linear(33, 40, 24, 8, 2, seed=1)
 _x, _W, _idx = _problem(4, 24, 24, 4, 2, seed=6)
 _expect_value_error("gates [T, 1] for k = 2", ["gates"],
                     lambda: moe_linear(_x, _W, _idx, torch.ones(4, 1, device=DEVICE)))
-print("moe_linear matches the forward of minimoe.parallel_linear with gates")
+print("moe_linear matches reference.linear_loop with gates")
 
 ### BEGIN HIDDEN TESTS
 # case: one token, k = 3, one expert used, one expert in all
-_check_moe_linear(1, 24, 24, 4, 2, seed=2)                     # T = 1
-_check_moe_linear(11, 24, 40, 8, 3, seed=3, skip=5)            # k = 3, an unused expert
-_check_moe_linear(9, 40, 40, 4, 1, seed=4, only=[2])           # every token to one expert
-_check_moe_linear(5, 24, 24, 1, 1, seed=5)                     # E = 1
+_check_moe_linear(1, 24, 24, 4, 2, seed=2, library=True)                     # T = 1
+_check_moe_linear(11, 24, 40, 8, 3, seed=3, library=True, skip=5)   # k = 3, an unused expert
+_check_moe_linear(9, 40, 40, 4, 1, seed=4, library=True, only=[2])  # every token to one expert
+_check_moe_linear(5, 24, 24, 1, 1, seed=5, library=True)                     # E = 1
 # case: gates of the wrong shape
 _x, _W, _idx = _problem(4, 24, 24, 4, 2, seed=6)
 _expect_value_error("gates [T, k+1]", ["gates"],

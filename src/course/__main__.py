@@ -33,7 +33,8 @@ def _cell_timeout(args) -> int:
 
 
 def _grade(args) -> int:
-    from .grader.grading import grade, merge_into, read_csv
+    from .grader.grades_csv import merge_into, read_csv
+    from .grader.grading import grade
 
     out = Path(args.out) if args.out else Path(args.root) / "build" / "grades"
     if args.merge:

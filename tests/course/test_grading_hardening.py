@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -24,9 +25,9 @@ import nbformat
 import pytest
 
 from course.authoring.build import source_notebook
-from course.grader import grading, journal, jupyter_kernel, sandbox
-from course.grader.autograde import Cell, Test, plan
+from course.grader import grades_csv, grading, journal, jupyter_kernel, sandbox
 from course.grader.feedback import render
+from course.grader.plan import Cell, Test, plan
 from course.grader.printable import LINE_CONTROL, printable
 from labkit.errors import InputError
 
@@ -63,15 +64,15 @@ def test_two_students_sharing_a_key_are_refused(tmp_path, monkeypatch):
                                   "\t=1", "\r=1"])
 def test_grades_csv_holds_no_formula_and_reads_back(tmp_path, evil):
     path = tmp_path / "grades.csv"
-    row = grading.GradeRow(evil, LAB, 1, 2, evil)
-    grading.write_csv([row], path)
+    row = grades_csv.GradeRow(evil, LAB, 1, 2, evil)
+    grades_csv.write_csv([row], path)
     with open(path, newline="", encoding="utf-8") as f:
         raw = list(csv.reader(f))[1]
     shown = printable(evil)                     # a tab or carriage return is a space there
     assert raw[0] == raw[4] == "'" + shown, raw
-    assert [(r.student, r.status) for r in grading.read_csv(path)] == [(shown, shown)]
+    assert [(r.student, r.status) for r in grades_csv.read_csv(path)] == [(shown, shown)]
     text = path.read_bytes()
-    grading.merge_into(path, [])                            # a merge adds no second quote
+    grades_csv.merge_into(path, [])                            # a merge adds no second quote
     assert path.read_bytes() == text
 
 
@@ -211,6 +212,59 @@ def test_a_test_that_kills_the_learners_kernel_keeps_its_helpers():
     assert status == {"t1": ("dead", 0), "t2": ("ok", 1)}, (status, out.notes)
 
 
+@pytest.mark.parametrize("where", ["course/grader/plan.py", "course/authoring/edition.py",
+                                   "minimoe/__init__.py", "miniquant/nf4.py"])
+def test_the_journal_key_covers_the_grader_the_stub_lists_and_the_references(tmp_path,
+                                                                              monkeypatch, where):
+    """A grade depends on the grader's code, on which names the student edition stubs, and
+    on the references the trusted tests call: a change to any of them grades again."""
+    import importlib.util
+
+    for package in journal.GRADED_PACKAGES:
+        shutil.copytree(Path(importlib.util.find_spec(package).origin).parent,
+                        tmp_path / package)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: found(name) if name not in
+                        journal.GRADED_PACKAGES else importlib.util.spec_from_file_location(
+                            name, tmp_path / name / "__init__.py"))
+    before = journal.grader_sha256()
+    with open(tmp_path / where, "a", encoding="utf-8") as f:
+        f.write("\n# edited\n")
+    assert journal.grader_sha256() != before, f"editing {where} left the journal key as it was"
+
+
+@pytest.mark.parametrize("own_env", [True, False])
+def test_without_a_sandbox_a_kernels_temporary_files_go_with_it(tmp_path, monkeypatch, own_env):
+    """`make check` (own_env) and --unsafe-no-sandbox run kernels on the host: what their code
+    and the bridge's folders (learner_dir) put in temporary files is removed with them."""
+    import tempfile
+
+    from course.grader.autograde import grade_notebook
+
+    host = tmp_path / "host-tmp"
+    host.mkdir()
+    monkeypatch.setenv("TMPDIR", str(host))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    nb = nbformat.v4.new_notebook()
+    test = nbformat.v4.new_code_cell("from course.notebook.bridged import learner_dir\n"
+                                     "assert learner_dir()")
+    test.metadata["nbgrader"] = {"schema_version": 3, "locked": True, "solution": False,
+                                 "task": False, "grade": True, "grade_id": "t", "points": 1}
+    nb.cells = [nbformat.v4.new_code_cell("import tempfile\nfolder = tempfile.mkdtemp()\n"
+                                          "open(tempfile.mkstemp()[1], 'w').close()\n"
+                                          "print(tempfile.gettempdir())"), test]
+    out = grade_notebook(nb, nb, sandbox.Sandbox(ROOT, unsafe=True, own_env=own_env),
+                         timeout=60)
+    assert [c.earned for c in out.cells if c.kind == "test"] == [1], out.notes
+    scratch = Path(out.cells[0].outputs[0]["text"].strip())
+    assert scratch.name == "tmp" and not scratch.exists(), \
+        f"the kernel's temporary folder {scratch} is not its own, removed with it"
+    # the zygote's folder is the grading run's, removed when the grading process exits
+    left = sorted(p.name for p in host.iterdir() if not p.name.startswith("labkit-zygote-"))
+    assert not left, f"a kernel run without a sandbox left temporary files on the host: {left}"
+
+
 def test_the_journal_key_covers_the_tests_setup_and_tags_not_the_solutions():
     """A row is reused only while what decides it is unchanged: the test cells, the ordinary
     cells the trusted kernel may run as their setup, and which cells are jupyter-only."""
@@ -233,7 +287,7 @@ def test_the_journal_key_covers_the_tests_setup_and_tags_not_the_solutions():
     assert grading.tests_digest(source) != digest, "a jupyter-only tag changes the key"
 
 
-# No run erases a grade (grading.settle): a fake grade_one scores a notebook by the "score" in
+# No run erases a grade (grades_csv.settle): a fake grade_one scores a notebook by the "score" in
 # its metadata; what is not a notebook goes through the real one ("not a readable notebook").
 LAB1 = "01-quant-basics"
 
@@ -258,7 +312,7 @@ def fake_grading(monkeypatch):
         page = journal.feedback_path(out, student, lab)
         page.parent.mkdir(parents=True, exist_ok=True)
         page.write_text("page")
-        return grading.GradeRow(student, lab, meta["score"], grading.max_points(source_nb),
+        return grades_csv.GradeRow(student, lab, meta["score"], grading.max_points(source_nb),
                                 "; ".join(["graded", *meta["notes"]]))
 
     monkeypatch.setattr(grading, "grade_one", fake)
@@ -267,7 +321,7 @@ def fake_grading(monkeypatch):
 
 
 def rows_of(out: Path) -> dict:
-    return {(r.student, r.lab): r for r in grading.read_csv(out / "grades.csv")}
+    return {(r.student, r.lab): r for r in grades_csv.read_csv(out / "grades.csv")}
 
 
 def journaled(out: Path, student: str, lab: str) -> tuple:
@@ -327,25 +381,25 @@ def test_a_lower_grade_says_why_and_a_rerun_keeps_it(tmp_path, fake_grading, cap
 
 def test_a_merge_never_erases_a_grade_and_says_when_it_lowers_one(tmp_path, capsys):
     path = tmp_path / "grades.csv"
-    grading.write_csv([grading.GradeRow("ann", LAB, 11, 11, "graded"),
-                       grading.GradeRow("bob", LAB, 9, 11, "graded"),
-                       grading.GradeRow("cy", LAB, 0, 11, "not submitted")], path)
-    shard = [grading.GradeRow("ann", LAB, 0, 11, "not submitted"),
-             grading.GradeRow("bob", LAB, 0, 11, "not a readable notebook (ValueError)"),
-             grading.GradeRow("cy", LAB, 0, 11, "not a readable notebook (ValueError)")]
-    grading.merge_into(path, shard, "merged from b.csv")
+    grades_csv.write_csv([grades_csv.GradeRow("ann", LAB, 11, 11, "graded"),
+                       grades_csv.GradeRow("bob", LAB, 9, 11, "graded"),
+                       grades_csv.GradeRow("cy", LAB, 0, 11, "not submitted")], path)
+    shard = [grades_csv.GradeRow("ann", LAB, 0, 11, "not submitted"),
+             grades_csv.GradeRow("bob", LAB, 0, 11, "not a readable notebook (ValueError)"),
+             grades_csv.GradeRow("cy", LAB, 0, 11, "not a readable notebook (ValueError)")]
+    grades_csv.merge_into(path, shard, "merged from b.csv")
     rows = rows_of(tmp_path)
     assert [(rows[(s, LAB)].score, rows[(s, LAB)].status) for s in ("ann", "bob", "cy")] == [
         (11, "graded"), (9, "graded"), (0, "not a readable notebook (ValueError)")], \
         "a row without a grade never replaces a grade (it may replace another such row)"
     assert f"bob {LAB}: not a readable notebook (ValueError); kept the recorded 9 / 11" in \
         capsys.readouterr().out
-    lower = [grading.GradeRow("ann", LAB, 4, 11, "graded")]
-    grading.merge_into(path, lower, "merged from c.csv")
+    lower = [grades_csv.GradeRow("ann", LAB, 4, 11, "graded")]
+    grades_csv.merge_into(path, lower, "merged from c.csv")
     assert rows_of(tmp_path)[("ann", LAB)].status == \
         "graded; lower than the recorded 11 / 11 (merged from c.csv)", "--merge says why"
     text = path.read_bytes()
-    grading.merge_into(path, lower, "merged from c.csv")
+    grades_csv.merge_into(path, lower, "merged from c.csv")
     assert path.read_bytes() == text, "merging the same rows again changes nothing"
 
 
@@ -399,6 +453,11 @@ frame = b"x" * (8 << 20)
 if sys.argv[2] == "many":                 # 30 messages of 8 MiB
     for _ in range(30):
         iopub.send(frame, copy=False)
+elif sys.argv[2] == "large":              # 12 messages of 40 MiB, each over MAX_MESSAGE
+    for _ in range(12):
+        iopub.send(frame * 5, copy=False)
+elif sys.argv[2] == "huge":               # one frame over MAX_FRAME
+    iopub.send(b"x" * (300 << 20), copy=False)
 else:                                     # one message of 40 frames of 8 MiB
     iopub.send_multipart([frame] * 40, copy=False)
 print("sent", flush=True)
@@ -414,7 +473,7 @@ def rss_mib() -> float:
 
 
 @pytest.mark.parametrize("flood, through", [("many", "client"), ("many", "relay"),
-                                            ("multipart", "relay")])
+                                            ("multipart", "relay"), ("large", "relay")])
 def test_a_flood_of_output_is_held_in_bytes(tmp_path, flood, through):
     """320 MiB sent while the grader reads nothing: it holds a few messages' worth, and once
     it has drained them (as Kernel.run does before a request), the kernel's next message
@@ -451,6 +510,34 @@ def test_a_flood_of_output_is_held_in_bytes(tmp_path, flood, through):
         kernel.kill()
         if relay:
             relay.close()
+
+
+def test_a_frame_past_the_relays_cap_ends_the_relay_at_once(tmp_path):
+    """ZMQ drops a connection that sends a frame over MAX_FRAME, and what was sent meanwhile
+    is lost (the kernel's idle status among it): the relay ends, so the grader counts the
+    kernel dead now rather than at the cell's time limit."""
+    from course.grader.relay import Relay
+
+    info = {"transport": "ipc", "ip": str(tmp_path / "kernel"), "shell_port": 1,
+            "iopub_port": 2, "stdin_port": 3, "control_port": 4, "hb_port": 5, "key": "k",
+            "signature_scheme": "hmac-sha256"}
+    kernel = subprocess.Popen([sys.executable, "-c", FAKE_KERNEL, f"ipc://{info['ip']}-2",
+                               "huge"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    relay = Relay(info)
+    client = jupyter_kernel.connect(relay.connection())
+    try:
+        client.start_channels(shell=False, stdin=False, hb=False, control=False)
+        assert kernel.stdout.readline() == b"sent\n"
+        deadline = time.monotonic() + 10
+        while relay.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not relay.alive(), "a frame over MAX_FRAME dropped the kernel's connection: " \
+            "the relay must end then, not leave the grader waiting for the time limit"
+    finally:
+        client.stop_channels()
+        client.context.destroy(linger=0)
+        kernel.kill()
+        relay.close()
 
 
 def test_past_its_read_cap_a_requests_output_is_dropped_unread_and_said_once(monkeypatch):

@@ -185,13 +185,17 @@ def make_training_pair(prompt_ids, answer_ids, eos_id):
 """
 # Every call the learner's kernel serves, its arguments kept for the last cell to print.
 SPY = r"""
+import base64, io
 import course.grader.learner_side as _side
-_REQUESTS, _answer = [], _side._answer
-def _logged(request):
-    if type(request) is dict and request.get("op") in ("call", "share"):
+_REQUESTS, _answer = [], _side.answer
+def _logged(payload):
+    try:
+        request = _side._Unpickler(io.BytesIO(base64.b64decode(payload))).load()
         _REQUESTS.append(repr(request.get("args", request.get("value")))[:200])
-    return _answer(request)
-_side._answer = _logged
+    except Exception as e:
+        _REQUESTS.append(repr(e)[:200])
+    return _answer(payload)
+_side.answer = _logged
 """
 LOG = "print(len(_REQUESTS), 'requests:')\nprint('\\n'.join(_REQUESTS))"
 FLOOD = f"for _ in range({FLOOD_MESSAGES}):\n    print('x' * {FLOOD_BYTES}, flush=True)"
@@ -362,7 +366,8 @@ def test_no_page_shows_a_hidden_test_or_its_inputs(graded, lab):
         leaked = [line for line in hidden if line in text]
         assert not leaked, f"{student}'s page for {lab} shows hidden lines: {leaked[:3]}"
     requests = page(out, "leak", lab)
-    assert "requests:" in requests, f"the leak attacker's last cell did not run on {lab}"
+    assert re.search(r"\b[1-9]\d* requests:", requests), \
+        f"the leak attacker's last cell did not run on {lab}, or its log caught no request"
     leaked = [s for s in hidden_strings(lab) if s in requests]
     assert not leaked, f"the requests logged by the learner's kernel on {lab} show hidden " \
         f"inputs: {leaked[:3]}"

@@ -28,8 +28,8 @@ import nbformat
 import pytest
 
 from course.authoring.build import generate_assignments, lab_names, source_notebook
-from course.grader import grading, journal
-from course.grader.autograde import HIDDEN
+from course.grader import grades_csv, grading, journal
+from course.grader.tests_setup import HIDDEN
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = "00-setup-minigpt"
@@ -202,7 +202,7 @@ def cases(lab: Lab, tmp: Path) -> dict[str, tuple[object, float, str]]:
         "edited": (edited, 0, f"instructor's source: {lab.tests[0]} (edited)"),
         "duplicated": (duplicated, lab.max, f"duplicate grade_id {first}"),
         "loud": (loud, lab.max, "graded"),
-        "flood": (flood, lab.max, "more output than the grader takes"),
+        "flood": (flood, lab.max, "graded"),        # the message dropped, the kernel kept
         "pasted": (pasted, lab.max, "grade_id not in this lab"),
         "garbage": (b"\x00\xffnot json at all" * 1000, 0, "not a readable notebook"),
         "José García": (full, lab.max, "graded"),
@@ -290,6 +290,15 @@ def test_each_case_gets_its_score_and_status(graded, student):
     assert status in row["status"], row
 
 
+def test_a_message_over_the_graders_cap_is_dropped_and_said(graded):
+    """A 100 MB print: the relay lets it go and says so in the cell's output; the kernel
+    goes on, so the submission keeps its points (the row above) without a restart."""
+    _, tmp, _, _ = graded
+    page = (tmp / "out" / "feedback" / journal.student_key("flood") / f"{LAB}.html").read_text()
+    assert "was dropped" in page and "restarted" not in page, \
+        "a message over relay.MAX_MESSAGE is dropped with a notice, the kernel kept"
+
+
 def test_hostile_students_changed_nothing_outside_their_sandbox(graded):
     expected, tmp, _, before = graded
     assert tree_digest(ROOT / "solutions") == before["solutions"]
@@ -316,8 +325,8 @@ def test_no_feedback_shows_a_hidden_test_or_unescaped_html(graded):
 
 
 def test_student_html_is_escaped(tmp_path):
-    from course.grader.autograde import Cell
     from course.grader.feedback import render
+    from course.grader.plan import Cell
     cell = Cell("code", "<b>x</b>", outputs=[
         nbformat.v4.new_output("display_data", data={"text/html": "<script>alert(1)</script>",
                                                      "text/plain": "<script>alert(1)</script>"}),
@@ -370,10 +379,10 @@ def test_a_second_run_reuses_the_journal_and_merges(graded, tmp_path):
 
 def test_shards_merge(tmp_path):
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"
-    grading.write_csv([grading.GradeRow("ann", LAB, 3, 11, "graded"),
-                       grading.GradeRow("bob", LAB, 5, 11, "graded")], a)
-    grading.write_csv([grading.GradeRow("bob", LAB, 7, 11, "graded"),
-                       grading.GradeRow("cy", LAB, 11, 11, "graded")], b)
+    grades_csv.write_csv([grades_csv.GradeRow("ann", LAB, 3, 11, "graded"),
+                       grades_csv.GradeRow("bob", LAB, 5, 11, "graded")], a)
+    grades_csv.write_csv([grades_csv.GradeRow("bob", LAB, 7, 11, "graded"),
+                       grades_csv.GradeRow("cy", LAB, 11, 11, "graded")], b)
     proc = subprocess.run([sys.executable, "-m", "course", "grade", "--merge", str(a), str(b),
                            "--out", str(tmp_path / "out")], capture_output=True, text=True,
                           cwd=ROOT)
@@ -503,8 +512,8 @@ def test_unsafe_no_sandbox_still_grades_apart():
 @pytest.mark.parametrize("lab", lab_names(ROOT))
 def test_feedback_of_every_lab_hides_its_hidden_tests(lab):
     """Every test cell of every lab, passed or failed in its hidden part: no hidden line."""
-    from course.grader.autograde import plan
     from course.grader.feedback import render
+    from course.grader.plan import plan
     source = source_notebook(ROOT / "solutions" / f"{lab}.py")
     release = nbformat.read(ROOT / "labs" / lab / f"{lab}.ipynb", as_version=4)
     cells, _ = plan(release, source)

@@ -22,7 +22,7 @@ import nbformat
 import pytest
 
 from course.authoring.build import source_notebook
-from course.grader import grading, similarity
+from course.grader import grades_csv, grading, similarity
 from course.learner import release_notebook_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -243,18 +243,18 @@ def test_hostile_files_are_bounded_and_stripped(lab02, tmp_path, monkeypatch):
 
 def test_the_column_round_trips_and_an_old_grades_csv_still_reads(tmp_path):
     path = tmp_path / "grades.csv"
-    rows = [grading.GradeRow("ann", LAB, 3, 11, "graded", nearest="student bob 0.71"),
-            grading.GradeRow("bob", LAB, 5, 11, "graded", nearest="=HYPERLINK(1)"),
-            grading.GradeRow("cy", LAB, 0, 11, "not submitted")]
-    grading.write_csv(rows, path)
+    rows = [grades_csv.GradeRow("ann", LAB, 3, 11, "graded", nearest="student bob 0.71"),
+            grades_csv.GradeRow("bob", LAB, 5, 11, "graded", nearest="=HYPERLINK(1)"),
+            grades_csv.GradeRow("cy", LAB, 0, 11, "not submitted")]
+    grades_csv.write_csv(rows, path)
     with open(path, newline="", encoding="utf-8") as f:
         written = list(csv.DictReader(f))
     assert [r["nearest"] for r in written] == ["student bob 0.71", "'=HYPERLINK(1)", ""], \
         "grades.csv has a `nearest` column, no cell of which a spreadsheet evaluates"
-    assert [(r.nearest, r.score) for r in grading.read_csv(path)] == [
+    assert [(r.nearest, r.score) for r in grades_csv.read_csv(path)] == [
         ("student bob 0.71", 3), ("=HYPERLINK(1)", 5), ("", 0)], "the column reads back"
     path.write_text(f"student,lab,score,max_score,status\nann,{LAB},3,11,graded\n")
-    old = grading.read_csv(path)
+    old = grades_csv.read_csv(path)
     assert [(r.student, r.score, r.nearest) for r in old] == [("ann", 3, "")], \
         "a grades.csv written before the column reads with an empty one"
 
@@ -273,14 +273,14 @@ def test_grade_writes_the_column_and_changes_no_score(lab02, tmp_path, monkeypat
 
     def grade_one(student, lab, notebook, source_nb, *args):
         graded.append(student)
-        return grading.GradeRow(student, lab, 7, 11, "graded")
+        return grades_csv.GradeRow(student, lab, 7, 11, "graded")
 
     monkeypatch.setattr(grading, "grade_one", grade_one)
     monkeypatch.setattr(grading, "record", lambda *args: None)
     for run in range(2):
         rows = grading.grade(subs, ROOT, tmp_path / "out", course=tmp_path / "course", jobs=1,
                              unsafe_no_sandbox=True)
-        by = {r.student: r for r in grading.read_csv(tmp_path / "out" / "grades.csv")}
+        by = {r.student: r for r in grades_csv.read_csv(tmp_path / "out" / "grades.csv")}
         assert {s: r.score for s, r in by.items()} == {
             "absent": 0, "blank": 7, "bob": 7, "copier": 7}, "the column never changes a score"
         assert by["copier"].nearest.startswith("reference "), \

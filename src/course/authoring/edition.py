@@ -244,6 +244,24 @@ def _stub_edits(lines: list[str], tree: ast.Module, node: ast.stmt, path: str, t
     raise ValueError(f"{path}: not a function, class or kernel")
 
 
+def _imported(tree: ast.Module) -> dict[str, int]:
+    """{name a top-level import binds: the line of its alias}."""
+    return {alias.asname or alias.name.split(".")[0]: alias.lineno for node in tree.body
+            if isinstance(node, ast.Import | ast.ImportFrom) for alias in node.names}
+
+
+def _loaded(tree: ast.Module) -> set[str]:
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+
+
+def _unused_imports(before: ast.Module, lines: list[str]) -> list[int]:
+    """The lines (0-based) of `lines` importing a name only the stubbed bodies used: a linter
+    would call it unused, and the stubs keep the module's imports as they were."""
+    after = ast.parse("\n".join(lines))
+    gone = (_loaded(before) - _loaded(after)) & set(_imported(after))
+    return sorted({_imported(after)[name] - 1 for name in gone})
+
+
 def stub_module(file: Path, module: str, targets: dict[str, tuple[str, str]]) -> None:
     """Rewrite `file`, the source of `module`, with each qualified name of `targets`
     ({qualname: (dotted path, lab)}) stubbed; the rest of the file is kept as it is."""
@@ -257,9 +275,11 @@ def stub_module(file: Path, module: str, targets: dict[str, tuple[str, str]]) ->
         edits.append((min(kernels), min(kernels) - 1, UNRELEASED.splitlines()))
     for start, end, new in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
         lines[start - 1:end] = new                    # bottom up: earlier lines keep their place
+    for i in _unused_imports(tree, lines):
+        lines[i] += "  # noqa: F401 (the stubbed code used it)"
     labs = dict(sorted((q, lab) for q, (_, lab) in targets.items()))
     lines += ["", "", "# The student edition: what this module stubs, and the lab asking for it.",
-              *f"__unreleased__ = {pprint.pformat(labs, width=90)}".splitlines()]
+              *f"__unreleased__ = {pprint.pformat(labs, width=80)}".splitlines()]
     file.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 

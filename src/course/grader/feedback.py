@@ -13,7 +13,7 @@ import base64
 import binascii
 import html
 
-from .autograde import Cell
+from .plan import Cell
 from .printable import printable
 
 IMAGES = ("image/png", "image/jpeg")

@@ -3,16 +3,19 @@
     OUT/journal/<student key>/<lab>.json = {"key": {...}, "row": {...}, "feedback": bool}
 
 `key` names everything the grade depends on: the submitted file's sha256, the sha256 of the
-lab's test cells in the instructor's source, the grader's own code, and the cell time
-limit. A later run reuses an entry only when its key is the same (and its feedback page is
-still there); anything else is graded again. Each file is written atomically once its grade
-is final, so a run killed mid-way loses at most the submissions it was grading. Student
-folder names may be anything a file system allows; `student_key` makes a safe path of one.
+lab's test cells in the instructor's source, the code (the grader's, the student edition's
+stub lists and builder, and the packages whose references the trusted tests call), and
+the cell time limit. A later run reuses an entry only when its key is the same (and its
+feedback page is still there); anything else is graded again. Each file is written
+atomically once its grade is final, so a run killed mid-way loses at most the submissions it
+was grading. Student folder names may be anything a file system allows; `student_key` makes
+a safe path of one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -20,9 +23,11 @@ from pathlib import Path
 from labkit.atomic import atomic_write_text
 from labkit.hashing import sha256_file
 
-GRADER_FILES = ("autograde.py", "jupyter_kernel.py", "learner_side.py", "relay.py", "remote.py",
-                "sandbox.py", "stubs.py", "tests_setup.py", "trusted_side.py", "wire.py",
-                "zygote.py")
+from ..notebook.harness import REFERENCE_PACKAGES
+
+# The packages whose code a grade depends on: the course's (grader, edition, harness) and
+# every package a lab's tests or stubs reach.
+GRADED_PACKAGES = ("course", *REFERENCE_PACKAGES)
 
 
 def student_key(student: str) -> str:
@@ -42,8 +47,14 @@ def feedback_path(out: Path, student: str, lab: str) -> Path:
 
 
 def grader_sha256() -> str:
-    here = Path(__file__).parent
-    return hashlib.sha256(b"".join((here / f).read_bytes() for f in GRADER_FILES)).hexdigest()
+    """The sha256 of every Python file of GRADED_PACKAGES, each with its path."""
+    digest = hashlib.sha256()
+    for package in GRADED_PACKAGES:
+        folder = Path(importlib.util.find_spec(package).origin).parent
+        for file in sorted(folder.rglob("*.py")):
+            digest.update(f"{package}/{file.relative_to(folder).as_posix()}\0".encode())
+            digest.update(hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()
 
 
 def grading_key(submission: Path, tests_sha256: str, timeout: int) -> dict:
@@ -69,13 +80,15 @@ def load(out: Path, student: str, lab: str, key: dict) -> dict | None:
 
 
 # What a change of each part of the key means, for a grade lower than the recorded one.
-CHANGES = {"submission_sha256": "the submission changed", "tests_sha256": "the lab's tests changed",
-           "grader_sha256": "the grader changed", "timeout_s": "the time limit changed"}
+CHANGES = {"submission_sha256": "the submission changed",
+           "tests_sha256": "the lab's tests changed",
+           "grader_sha256": "the grader or a reference changed",
+           "timeout_s": "the time limit changed"}
 
 
 def changes(out: Path, student: str, lab: str, key: dict) -> str:
     """What differs between the journaled key of (student, lab) and `key`, in words ("the
-    submission changed, the grader changed"; "" when nothing does), or that there is no
+    submission changed, the lab's tests changed"; "" when nothing does), or that there is no
     entry. Read it before `save` replaces the entry."""
     try:
         old = json.loads(entry_path(out, student, lab).read_text()).get("key")

@@ -38,7 +38,7 @@ from jupyter_client import BlockingKernelClient
 from jupyter_client.session import new_id_bytes
 
 from .cgroup import Cgroup
-from .relay import MAX_MEMORY, MAX_MESSAGE, Relay
+from .relay import MAX_FRAME, MAX_MEMORY, MAX_MESSAGE, Relay
 from .sandbox import RUN, Sandbox
 from .zygote import Zygote
 
@@ -51,8 +51,7 @@ MAX_CELL_BYTES = 4_000_000         # every mime type of every output of one requ
 MAX_SUBMISSION_BYTES = 16_000_000  # the same over a whole submission (every request)
 # The only mime types kept (the rest is dropped: HTML and scripts are a hostile page's means).
 KEPT_MIME = ("text/plain", "image/png", "image/jpeg")
-QUEUED = 2                 # messages queued for the grader per socket (ZMQ's RCVHWM); the
-                           # kernel's frames over relay.MAX_MESSAGE bytes drop the connection
+QUEUED = 2                 # messages queued for the grader per socket (ZMQ's RCVHWM)
 MAX_READ = 16 << 20        # bytes of one request's output messages unpacked; the rest dropped
 MAX_STATUS = 4096          # bytes of a status message's content (an idle one is ~30)
 DRAIN_S = 1.0              # the longest the grader drains unread output before a request
@@ -211,8 +210,8 @@ class Kernel:
         signal's number, or 128 + it through bubblewrap)."""
         code = self.proc.poll()
         if code is None and self.relay is not None and not self.relay.alive():
-            return (f"it sent more in one message than the grader takes (over "
-                    f"{MAX_MEMORY >> 20} MiB at once)")
+            return (f"it sent more in one message than the grader takes (a part over "
+                    f"{MAX_FRAME >> 20} MiB, or over {MAX_MEMORY >> 20} MiB at once)")
         if code is None:
             return "the kernel stopped answering"
         number = -code if code < 0 else code - 128 if code > 128 else 0

@@ -9,9 +9,11 @@ a relay does, one process per kernel, its address space limited to MAX_MEMORY:
     kernel shell, control (ROUTER) <->  DEALER  relay  DEALER <->  the grader's DEALERs
 
 ZMQ hands a reader a message only once it is whole, so the relay holds each message whole
-once, up to MAX_MEMORY (past that, as past MAX_MESSAGE bytes in one frame, its connection
-to the kernel drops, and what the kernel sent meanwhile is lost). Every message is read as
-soon as it is there and passed on when its frames come to at most MAX_MESSAGE bytes. What
+once, up to MAX_MEMORY. Every message is read as soon as it is there and passed on when its
+frames come to at most MAX_MESSAGE bytes; a larger one is let go, and its request gets a
+notice, so a kernel printing large lines goes on being graded. Past MAX_MEMORY, or past
+MAX_FRAME bytes in one frame (ZMQ then drops the connection, and what the kernel sent
+meanwhile is lost), the relay ends. What
 waits for room at the grader (while it is not reading) is held in an Outbox of at most
 MAX_HELD bytes per socket, and what finds it full is dropped. On iopub, a dropped message's
 request gets in its place, once, a stream message named "labkit" saying so (signed with the
@@ -40,6 +42,7 @@ from pathlib import Path
 import zmq
 
 MAX_MESSAGE = 16 << 20      # bytes of one message passed on, its frames together
+MAX_FRAME = 256 << 20      # bytes of one frame read (and let go); a larger one ends the relay
 MAX_MEMORY = 1 << 30        # the relay's address space (about 110 MiB used idle)
 QUEUED = 2                  # messages each socket of the relay queues (RCVHWM, SNDHWM)
 MAX_HELD = 64 << 20         # bytes waiting for room at one socket (Outbox); past it, dropped
@@ -108,9 +111,10 @@ class Outbox:
             self.bytes -= self.messages.popleft()[1]
 
 
-def relay(peer: dict, iopub, key: bytes, stop: int) -> None:
+def relay(peer: dict, iopub, key: bytes, stop: int, lost: tuple = ()) -> None:
     """Pass each message from a socket of `peer` to its peer's Outbox (peer None: read and
-    dropped, the grader's subscriptions) until `stop` (a file descriptor) is readable. Every
+    dropped, the grader's subscriptions) until `stop` (a file descriptor) is readable or a
+    socket of `lost` (monitors of the kernel's connections) says one dropped. Every
     socket is read as soon as it can be, so no message piles up unread; one over MAX_MESSAGE
     bytes, or finding its Outbox full, is dropped, and on `iopub` (the kernel's) its parent
     gets a notice, once per parent."""
@@ -118,14 +122,15 @@ def relay(peer: dict, iopub, key: bytes, stop: int) -> None:
     poller = zmq.Poller()
     for socket in peer:
         poller.register(socket, zmq.POLLIN)
-    poller.register(stop, zmq.POLLIN)
+    for socket in (stop, *lost):
+        poller.register(socket, zmq.POLLIN)
     noticed = None                  # the parent of the last notice: one per request
     while True:
         for box in boxes.values():
             box.flush()
         waiting = any(box.messages for box in boxes.values())
         for socket, _ in poller.poll(10 if waiting else None):
-            if socket == stop:
+            if socket == stop or socket in lost:
                 return
             frames, size = receive(socket)
             if peer[socket] is None:
@@ -148,20 +153,21 @@ def main(folder: str) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MAX_MEMORY, MAX_MEMORY))
     info = json.loads(sys.stdin.readline())
     context = zmq.Context()
-    context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)   # a larger frame drops its connection
+    context.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)     # a larger frame drops its connection
     context.setsockopt(zmq.RCVHWM, QUEUED)
     context.setsockopt(zmq.SNDHWM, QUEUED)
-    peer, iopub = {}, None
+    peer, iopub, lost = {}, None, []
     for channel, (inner, outer) in CHANNELS.items():
         kernel, grader = context.socket(inner), context.socket(outer)
         if inner == zmq.SUB:
             kernel.setsockopt(zmq.SUBSCRIBE, b"")
             grader.setsockopt(zmq.XPUB_NODROP, 1)    # full: EAGAIN, not a silent drop
             iopub = kernel
+        lost.append(kernel.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         kernel.connect(f"ipc://{info['ip']}-{info[f'{channel}_port']}")
         grader.bind(f"ipc://{folder}/relay-{info[f'{channel}_port']}")
         peer[kernel], peer[grader] = grader, None if inner == zmq.SUB else kernel
-    relay(peer, iopub, info["key"].encode(), sys.stdin.fileno())
+    relay(peer, iopub, info["key"].encode(), sys.stdin.fileno(), tuple(lost))
 
 
 class Relay:

@@ -98,11 +98,13 @@ class Sandbox:
 
     def env(self, home: Path = INSIDE) -> dict[str, str]:
         """The kernel's whole environment: nothing of the grader's leaks in (with `own_env`,
-        the user's, plus the inline plots and quiet progress bars of a notebook)."""
+        the user's, plus the inline plots and quiet progress bars of a notebook). Without a
+        sandbox, its temporary files go in `home`/tmp, removed with the kernel (`prepare`)."""
+        scratch = {"TMPDIR": f"{home}/tmp"} if self.unsafe else {}
         if self.own_env and self.unsafe:
             return {**os.environ, "MPLBACKEND": "module://matplotlib_inline.backend_inline",
-                    "PYTHONDONTWRITEBYTECODE": "1", "TQDM_MININTERVAL": "5"}
-        return {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": home,
+                    "PYTHONDONTWRITEBYTECODE": "1", "TQDM_MININTERVAL": "5", **scratch}
+        return {**scratch, "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": home,
                 "LANG": "C.UTF-8", "MPLBACKEND": "module://matplotlib_inline.backend_inline",
                 "MPLCONFIGDIR": f"{home}/.config/matplotlib", "NBGRADER_EXECUTION": "autograde",
                 "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
@@ -148,7 +150,10 @@ class Sandbox:
         return args + self.limits.prlimit(processes=as_root) + argv
 
     def prepare(self, private: Path, slot: int, uid: int | None = None) -> None:
-        """Make `private` the sandbox user's own (when the grader runs as root)."""
+        """Make `private` the sandbox user's own (when the grader runs as root); without a
+        sandbox, give it the kernel's scratch folder (`env`'s TMPDIR)."""
+        if self.unsafe:
+            (private / "tmp").mkdir(exist_ok=True)
         if not self.unsafe and os.geteuid() == 0:
             uid = SANDBOX_UID + slot if uid is None else uid
             os.chown(private, uid, uid)

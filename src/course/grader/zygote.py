@@ -71,6 +71,7 @@ class Zygote:
             if self.proc is None or self.proc.poll() is not None:
                 self.close_locked()
                 self.home = Path(tempfile.mkdtemp(prefix="labkit-zygote-"))
+                self.sandbox.prepare(self.home, 0)
                 self.proc = subprocess.Popen(   # it exits when this process closes its stdin
                     [sys.executable, "-m", "course.grader.zygote"], stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -115,6 +116,7 @@ def _child(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None             # found again from TMPDIR, not the zygote's own
     for name, value in request["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
     from ipykernel.kernelapp import IPKernelApp
