@@ -4,7 +4,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 # INSTALLER=uv|pip (default: uv when it is on PATH); TORCH=cpu takes torch from PyTorch's
-# CPU-only index (smaller than the CUDA build PyPI serves on Linux). See scripts/venv.py.
+# CPU-only index (smaller than the CUDA build PyPI serves on Linux), TORCH=cuda PyPI's build;
+# the default is cpu on Linux without an NVIDIA GPU. See scripts/venv.py.
 INSTALLER ?= auto
 TORCH ?= auto
 ifeq ($(OS),Windows_NT)

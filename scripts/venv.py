@@ -1,6 +1,6 @@
 """Create the course's virtual environment (.venv): what `make venv` runs, and Windows' way in.
 
-    python scripts/venv.py [--installer auto|uv|pip] [--torch auto|cpu] [--venv .venv]
+    python scripts/venv.py [--installer auto|uv|pip] [--torch auto|cpu|cuda] [--venv .venv]
 
 Standard library only, so it runs before anything is installed, on Linux, macOS and Windows.
 
@@ -11,7 +11,11 @@ Standard library only, so it runs before anything is installed, on Linux, macOS 
   a machine whose pip already offers a CPU torch wheel (find-links, a local index) installs
   that one and downloads no CUDA libraries; that is an accelerator of such machines only.
 - `--torch cpu` takes torch from PyTorch's CPU-only index (about 200 MB instead of several
-  GB of CUDA libraries on Linux). Optional; the same versions otherwise.
+  GB of CUDA libraries on Linux); `--torch cuda`, PyPI's build (CUDA on Linux), as the lock
+  pins it. The same torch version either way.
+- `--torch auto` (the default) is `cpu` on a Linux machine with no NVIDIA GPU (no driver in
+  /proc/driver/nvidia, no `nvidia-smi`), and says so in one line; `cuda` everywhere else
+  (PyPI's wheels for macOS and Windows hold no CUDA).
 """
 
 from __future__ import annotations
@@ -50,10 +54,26 @@ def torch_pin() -> str:
     sys.exit("scripts/venv.py: constraints.txt has no torch==VERSION line (run make lock)")
 
 
+def has_nvidia_gpu() -> bool:
+    """An NVIDIA driver is loaded (its /proc entry) or its tool is installed."""
+    return Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None
+
+
+def torch_build(choice: str, system: str | None = None, gpu=None) -> str:
+    """"cpu" or "cuda" for `--torch choice`: auto takes the CPU build on Linux without an
+    NVIDIA GPU (PyPI's Linux torch carries several GB of CUDA libraries it would not use).
+    `system` (sys.platform) and `gpu` (has_nvidia_gpu) are there for the tests."""
+    if choice != "auto":
+        return choice
+    linux = (system or sys.platform).startswith("linux")
+    return "cpu" if linux and not (gpu or has_nvidia_gpu)() else "cuda"
+
+
 def plan(installer: str, torch: str, venv: Path, python: str) -> list[list[str]]:
-    """The commands that build `venv` (pure, so that the tests can read it)."""
+    """The commands that build `venv` with torch's `cpu` or `cuda` build (pure, so that the
+    tests can read it)."""
     py = str(venv_python(venv))
-    if installer == "uv" and torch == "auto":
+    if installer == "uv" and torch == "cuda":
         return [["uv", "sync", "--locked", "--extra", "dev", "--python", python]]
     if installer == "uv":
         return [["uv", "venv", "--python", python, str(venv)],
@@ -68,8 +88,9 @@ def plan(installer: str, torch: str, venv: Path, python: str) -> list[list[str]]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--installer", choices=("auto", "uv", "pip"), default="auto")
-    parser.add_argument("--torch", choices=("auto", "cpu"), default="auto",
-                        help="cpu: torch from PyTorch's CPU-only index (smaller)")
+    parser.add_argument("--torch", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="cpu: torch from PyTorch's CPU-only index (smaller); cuda: "
+                             "PyPI's build; auto: cpu on Linux without an NVIDIA GPU")
     parser.add_argument("--venv", default=".venv")
     args = parser.parse_args(argv)
     check_python()
@@ -80,14 +101,18 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("scripts/venv.py: --installer uv, but uv is not on PATH "
                  "(https://docs.astral.sh/uv/ installs it; or use --installer pip)")
     venv = Path(args.venv)
+    build = torch_build(args.torch)
+    if args.torch == "auto" and build == "cpu":
+        print("no NVIDIA GPU here (no /proc/driver/nvidia, no nvidia-smi): CPU-only torch "
+              "(make venv TORCH=cuda takes PyPI's CUDA build)", flush=True)
     env = dict(os.environ, UV_PROJECT_ENVIRONMENT=str(venv.resolve()))
     print(f"== setting up {venv} with {installer}"
-          f"{' (CPU-only torch)' if args.torch == 'cpu' else ''} ==", flush=True)
-    for cmd in plan(installer, args.torch, venv, sys.executable):
+          f"{' (CPU-only torch)' if build == 'cpu' else ''} ==", flush=True)
+    for cmd in plan(installer, build, venv, sys.executable):
         print("$ " + " ".join(cmd), flush=True)
         if subprocess.run(cmd, cwd=ROOT, env=env).returncode != 0:
             sys.exit(f"scripts/venv.py: this step failed: {' '.join(cmd)}")
-    (venv / ".installed").write_text(f"{installer} torch={args.torch}\n", encoding="utf-8")
+    (venv / ".installed").write_text(f"{installer} torch={build}\n", encoding="utf-8")
     return 0
 
 

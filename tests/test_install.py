@@ -109,15 +109,43 @@ def test_every_tested_python_and_no_other_is_admitted():
 def test_venv_plans():
     venv = load_script("venv")
     py = str(venv.venv_python(Path(".venv")))
-    assert venv.plan("uv", "auto", Path(".venv"), "python3") == [
+    assert venv.plan("uv", "cuda", Path(".venv"), "python3") == [
         ["uv", "sync", "--locked", "--extra", "dev", "--python", "python3"]]
-    pip = venv.plan("pip", "auto", Path(".venv"), "python3")
+    pip = venv.plan("pip", "cuda", Path(".venv"), "python3")
     assert pip[1] == [py, "-m", "pip", "install", "--quiet", "torch==2.13.0",
                       "-c", "constraints.txt"]
     assert pip[2][-4:] == ["-c", "constraints.txt", "-e", ".[dev]"]
     cpu = venv.plan("pip", "cpu", Path(".venv"), "python3")
     assert cpu[1][-2:] == ["--index-url", "https://download.pytorch.org/whl/cpu"]
     assert "--torch-backend" in venv.plan("uv", "cpu", Path(".venv"), "python3")[1]
+
+
+@pytest.mark.parametrize("system, gpu, choice, build", [
+    ("linux", False, "auto", "cpu"), ("linux", True, "auto", "cuda"),
+    ("darwin", False, "auto", "cuda"), ("win32", False, "auto", "cuda"),
+    ("linux", False, "cuda", "cuda"), ("darwin", False, "cpu", "cpu")])
+def test_venv_takes_the_cpu_torch_on_linux_without_an_nvidia_gpu(system, gpu, choice, build):
+    venv = load_script("venv")
+    assert venv.torch_build(choice, system, lambda: gpu) == build
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_make_venv_says_which_torch_it_chose(monkeypatch, capsys, tmp_path, gpu):
+    """The detection faked both ways: the default names its choice in one line (no GPU) and
+    installs that build; the commands are recorded, not run."""
+    venv = load_script("venv")
+    ran = []
+    monkeypatch.setattr(venv, "has_nvidia_gpu", lambda: gpu)
+    monkeypatch.setattr(venv.sys, "platform", "linux")
+    monkeypatch.setattr(venv.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or
+                        venv.subprocess.CompletedProcess(cmd, 0))
+    (tmp_path / "v").mkdir()
+    assert venv.main(["--installer", "pip", "--venv", str(tmp_path / "v")]) == 0
+    said = capsys.readouterr().out
+    assert ("CPU-only torch (make venv TORCH=cuda" in said) is not gpu, said
+    assert ("https://download.pytorch.org/whl/cpu" in ran[1]) is not gpu, ran[1]
+    assert (tmp_path / "v" / ".installed").read_text() == \
+        f"pip torch={'cuda' if gpu else 'cpu'}\n"
 
 
 def test_venv_refuses_an_old_python(capsys):

@@ -235,16 +235,15 @@ def test_the_journal_key_covers_the_grader_the_stub_lists_and_the_references(tmp
 
 
 @pytest.mark.parametrize("own_env", [True, False])
-def test_without_a_sandbox_a_kernels_temporary_files_go_with_it(tmp_path, monkeypatch, own_env):
+def test_without_a_sandbox_a_kernels_temporary_files_go_with_it(monkeypatch, own_env):
     """`make check` (own_env) and --unsafe-no-sandbox run kernels on the host: what their code
     and the bridge's folders (learner_dir) put in temporary files is removed with them."""
     import tempfile
 
     from course.grader.autograde import grade_notebook
 
-    host = tmp_path / "host-tmp"
-    host.mkdir()
-    monkeypatch.setenv("TMPDIR", str(host))
+    host = Path(tempfile.mkdtemp(prefix="host-", dir="/tmp"))   # short: ZMQ's ipc paths
+    monkeypatch.setenv("TMPDIR", str(host))                      # fit in 107 characters
     monkeypatch.setattr(tempfile, "tempdir", None)
     nb = nbformat.v4.new_notebook()
     test = nbformat.v4.new_code_cell("from course.notebook.bridged import learner_dir\n"
@@ -262,6 +261,7 @@ def test_without_a_sandbox_a_kernels_temporary_files_go_with_it(tmp_path, monkey
         f"the kernel's temporary folder {scratch} is not its own, removed with it"
     # the zygote's folder is the grading run's, removed when the grading process exits
     left = sorted(p.name for p in host.iterdir() if not p.name.startswith("labkit-zygote-"))
+    shutil.rmtree(host, ignore_errors=True)
     assert not left, f"a kernel run without a sandbox left temporary files on the host: {left}"
 
 

@@ -21,7 +21,8 @@ import minimoe
 import miniquant
 import minituner.lora
 from course.authoring.build import graded_test_cells, source_notebook
-from course.notebook.mine import choose, definitions, ran, save, saved, use
+from course.notebook.closure import definitions
+from course.notebook.mine import choose, ran, save, saved, use
 from course.notebook.pieces import PIECES
 from miniquant.triton_env import import_triton, triton_installed
 
@@ -40,7 +41,16 @@ if triton_installed():
 def _save_solution(root: Path, lab: str, passed: bool = True) -> Path:
     nb = source_notebook(ROOT / "solutions" / f"{lab}.py")
     tests = {c.metadata.nbgrader.grade_id: passed for c in graded_test_cells(nb)}
-    return save(root, lab, nb, tests, ROOT / "solutions" / f"{lab}.py")
+    return save(root, lab, nb, tests, ROOT / "solutions" / f"{lab}.py").path
+
+
+def _save_edited(root: Path, lab: str, edit, notebook: Path | None = None):
+    """Save `lab`'s solution with `edit(source of the cell defining nf4_indices)` applied."""
+    nb = source_notebook(ROOT / "solutions" / f"{lab}.py")
+    cell = next(c for c in nb.cells if "\ndef nf4_indices(" in "\n" + c.source)
+    cell.source = edit(cell.source)
+    tests = {c.metadata.nbgrader.grade_id: True for c in graded_test_cells(nb)}
+    return save(root, lab, nb, tests, notebook or ROOT / "solutions" / f"{lab}.py")
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +82,7 @@ def test_definitions_keep_what_a_later_lab_can_import():
         ("def broken(:", {}),
         ("class K:\n    pass\nMORE, ALSO = TABLE, K\nf(1)", {}),
     ))
+    src = src.source
     scope: dict = {}
     exec(compile(src, "saved", "exec"), scope)          # runs without the notebook's globals
     assert {"os", "torch", "TABLE", "f", "K", "MORE", "ALSO"} <= set(scope)
@@ -222,6 +233,97 @@ def test_a_module_that_fails_to_load_falls_back(tmp_path, capsys):
         assert not lora.yours and "ZeroDivisionError" in lora.why
         assert minituner.lora.lora_linear.__module__ == "minituner.lora"
     assert "failed to load" in capsys.readouterr().out
+
+
+def test_a_piece_travels_with_its_helpers_whatever_their_names(tmp_path):
+    """Lab 02's nf4_indices written through private helpers, one of them shared with
+    unpack_nibbles, a private table and a class: all saved, and the capstone's quantize and
+    dequantize run the learner's code to the reference's bits (no NameError)."""
+    def edit(source):
+        source = source.replace("def nf4_indices(", "def _nf4_indices(", 1)
+        return source + (
+            "\n\n_ONE = 1\n\n\nclass _Box:\n    def __init__(self, v):\n        self.v = v"
+            "\n\n\ndef _x(v):\n    return _Box(v).v * _ONE\n\n\n"
+            "def nf4_indices(w, blocksize=64):\n    return _x(_nf4_indices(w, blocksize))\n")
+
+    record = _save_edited(tmp_path, "02-nf4", edit)
+    assert {"_nf4_indices", "_x", "_Box", "_ONE", "nf4_indices"} <= set(record.names)
+    assert not record.incomplete, record.incomplete
+    module = (tmp_path / "work" / "mine" / "02-nf4.py").read_text()
+    unpack = module.replace("def unpack_nibbles(", "def _unpack(", 1) + (
+        "\n\ndef unpack_nibbles(packed, n):\n    return _x(_unpack(packed, n))\n")
+    assert unpack.count("def _x(") == 1
+    w = torch.randn(37, 29, generator=torch.Generator().manual_seed(0))
+    ref = miniquant.dequantize_nf4(miniquant.quantize_nf4(w, 64))
+    with use("mine", root=tmp_path, quiet=True) as choices:
+        got = miniquant.dequantize_nf4(miniquant.quantize_nf4(w, 64))
+        counts = ran(choices)
+    assert counts[QUANTIZE] >= 1 and counts[DEQUANTIZE] >= 1, counts
+    assert torch.equal(got, ref)
+
+
+def test_a_helper_shared_by_two_pieces_is_saved_once():
+    src = definitions(_nb(("import torch\ndef _half(x):\n    return x / 2\n"
+                           "def a(x):\n    return _half(x)\ndef b(x):\n    return _half(x) + 1\n"
+                           "def _unused():\n    pass", {})))
+    assert src.source.count("def _half(") == 1 and "_unused" not in src.source
+    scope: dict = {}
+    exec(compile(src.source, "saved", "exec"), scope)
+    assert scope["a"](4) == 2 and scope["b"](4) == 3
+
+
+def test_loading_a_saved_module_runs_no_function_of_the_notebook():
+    """A value a helper reads is saved only when it needs no function of the notebook's:
+    `model = train()` stays in the notebook, and the helper reading it is named incomplete."""
+    src = definitions(_nb(("import torch\ndef _train():\n    raise SystemExit('trained')\n"
+                           "model = _train()\n_codes = torch.arange(3)\n"
+                           "def predict(x):\n    return model(x) + _codes", {})))
+    assert "model = _train()" not in src.source and "_codes = torch.arange(3)" in src.source
+    assert src.incomplete == {"predict": ["model"]}, src.incomplete
+    exec(compile(src.source, "saved", "exec"), {})
+
+
+def test_each_pieces_uses_are_the_names_its_adapter_calls():
+    called = set(re.findall(r"\bm\.([A-Za-z_]\w*)", (ROOT / "src" / "course" / "notebook"
+                                                     / "pieces.py").read_text()))
+    assert called == {n for p in PIECES for n in p.uses}, \
+        "Piece.uses must name exactly what the adapters call on the learner's module"
+
+
+def test_a_module_of_the_learners_own_beside_the_notebook_imports(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "my_codes.py").write_text("def identity(t):\n    return t\n")
+    record = _save_edited(tmp_path, "02-nf4", lambda source: "import my_codes\n" + source.replace(
+        "def nf4_indices(", "def _inner(", 1) + "\n\ndef nf4_indices(w, blocksize=64):\n"
+        "    return my_codes.identity(_inner(w, blocksize))\n", work / "02-nf4.ipynb")
+    assert not record.incomplete
+    w = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    with use("mine", root=tmp_path, quiet=True) as choices:
+        q = miniquant.quantize_nf4(w, 64)
+        assert choices[0].yours and ran(choices)[QUANTIZE] == 1, choices[0].why
+    assert torch.equal(q.packed, miniquant.quantize_nf4(w, 64).packed)
+
+
+def test_a_piece_needing_a_value_computed_at_run_time_stays_on_the_reference(tmp_path,
+                                                                             capsys):
+    """A helper reading a notebook global that only a run computes cannot be saved: the
+    record names it, and the pieces calling it (here through another helper) fall back."""
+    record = _save_edited(tmp_path, "02-nf4", lambda source: source.replace(
+        "def nf4_indices(", "def _inner(", 1) + (
+        "\n\nfor scale in (1.0,):\n    pass\n\n\n"
+        "def _scaled(v):\n    return v * scale\n\n\ndef nf4_indices(w, blocksize=64):\n"
+        "    return _inner(_scaled(w), blocksize)\n"))
+    assert record.incomplete == {"_scaled": ["scale"], "nf4_indices": ["_scaled"]}, \
+        record.incomplete
+    by_name = {c.piece: c for c in choose(tmp_path)}
+    assert not by_name[QUANTIZE].yours and "your nf4_indices needs _scaled" in \
+        by_name[QUANTIZE].why, by_name[QUANTIZE].why
+    assert by_name[DEQUANTIZE].yours, by_name[DEQUANTIZE].why
+    (tmp_path / "work" / "mine" / "02-nf4.json").write_text(json.dumps(
+        {**json.loads((tmp_path / "work" / "mine" / "02-nf4.json").read_text()),
+         "names": ["unpack_nibbles"]}))
+    assert "defines no nf4_dequantize" in choose(tmp_path)[1].why
 
 
 def test_use_rejects_an_unknown_switch():

@@ -86,8 +86,12 @@ def self_check(root: Path, lab: str, notebook: Path | None = None,
           "(the grader also runs hidden tests)")
     if path != release_notebook_path(root, lab).resolve() and any(passed.values()):
         saved = save(root, lab, nbformat.read(path, as_version=4), passed, path)
-        print(f"your definitions are saved to {saved.relative_to(root)}: `use(\"mine\")` runs "
-              f"the pieces whose tests passed (`python -m course mine` lists them)")
+        print(f"your definitions are saved to {saved.path.relative_to(root)}: `use(\"mine\")` "
+              f"runs the pieces whose tests passed (`python -m course mine` lists them)")
+        for name, lacking in saved.incomplete.items():
+            print(f"  not saved whole: {name} needs {', '.join(lacking)}, which your notebook "
+                  "computes at run time (make it an argument, or a constant or function of "
+                  "its own); a piece calling it stays on the reference")
     return all(passed.values()) and not broken
 
 

@@ -2,9 +2,11 @@
 
 `make check LAB=NN-name` runs the learner's notebook; afterwards `save` writes the notebook's
 definitions to work/mine/NN-name.py (in the spirit of d2l's `#@save`, but automatic): from
-every code cell that is not a test, the top-level imports, functions and classes, and the
-UPPER_CASE constants whose values need nothing but what is saved before them. Beside it,
-work/mine/NN-name.json records which visible tests passed and the module's sha256.
+every code cell that is not a test, the top-level imports, public functions and classes,
+UPPER_CASE constants, and every helper they need whatever its name (closure.py). Beside it,
+work/mine/NN-name.json records which visible tests passed, the module's sha256, and the
+definitions that need a value the notebook only computes at run time (`Saved.incomplete`):
+a piece calling one of those stays on the reference, saying why.
 
 `use("mine")` then swaps each piece of `pieces.PIECES` whose tests passed into the packages,
 wherever they call the reference (by object, as the lab tests' `swap` does), and prints for
@@ -27,8 +29,6 @@ stub: `use` names such a piece as the stub of that lab, which raises when the ru
 
 from __future__ import annotations
 
-import ast
-import builtins
 import contextlib
 import hashlib
 import importlib.util
@@ -46,6 +46,7 @@ from labkit.atomic import atomic_write_text
 from labkit.errors import InputError
 
 from ..learner import WORK
+from .closure import definitions
 
 if TYPE_CHECKING:   # annotations only: the capstone imports `use` without nbformat's import cost
     import nbformat
@@ -73,67 +74,6 @@ def default_root() -> Path:
 # ---------------------------------------------------------------------------------- saving
 
 
-def _is_test(cell) -> bool:
-    return bool(cell.metadata.get("nbgrader", {}).get("grade")) and not \
-        cell.metadata.get("nbgrader", {}).get("solution")
-
-
-def _targets(node: ast.stmt) -> list[str] | None:
-    """The names an UPPER_CASE constant assignment binds, or None if it is not one."""
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-    names = []
-    for t in targets:
-        parts = t.elts if isinstance(t, ast.Tuple) else [t]
-        if not all(isinstance(p, ast.Name) for p in parts):
-            return None
-        names += [p.id for p in parts]
-    ok = all(len(n) > 1 and n.isupper() and not n.startswith("_") for n in names)
-    return names if ok else None
-
-
-def _bound(node: ast.stmt) -> list[str]:
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
-        return [(a.asname or a.name).split(".")[0] for a in node.names]
-    return [node.name]
-
-
-def definitions(nb: nbformat.NotebookNode) -> str:
-    """The saved source of a notebook: imports, public functions and classes, and UPPER_CASE
-    constants computable from what is saved before them, from its non-test code cells, in
-    notebook order. A cell that does not parse is skipped (its test failed anyway)."""
-    known = set(dir(builtins))
-    kept: list[tuple[bool, str]] = []
-    for cell in nb.cells:
-        if cell.cell_type != "code" or _is_test(cell):
-            continue
-        try:
-            tree = ast.parse(cell.source)
-        except SyntaxError:
-            continue
-        for node in tree.body:
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and \
-                    not (isinstance(node, ast.ImportFrom) and node.module == "__future__"):
-                names = _bound(node)
-            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and \
-                    not node.name.startswith("_"):
-                names = _bound(node)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None \
-                    and (names := _targets(node)) is not None:
-                used = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
-                if not used <= known:
-                    continue
-            else:
-                continue
-            known.update(names)
-            first = min([node.lineno] + [d.lineno for d in
-                                         getattr(node, "decorator_list", [])])   # @triton.jit
-            kept.append((isinstance(node, (ast.Import, ast.ImportFrom)),
-                         "\n".join(cell.source.splitlines()[first - 1:node.end_lineno])))
-    # imports one per line; two blank lines around everything else
-    return "".join(("" if i == 0 else "\n" if imp and kept[i - 1][0] else "\n\n\n") + text
-                   for i, (imp, text) in enumerate(kept)) + "\n"
-
-
 @dataclass
 class Saved:
     """What work/mine/NN-name.json says about a lab's saved module."""
@@ -145,15 +85,18 @@ class Saved:
     saved_at: str = ""
     path: Path = field(default=Path(), compare=False)
     edited: bool = False         # the module no longer has the sha256 `make check` recorded
+    names: list[str] = field(default_factory=list)              # what the module defines
+    incomplete: dict[str, list[str]] = field(default_factory=dict)  # {name: what it lacks}
 
 
 def save(root: Path, lab: str, nb: nbformat.NotebookNode, passed: dict[str, bool],
-         notebook: Path) -> Path:
+         notebook: Path) -> Saved:
     """Write work/mine/<lab>.py and its record (each atomically; the record last, so a
-    record always describes the module beside it). Returns the module's path."""
+    record always describes the module beside it). Returns the record."""
+    found = definitions(nb)
     source = (f"# Saved by `make check LAB={lab}` from {notebook.name}: your definitions, "
               f"for `use(\"mine\")`.\n# Rewritten at every check: edit the notebook, not "
-              f"this file.\n\n" + definitions(nb))
+              f"this file.\n\n" + found.source)
     folder = mine_dir(root)
     folder.mkdir(parents=True, exist_ok=True)
     module = folder / f"{lab}.py"
@@ -161,9 +104,10 @@ def save(root: Path, lab: str, nb: nbformat.NotebookNode, passed: dict[str, bool
     record = {"lab": lab, "notebook": str(notebook), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "passed": sorted(k for k, v in passed.items() if v),
               "failed": sorted(k for k, v in passed.items() if not v),
-              "sha256": hashlib.sha256(source.encode()).hexdigest()}
+              "sha256": hashlib.sha256(source.encode()).hexdigest(),
+              "names": found.names, "incomplete": found.incomplete}
     atomic_write_text(folder / f"{lab}.json", json.dumps(record, indent=1) + "\n")
-    return module
+    return saved(root, lab)
 
 
 def saved(root: Path, lab: str) -> Saved | None:
@@ -176,7 +120,8 @@ def saved(root: Path, lab: str) -> Saved | None:
         source = (folder / f"{lab}.py").read_bytes()
         s = Saved(**{k: record[k] for k in ("lab", "passed", "failed", "sha256")},
                   notebook=record.get("notebook", ""), saved_at=record.get("saved_at", ""),
-                  path=folder / f"{lab}.py")
+                  path=folder / f"{lab}.py", names=list(record.get("names", [])),
+                  incomplete=dict(record.get("incomplete", {})))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     s.edited = hashlib.sha256(source).hexdigest() != s.sha256
@@ -202,10 +147,15 @@ def load(s: Saved):
     spec = importlib.util.spec_from_file_location(name, s.path)
     module = importlib.util.module_from_spec(spec)
     rng, threads = torch.random.get_rng_state(), torch.get_num_threads()
+    # the notebook's folder first, as Jupyter has it: a module of the learner's own beside
+    # the notebook (`import my_utils`) imports as it did there
+    beside = [str(Path(s.notebook).parent)] if s.notebook else []
+    sys.path[:0] = beside
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             spec.loader.exec_module(module)
     finally:
+        del sys.path[:len(beside)]
         torch.random.set_rng_state(rng)
         torch.set_num_threads(threads)
     sys.modules[name] = module
@@ -261,6 +211,13 @@ def choose(root: Path) -> list[Choice]:
                    f"edit the notebook and run `make check LAB={p.lab}` again")
         elif missing:
             why = f"{p.lab}: visible tests not passed yet: {', '.join(missing)}"
+        elif absent := [n for n in p.uses if s.names and n not in s.names]:
+            why = f"{p.lab}: your notebook defines no {', '.join(absent)}"
+        elif lacking := {n: s.incomplete[n] for n in p.uses if n in s.incomplete}:
+            why = (f"{p.lab}: " + "; ".join(f"your {n} needs {', '.join(v)}" for n, v in
+                                             lacking.items())
+                   + ", which your notebook computes at run time and `make check` cannot save "
+                   "(make it an argument, or a constant or function of its own)")
         else:
             why = f"from {WORK}/{MINE}/{p.lab}.py"
         out.append(Choice(p.name, p.lab, why.startswith("from "), why))

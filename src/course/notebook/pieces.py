@@ -25,36 +25,40 @@ class Piece:
     lab: str
     tests: tuple[str, ...]     # visible tests of `lab` that must pass
     target: str                # "module:function" the piece stands in for
+    uses: tuple[str, ...]      # the learner's definitions its adapter calls
 
 
 PIECES = (
     Piece("NF4 quantize (nf4_indices, pack_nibbles, double_quantize_absmax)", "02-nf4",
           ("test_nf4_indices_match_bnb", "test_nf4_indices_rules", "test_nibbles",
-           "test_double_quantize_absmax"), "miniquant.nf4:quantize_nf4"),
+           "test_double_quantize_absmax"), "miniquant.nf4:quantize_nf4",
+          ("nf4_indices", "pack_nibbles", "double_quantize_absmax")),
     Piece("NF4 dequantize (unpack_nibbles, nf4_dequantize)", "02-nf4",
-          ("test_nibbles", "test_nf4_dequantize"), "miniquant.nf4:dequantize_nf4"),
+          ("test_nibbles", "test_nf4_dequantize"), "miniquant.nf4:dequantize_nf4",
+          ("unpack_nibbles", "nf4_dequantize")),
     Piece("NF4 expert dequantize, CPU path (nf4_dequantize per active expert)", "02-nf4",
           ("test_nibbles", "test_nf4_dequantize"),
-          "miniquant.triton_dequant:selective_dequantize_nf4_torch"),
+          "miniquant.triton_dequant:selective_dequantize_nf4_torch",
+          ("unpack_nibbles", "nf4_dequantize")),
     Piece("NF4 dequant kernel (my_dequantize_nf4)", "03-triton-dequant",
           ("test_nf4_dequant_kernel", "test_my_dequantize_nf4"),
-          "miniquant.triton_dequant:triton_dequantize_nf4"),
+          "miniquant.triton_dequant:triton_dequantize_nf4", ("my_dequantize_nf4",)),
     Piece("selective dequant kernel (my_selective_dequantize)", "03-triton-dequant",
           ("test_selective_dequantize", "test_selective_bad_inputs"),
-          "miniquant.triton_dequant:selective_dequantize_nf4"),
+          "miniquant.triton_dequant:selective_dequantize_nf4", ("my_selective_dequantize",)),
     Piece("LoRA matmul, decomposed backward (LoRAMatmul)", "04-lora",
           ("test_lora_forward", "test_lora_backward", "test_lora_backward_memory"),
-          "minituner.lora:lora_linear"),
+          "minituner.lora:lora_linear", ("LoRAMatmul",)),
     Piece("scatter2scatter kernel (my_scatter2scatter)", "08-moe-forward-kernel",
           ("test_scatter2scatter_kernel", "test_scatter2scatter_grouped",
-           "test_launcher_checks"), "minimoe.ops:scatter2scatter"),
+           "test_launcher_checks"), "minimoe.ops:scatter2scatter", ("my_scatter2scatter",)),
     Piece("expert linear fwd+bwd kernels (my_parallel_linear)", "09-moe-backward-kernels",
           ("test_grouped_dy", "test_input_grad", "test_parallel_linear", "test_moe_step"),
-          "minimoe.parallel_experts:parallel_linear"),
+          "minimoe.parallel_experts:parallel_linear", ("my_parallel_linear",)),
     Piece("expert LoRA fwd+bwd kernels (my_lora_parallel_linear)", "10-moe-lora",
           ("test_my_scatter2scatter_lora", "test_my_group_bwd_lora",
            "test_my_group_bwd_lora_launches", "test_lora_parallel_linear"),
-          "minimoe.parallel_experts:parallel_linear"),
+          "minimoe.parallel_experts:parallel_linear", ("my_lora_parallel_linear",)),
 )
 
 
