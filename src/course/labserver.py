@@ -1,9 +1,10 @@
 """`make lab`: JupyterLab on the course checkout, opened on the learner's copies in work/.
 
 The server is rooted at the checkout, so the lab guides' relative links
-(../../src/minimoe/BLUEPRINT.md, ../../experiments/...) open, and its default page is the
-file browser on work/. As root it adds `--allow-root`. Extra arguments go to `jupyter lab`
-unchanged (LAB_ARGS), after ours, so they win.
+(../../src/minimoe/BLUEPRINT.md, ../../experiments/...) open, and its default page is
+work/START.md (the labs, their notebooks and guides), with the file browser on work/. As
+root it adds `--allow-root`. Extra arguments go to `jupyter lab` unchanged (LAB_ARGS), after
+ours, so they win.
 
 Each mode has a Jupyter config directory of this checkout, build/jupyter/MODE/, on
 JUPYTER_CONFIG_PATH (the user's ~/.jupyter is left alone). It points JupyterLab's app
@@ -32,7 +33,7 @@ from pathlib import Path
 from labkit.atomic import atomic_write_text
 
 from .authoring.build import CELL_TIMEOUT_S, course_dir
-from .learner import WORK
+from .learner import START, WORK
 
 MODES = ("learner", "instructor")
 # Names as nbgrader 0.9 registers them: etc/jupyter/jupyter_server_config.d/nbgrader.json
@@ -127,7 +128,7 @@ def lab_command(root: Path, mode: str = "learner", extra: list[str] | None = Non
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     root, extra = root.resolve(), list(extra or [])
     argv = [sys.executable, "-m", "jupyter", "lab", f"--ServerApp.root_dir={root}",
-            f"--LabApp.default_url=/lab/tree/{WORK}"]
+            f"--LabApp.default_url=/lab/tree/{WORK}/{START}"]
     if is_root() and "--allow-root" not in extra:
         argv.append("--allow-root")
     return argv + extra, lab_environment(root, mode)
@@ -136,5 +137,5 @@ def lab_command(root: Path, mode: str = "learner", extra: list[str] | None = Non
 def serve(root: Path, mode: str = "learner", extra: list[str] | None = None) -> None:
     """Replace this process with JupyterLab (see `lab_command`); does not return."""
     argv, env = lab_command(root, mode, extra)
-    print(f"JupyterLab in {mode} mode on {root.resolve()}, opened on {WORK}/", flush=True)
+    print(f"JupyterLab in {mode} mode on {root.resolve()}, opened on {WORK}/{START}", flush=True)
     os.execve(argv[0], argv, env)

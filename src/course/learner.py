@@ -3,7 +3,9 @@
 labs/NN-name/NN-name.ipynb is the blank release that the course build (`make course`)
 regenerates; a learner never works in it. `make lab` copies each release to work/ (ignored
 by git) the first time, and never touches a copy that exists: from then on it is the
-learner's. `make check LAB=NN-name` runs the copy in work/.
+learner's. `make check LAB=NN-name` runs the copy in work/. Beside the copies, work/START.md
+(written when absent, like them) lists each lab with its notebook and its guide: JupyterLab
+opens on it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import shutil
 from pathlib import Path
 
 WORK = "work"
+START = "START.md"
 
 
 def released_labs(root: Path) -> list[str]:
@@ -50,11 +53,37 @@ def copy_if_absent(source: Path, target: Path) -> bool:
     return True
 
 
+def start_page(root: Path) -> str:
+    """work/START.md: each released lab, its title (its guide's first heading), a link to
+    the learner's notebook and one to the guide, and how to check a lab."""
+    lines = ["# Start here", "",
+             "Each lab is a notebook to fill in (yours, in this folder) and a guide to read "
+             "beside it. Work through them in order; `make check LAB=NN-name` runs a lab's "
+             "visible tests, and saves your pieces for the capstone.", "",
+             "| lab | your notebook | guide |", "|---|---|---|"]
+    for lab in released_labs(root):
+        guide = root / "labs" / lab / "README.md"
+        title = next((line.lstrip("# ").strip() for line in guide.read_text(
+            encoding="utf-8").splitlines() if line.startswith("# ")), lab) \
+            if guide.is_file() else lab
+        lines.append(f"| {title.replace('|', '/')} | [{lab}.ipynb]({lab}.ipynb) | "
+                     f"[README](../labs/{lab}/README.md) |")
+    return "\n".join(lines) + "\n"
+
+
 def make_work_copies(root: Path) -> list[Path]:
-    """Give every released lab a copy in work/ if it has none; return the copies made."""
+    """Give every released lab a copy in work/ if it has none, and work/START.md if it is
+    missing; return the copies made."""
     root = root.resolve()
-    return [work_copy(root, lab) for lab in released_labs(root)
+    made = [work_copy(root, lab) for lab in released_labs(root)
             if copy_if_absent(release_notebook_path(root, lab), work_copy(root, lab))]
+    start = root / WORK / START
+    if not start.exists():
+        tmp = start.parent / f".{START}.{os.getpid()}.page"
+        tmp.write_text(start_page(root), encoding="utf-8")
+        copy_if_absent(tmp, start)
+        tmp.unlink()
+    return made
 
 
 def report_work_copies(root: Path, created: list[Path]) -> None:

@@ -53,7 +53,7 @@ def test_lab_command(tmp_path, monkeypatch, uid0):
     argv, env = lab_command(tmp_path, "learner", ["--port", "8890"])
     assert argv[1:4] == ["-m", "jupyter", "lab"] and argv[-2:] == ["--port", "8890"]
     assert f"--ServerApp.root_dir={tmp_path.resolve()}" in argv
-    assert "--LabApp.default_url=/lab/tree/work" in argv
+    assert "--LabApp.default_url=/lab/tree/work/START.md" in argv
     assert ("--allow-root" in argv) == uid0
     config = tmp_path.resolve() / "build" / "jupyter" / "learner"
     assert env["JUPYTER_CONFIG_PATH"].split(os.pathsep)[0] == str(config)

@@ -6,6 +6,7 @@ real labs/ or work/.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,25 @@ def test_work_copies_are_made_once_and_never_overwritten(checkout, capsys):
     mine = with_marker(work_copy(checkout, LAB), "my answer")
     assert make_work_copies(checkout) == []
     assert work_copy(checkout, LAB).read_bytes() == mine
-    assert sorted(p.name for p in (checkout / "work").iterdir()) == [f"{LAB}.ipynb"]
+    assert sorted(p.name for p in (checkout / "work").iterdir()) == [f"{LAB}.ipynb", "START.md"]
+
+
+def test_the_start_page_lists_every_lab_with_links_that_open_and_stays_the_learners(checkout):
+    """work/START.md, where JupyterLab opens: a row per released lab, its title from the
+    guide, links to the learner's notebook and the guide that resolve from work/; written
+    once, like the copies, so a learner's notes in it stay."""
+    make_work_copies(checkout)
+    page = (checkout / "work" / "START.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)]+)\)", page)
+    labs = [p.parent.name for p in (checkout / "labs").glob("[0-9][0-9]-*/*.ipynb")]
+    assert labs and len(links) == 2 * len(labs), page
+    for link in links:
+        assert (checkout / "work" / link).resolve().is_file(), f"START.md links to {link}"
+    title = (checkout / "labs" / LAB / "README.md").read_text().splitlines()[0].lstrip("# ")
+    assert title in page
+    (checkout / "work" / "START.md").write_text("my notes\n")
+    make_work_copies(checkout)
+    assert (checkout / "work" / "START.md").read_text() == "my notes\n"
 
 
 def test_copy_if_absent_never_writes_over_a_file(tmp_path):
