@@ -1,8 +1,10 @@
 """Helpers several test modules share (tests/ is on pytest's pythonpath): a tiny MiniGPT, task
-data, a model with zero-gradient extras, and poisoned NF4 experts. No tests here."""
+data, a model with zero-gradient extras, poisoned NF4 experts, and notebook cells with nbgrader
+metadata. No tests here."""
 
 from __future__ import annotations
 
+import nbformat
 import torch
 import torch.nn as nn
 
@@ -54,3 +56,13 @@ def poison(q: NF4Weight, keep: list[int]) -> None:
         for e in range(n_experts):
             if e not in keep:
                 per_expert[e] = float("nan") if t.is_floating_point() else 0xFF
+
+
+def nbgrader_cell(source: str, grade_id: str | None = None, test: bool = False):
+    """A code cell; with `grade_id`, a one-point test cell (`test`) or a solution cell."""
+    cell = nbformat.v4.new_code_cell(source)
+    if grade_id:
+        cell.metadata["nbgrader"] = {"grade": test, "grade_id": grade_id, "locked": test,
+                                     "points": 1 if test else 0, "schema_version": 3,
+                                     "solution": not test, "task": False}
+    return cell

@@ -8,21 +8,13 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from support import nbgrader_cell as _cell
 
 from course.grader.autograde import grade_notebook
 from course.grader.sandbox import Sandbox
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.notebooks
-
-
-def _cell(source: str, grade_id: str | None = None, test: bool = False):
-    cell = nbformat.v4.new_code_cell(source)
-    if grade_id:
-        cell.metadata["nbgrader"] = {"grade": test, "grade_id": grade_id, "locked": test,
-                                     "points": 1 if test else 0, "schema_version": 3,
-                                     "solution": not test, "task": False}
-    return cell
 
 
 def _lab(f_body: str) -> nbformat.NotebookNode:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from support import nbgrader_cell as _cell
 
 from course.authoring import build
 from course.authoring.build import build_course, lab_names, require_hidden
@@ -44,15 +45,6 @@ def test_build_refuses_a_graded_test_without_a_hidden_part(tmp_path, monkeypatch
 
 def test_every_lab_has_a_hidden_part_in_every_graded_test():
     require_hidden(ROOT, lab_names(ROOT))
-
-
-def _cell(source: str, grade_id: str | None = None, test: bool = False):
-    cell = nbformat.v4.new_code_cell(source)
-    if grade_id:
-        cell.metadata["nbgrader"] = {"grade": test, "grade_id": grade_id, "locked": test,
-                                     "points": 1 if test else 0, "schema_version": 3,
-                                     "solution": not test, "task": False}
-    return cell
 
 
 def _test(name: str, visible: str, hidden: str, student: bool = False):
